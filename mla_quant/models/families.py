@@ -1,0 +1,271 @@
+"""MLA model families: one small adapter each, registered by name. No modeling code is copied.
+
+A family says how to get, from transformers' own attention module of that family,
+  - the query split into its no-RoPE and RoPE parts, before RoPE          `query(attn, h)`
+  - the content latent c (after the norm) and the RoPE key, before RoPE    `latent(attn, h)`
+  - RoPE, using the family's own transformers function                    `rotate(attn, q_rope, k_rope, pe)`
+  - any mask the family adds (DeepSeek-V3.2's sparse indexer)             `attention_mask(attn, mask, ...)`
+and where its MLA weights live (`mla_weights`, for transforms that fold into them). Everything else (the absorbed
+attention, the cache) is shared. Families differ only through these accessors.
+
+    get_family("deepseek_v3"), family_for_config(model.config), FAMILIES
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class MLAWeights:
+    """Views of one MLA block's weights (no copies), named as in DESIGN.md section 1.
+
+    kv_a: rows [:d_c] make the content latent x, rows [d_c:] the pre-RoPE key r; kv_norm: gamma of RMSNorm(x);
+    kv_b: per head [W_UK (d_nope rows) | W_UV (d_v rows)]; q_out: the projection whose per-head rows are
+    [q_nope (d_nope) | q_rope (d_r)] (q_proj, or q_b_proj after the q LoRA).
+    """
+
+    kv_a: nn.Linear
+    kv_norm: nn.Parameter
+    kv_b: nn.Linear
+    q_out: nn.Linear
+    num_heads: int
+    d_c: int
+    d_r: int
+    d_nope: int
+    d_v: int
+    rope_layout: str  # "interleaved": pairs (2i, 2i+1) in the pre-RoPE rows; "half": pairs (i, i + d_r/2)
+
+    def w_uk(self) -> torch.Tensor:  # (H, d_nope, d_c)
+        return self.kv_b.weight.view(self.num_heads, self.d_nope + self.d_v, self.d_c)[:, : self.d_nope]
+
+    def w_uv(self) -> torch.Tensor:  # (H, d_v, d_c)
+        return self.kv_b.weight.view(self.num_heads, self.d_nope + self.d_v, self.d_c)[:, self.d_nope :]
+
+    def latent_rows(self) -> torch.Tensor:  # (d_c, hidden)
+        return self.kv_a.weight[: self.d_c]
+
+    def rope_rows(self) -> torch.Tensor:  # (d_r, hidden)
+        return self.kv_a.weight[self.d_c :]
+
+    def q_rope_rows(self) -> torch.Tensor:  # (H, d_r, q_in)
+        w = self.q_out.weight.view(self.num_heads, self.d_nope + self.d_r, -1)
+        return w[:, self.d_nope :]
+
+
+class MLAFamily:
+    """DeepSeek-V3-style MLA (also the default behaviour the other families override)."""
+
+    name = "deepseek_v3"
+    model_types: tuple[str, ...] = ("deepseek_v3", "kimi_k2")
+    modeling_module = "transformers.models.deepseek_v3.modeling_deepseek_v3"
+    config_class_name = "DeepseekV3Config"
+    model_class_name = "DeepseekV3ForCausalLM"
+    attention_class_name = "DeepseekV3Attention"
+
+    # --- classes, imported lazily so that importing mla_quant stays cheap
+    @property
+    def modeling(self):
+        return importlib.import_module(self.modeling_module)
+
+    @property
+    def config_class(self):
+        return getattr(importlib.import_module("transformers"), self.config_class_name)
+
+    @property
+    def model_class(self):
+        return getattr(importlib.import_module("transformers"), self.model_class_name)
+
+    @property
+    def attention_class(self):
+        return getattr(self.modeling, self.attention_class_name)
+
+    # --- structure
+    def attention_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The MLA modules in cache-layer order (module.layer_idx == position in this list)."""
+        return [layer.self_attn for layer in model.model.layers]
+
+    def rope_layout(self, config) -> str:
+        return "interleaved" if getattr(config, "rope_interleave", True) else "half"
+
+    def mla_weights(self, attn: nn.Module) -> MLAWeights:
+        return MLAWeights(
+            kv_a=attn.kv_a_proj_with_mqa,
+            kv_norm=attn.kv_a_layernorm.weight,
+            kv_b=attn.kv_b_proj,
+            q_out=attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj,
+            num_heads=attn.num_heads,
+            d_c=attn.kv_lora_rank,
+            d_r=attn.qk_rope_head_dim,
+            d_nope=attn.qk_nope_head_dim,
+            d_v=attn.v_head_dim,
+            rope_layout=self.rope_layout(attn.config),
+        )
+
+    # --- the forward pieces
+    def query(self, attn, hidden_states: torch.Tensor):
+        """-> q_nope (B, H, T, d_nope), q_rope (B, H, T, d_r) before RoPE, and the q LoRA residual (or None)."""
+        b, t, _ = hidden_states.shape
+        if attn.q_lora_rank is None:
+            q_resid = None
+            q = attn.q_proj(hidden_states)
+        else:
+            q_resid = attn.q_a_layernorm(attn.q_a_proj(hidden_states))
+            q = attn.q_b_proj(q_resid)
+        q = q.view(b, t, -1, attn.qk_head_dim).transpose(1, 2)  # (B, H, T, d_nope + d_r)
+        q_nope, q_rope = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+        return q_nope, q_rope, q_resid
+
+    def latent(self, attn, hidden_states: torch.Tensor):
+        """-> content latent c (B, T, d_c) after its RMSNorm, RoPE key (B, T, d_r) before RoPE."""
+        compressed = attn.kv_a_proj_with_mqa(hidden_states)
+        content, k_rope = torch.split(compressed, [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+        return attn.kv_a_layernorm(content), k_rope
+
+    def rotate(self, attn, q_rope, k_rope, position_embeddings):
+        """RoPE with the family's own function. q_rope (B, H, T, d_r), k_rope (B, T, d_r)."""
+        cos, sin = position_embeddings
+        if self.rope_layout(attn.config) == "interleaved":
+            fn = self.modeling.apply_rotary_pos_emb_interleave
+        else:
+            fn = self.modeling.apply_rotary_pos_emb
+        q_rope, k_rope = fn(q_rope, k_rope.unsqueeze(1), cos, sin)
+        return q_rope, k_rope[:, 0]
+
+    def attention_mask(self, attn, mask, **context):
+        return mask
+
+
+class DeepseekV2Family(MLAFamily):
+    """DeepSeek-V2 / V2-Lite: RoPE as complex multiplication on interleaved pairs; output stays interleaved."""
+
+    name = "deepseek_v2"
+    model_types = ("deepseek_v2",)
+    modeling_module = "transformers.models.deepseek_v2.modeling_deepseek_v2"
+    config_class_name = "DeepseekV2Config"
+    model_class_name = "DeepseekV2ForCausalLM"
+    attention_class_name = "DeepseekV2Attention"
+
+    def rope_layout(self, config) -> str:
+        return "interleaved"
+
+    def rotate(self, attn, q_rope, k_rope, position_embeddings):
+        q_rope, k_rope = self.modeling.apply_rotary_emb(
+            q_rope, k_rope.unsqueeze(1), position_embeddings.to(q_rope.device)
+        )
+        return q_rope, k_rope[:, 0]
+
+
+class Glm4MoeLiteFamily(MLAFamily):
+    """GLM-4.7-Flash: DeepSeek-V3 MLA (rope_interleave switch), its own modeling file."""
+
+    name = "glm4_moe_lite"
+    model_types = ("glm4_moe_lite",)
+    modeling_module = "transformers.models.glm4_moe_lite.modeling_glm4_moe_lite"
+    config_class_name = "Glm4MoeLiteConfig"
+    model_class_name = "Glm4MoeLiteForCausalLM"
+    attention_class_name = "Glm4MoeLiteAttention"
+
+
+class MiniCPM3Family(MLAFamily):
+    """MiniCPM3: MLA with rotate-half RoPE (pairs (i, i + d_r/2))."""
+
+    name = "minicpm3"
+    model_types = ("minicpm3",)
+    modeling_module = "transformers.models.minicpm3.modeling_minicpm3"
+    config_class_name = "MiniCPM3Config"
+    model_class_name = "MiniCPM3ForCausalLM"
+    attention_class_name = "MiniCPM3Attention"
+
+    def rope_layout(self, config) -> str:
+        return "half"
+
+
+class LongcatFlashFamily(MLAFamily):
+    """LongCat-Flash: two MLA blocks per decoder layer (cache layer 2i+j) and LoRA scales on q and on c."""
+
+    name = "longcat_flash"
+    model_types = ("longcat_flash",)
+    modeling_module = "transformers.models.longcat_flash.modeling_longcat_flash"
+    config_class_name = "LongcatFlashConfig"
+    model_class_name = "LongcatFlashForCausalLM"
+    attention_class_name = "LongcatFlashMLA"
+
+    def attention_modules(self, model):
+        return [attn for layer in model.model.layers for attn in layer.self_attn]
+
+    def rope_layout(self, config) -> str:
+        return "interleaved"
+
+    def query(self, attn, hidden_states):
+        q_nope, q_rope, q_resid = super().query(attn, hidden_states)
+        return q_nope * attn.mla_scale_q_lora, q_rope * attn.mla_scale_q_lora, q_resid
+
+    def latent(self, attn, hidden_states):
+        # The scale is applied before caching in transformers, so the cached content latent includes it.
+        content, k_rope = super().latent(attn, hidden_states)
+        return content * attn.mla_scale_kv_lora, k_rope
+
+
+class DeepseekV32Family(MLAFamily):
+    """DeepSeek-V3.2: V3 MLA plus the DSA indexer, whose top-k selection is folded into the mask (left as is)."""
+
+    name = "deepseek_v32"
+    model_types = ("deepseek_v32",)
+    modeling_module = "transformers.models.deepseek_v32.modeling_deepseek_v32"
+    config_class_name = "DeepseekV32Config"
+    model_class_name = "DeepseekV32ForCausalLM"
+    attention_class_name = "DeepseekV32Attention"
+
+    def rope_layout(self, config) -> str:
+        return "interleaved"
+
+    def attention_mask(self, attn, mask, *, hidden_states, q_resid, position_embeddings, cache, position_ids):
+        b, t, _ = hidden_states.shape
+        topk = attn.indexer(hidden_states, q_resid, position_embeddings, mask[:, 0], position_ids, cache=cache)
+        s = mask.shape[-1]
+        not_selected = (
+            topk.new_ones((b, t, s), dtype=torch.bool).scatter(-1, topk.long(), False).unsqueeze(1)
+        )  # (B, 1, T, S), True = masked out
+        if mask.dtype == torch.bool:
+            return mask & ~not_selected
+        return mask.masked_fill(not_selected, torch.finfo(hidden_states.dtype).min)
+
+
+FAMILIES: dict[str, MLAFamily] = {
+    f.name: f
+    for f in (
+        DeepseekV2Family(),
+        MLAFamily(),
+        Glm4MoeLiteFamily(),
+        LongcatFlashFamily(),
+        MiniCPM3Family(),
+        DeepseekV32Family(),
+    )
+}
+
+
+def get_family(name: str) -> MLAFamily:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"unknown MLA family {name!r}; known families: {sorted(FAMILIES)}") from None
+
+
+def family_for_config(config) -> MLAFamily:
+    """The family of a loaded model's config; a clear error for configs that are not MLA."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(config, "kv_lora_rank", None) is None:
+        raise ValueError(
+            f"not an MLA model: {type(config).__name__} (model_type={getattr(config, 'model_type', None)!r}) "
+            "has no kv_lora_rank"
+        )
+    for family in FAMILIES.values():
+        if config.model_type in family.model_types:
+            return family
+    known = sorted(t for f in FAMILIES.values() for t in f.model_types)
+    raise ValueError(f"MLA model_type {config.model_type!r} has no adapter; supported model types: {known}")

@@ -1,0 +1,112 @@
+"""The run: resolve the config, seed, run the experiment's stage, write record.json, mirror to the tracker.
+
+`run.py` calls `main(cfg)`. The experiment (conf/experiment/*.yaml) names its stage in `task._target_`; a stage is
+
+    def run(cfg: DictConfig, run_dir: Path) -> StageResult
+
+and reads its own options from `cfg.task`. Stages write their artifacts (tables, figures) into `run_dir` with the
+atomic writers of `mla_quant.record`, and return flat metrics. The record is written whatever happens: a failed or
+interrupted run leaves a record with `status` "failed"/"interrupted" and keeps every file written before.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_method, instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from mla_quant.record import write_record
+
+
+@dataclass
+class StageResult:
+    metrics: dict[str, Any] = field(default_factory=dict)
+    ok: bool = True
+    message: str = ""
+
+
+class StageFailed(RuntimeError):
+    """A stage ran to the end but its checks failed (the record is written first)."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but no CUDA GPU is visible; use device=cpu or device=auto")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ValueError(f"device={name!r}; allowed: auto, cpu, cuda, cuda:N")
+    return name
+
+
+def device_description(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    return "cpu"
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(cfg.get("run_dir") or "outputs/adhoc")
+
+
+def main(cfg: DictConfig) -> StageResult:
+    run_dir = run_dir_of(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg.device)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    stage = get_method(cfg.task._target_)  # fails early, naming the target, if it does not exist
+    seed_everything(cfg.seed)
+
+    tracker = instantiate(cfg.logger)
+    tracker.start(resolved, run_dir, name=f"{cfg.task.name}-{run_dir.name}")
+    start = time.perf_counter()
+    result, status, error = StageResult(), "failed", None
+    try:
+        result = stage(cfg, run_dir)
+        status = "ok" if result.ok else "failed"
+        error = None if result.ok else result.message
+    except KeyboardInterrupt:
+        status, error = "interrupted", "KeyboardInterrupt"
+        raise
+    except BaseException as exc:
+        error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        raise
+    finally:
+        path = write_record(
+            run_dir,
+            config=resolved,
+            metrics=result.metrics,
+            seed=cfg.seed,
+            seconds=time.perf_counter() - start,
+            device=device_description(device),
+            status=status,
+            error=error,
+        )
+        tracker.log_metrics(result.metrics)
+        tracker.log_file(path)
+        tracker.finish(status)
+        print(f"[mla-quant] {cfg.task.name}: {status}; record: {path}")
+    if not result.ok:
+        raise StageFailed(result.message)
+    return result
