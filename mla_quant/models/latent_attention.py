@@ -41,10 +41,14 @@ def latent_attention(
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q_latent (B, H, T, d_c), q_rope (B, H, T, d_r), content (B, S, d_c), rope (B, S, d_r) -> o_latent (B, H, T, d_c)."""
-    content = content.to(q_latent.dtype).unsqueeze(1)  # (B, 1, S, d_c), broadcast over heads
-    rope = rope.to(q_rope.dtype).unsqueeze(1)  # (B, 1, S, d_r)
-    scores = (q_latent @ content.transpose(-1, -2) + q_rope @ rope.transpose(-1, -2)) * scale  # (B, H, T, S)
-    scores = apply_attention_mask(scores, mask)
+    b, h, t, d_c = q_latent.shape
+    content = content.to(q_latent.dtype)
+    rope = rope.to(q_rope.dtype)
+    # Heads and queries share one latent "head": fold them into one row dimension so each product is a single
+    # (B, H*T, d) @ (B, d, S) batch matmul over the cache, with no per-head copy of it.
+    scores = q_latent.reshape(b, h * t, d_c) @ content.transpose(1, 2)  # (B, H*T, S)
+    scores = scores + q_rope.reshape(b, h * t, -1) @ rope.transpose(1, 2)
+    scores = apply_attention_mask(scores.view(b, h, t, -1) * scale, mask)  # (B, H, T, S)
     # Softmax in float32 as transformers' eager attention does, then back to the activation dtype.
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
-    return probs @ content  # (B, H, T, d_c)
+    return (probs.view(b, h * t, -1) @ content).view(b, h, t, d_c)  # (B, H, T, d_c)

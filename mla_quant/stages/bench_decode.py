@@ -1,0 +1,110 @@
+"""Decode benchmark: the absorbed latent path against the untouched transformers model, on one model, in one run.
+
+    python run.py experiment=bench_decode                      # tiny model with DeepSeek-V2-Lite's attention dims
+    python run.py experiment=bench_decode 'task.contexts=[1024,4096,16384]' device=cuda model.dtype=bfloat16
+
+For each context length: prefill a random prompt (both models), then time `task.decode_steps` single-token decode
+steps fed the same tokens. Reports decode tokens/s of both and their ratio, and the cache bytes per token per
+layer each one holds, measured from the cache tensors. transformers 5.24 also caches only the latent, but re-expands
+per-head K and V from the whole cached latent at every step: that transient is reported too (values per token per
+layer materialised per step). One tidy row per (context, path) goes to bench_decode.csv.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from hydra.utils import instantiate
+from transformers import DynamicCache
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from mla_quant.models.absorbed import absorb, cache_kwargs, latent_dims, new_cache
+from mla_quant.pipeline import StageResult, resolve_device
+from mla_quant.record import write_text_atomic
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def cache_bytes(cache) -> int:
+    """Bytes held by any transformers cache of latents: LatentCache measures itself; DynamicCache layers hold
+    keys (the content latent) and values (the RoPE key)."""
+    if hasattr(cache, "nbytes"):
+        return cache.nbytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@torch.no_grad()
+def time_decode(model, prompt, steps: int, warmup: int, cache, device: str) -> tuple[float, int]:
+    """Median seconds per decode step after prefilling `prompt`, and the cache bytes after prefill."""
+    model(prompt, use_cache=True, **cache_kwargs(cache))
+    n_bytes = cache_bytes(cache)
+    feed = torch.randint(3, model.config.vocab_size, (prompt.shape[0], warmup + steps),
+                         generator=torch.Generator().manual_seed(1)).to(device)
+    times = []
+    for i in range(warmup + steps):
+        _sync(device)
+        start = time.perf_counter()
+        model(feed[:, i : i + 1], use_cache=True, **cache_kwargs(cache))
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times), n_bytes
+
+
+def run(cfg: DictConfig, run_dir: Path) -> StageResult:
+    task = cfg.task
+    device = resolve_device(cfg.device)
+    reference = instantiate(cfg.model, absorbed=False, attn_implementation=task.reference_attention)
+    reference.to(device)
+    absorbed = absorb(copy.deepcopy(reference))
+    dims = latent_dims(absorbed)
+    attn = absorbed.mla_family.attention_modules(absorbed)[0]
+    expanded_values = attn.num_heads * (attn.qk_head_dim + attn.v_head_dim)
+    layers = dims["layers"]
+
+    rows, metrics = [], {}
+    for ctx in tqdm(list(task.contexts), desc="bench_decode", unit="context"):
+        prompt = torch.randint(3, reference.config.vocab_size, (task.batch_size, ctx),
+                               generator=torch.Generator().manual_seed(cfg.seed)).to(device)
+        per_path = {}
+        paths = {"transformers": (reference, DynamicCache(config=reference.config)),
+                 "absorbed_latent": (absorbed, new_cache(absorbed))}
+        for path, (model, cache) in paths.items():
+            seconds, n_bytes = time_decode(model, prompt, task.decode_steps, task.warmup_steps, cache, device)
+            per_path[path] = dict(
+                context=ctx, path=path, seconds_per_step=seconds,
+                tokens_per_s=task.batch_size / seconds,
+                cache_bytes_per_token_per_layer=n_bytes / (task.batch_size * ctx * layers),
+                materialised_values_per_token_per_layer=expanded_values if path == "transformers" else 0,
+            )
+            rows.append(per_path[path])
+        speedup = per_path["absorbed_latent"]["tokens_per_s"] / per_path["transformers"]["tokens_per_s"]
+        byte_ratio = (per_path["absorbed_latent"]["cache_bytes_per_token_per_layer"]
+                      / per_path["transformers"]["cache_bytes_per_token_per_layer"])
+        for path, row in per_path.items():
+            metrics[f"bench/decode/ctx{ctx}/{path}/tokens_per_s"] = row["tokens_per_s"]
+            metrics[f"bench/decode/ctx{ctx}/{path}/cache_bytes_per_token_per_layer"] = row[
+                "cache_bytes_per_token_per_layer"]
+        metrics[f"bench/decode/ctx{ctx}/speedup_absorbed_vs_transformers"] = speedup
+        metrics[f"bench/decode/ctx{ctx}/cache_bytes_ratio_absorbed_vs_transformers"] = byte_ratio
+
+    metrics["bench/decode/latent_values_per_token_per_layer"] = dims["d_c"] + dims["d_r"]
+    table = pd.DataFrame(rows)
+    write_text_atomic(run_dir / "bench_decode.csv", table.to_csv(index=False))
+    print(f"model: {cfg.model.family}, {layers} MLA layers, d_c={dims['d_c']}, d_r={dims['d_r']}, "
+          f"heads={attn.num_heads}, dtype={cfg.model.dtype}, device={device}, reference={task.reference_attention}")
+    print(table.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    for ctx in task.contexts:
+        print(f"context {ctx}: absorbed latent decode {metrics[f'bench/decode/ctx{ctx}/speedup_absorbed_vs_transformers']:.2f}x "
+              f"the transformers tokens/s; cache bytes ratio "
+              f"{metrics[f'bench/decode/ctx{ctx}/cache_bytes_ratio_absorbed_vs_transformers']:.3f}")
+    return StageResult(metrics=metrics)

@@ -1,0 +1,51 @@
+"""`python run.py ...` end to end, as a user runs it: the record, the W&B offline run, failures exit non-zero."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def run_cli(*args, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
+    return subprocess.run([sys.executable, "run.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_equivalence_run_writes_record_and_wandb_offline(tmp_path):
+    out = run_cli("experiment=equivalence", "task.only=[deepseek_v3,longcat_flash]", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rec = json.loads((tmp_path / "record.json").read_text())
+    assert rec["status"] == "ok"
+    assert rec["metrics"]["equivalence/all_passed"] is True
+    assert rec["metrics"]["equivalence/longcat_flash/max_abs_logit_diff"] <= 1e-4
+    assert (tmp_path / "equivalence.md").exists()
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline W&B run was written"
+
+
+def test_failed_check_exits_non_zero_and_keeps_the_record(tmp_path):
+    out = run_cli("experiment=equivalence", "task.only=[deepseek_v2]", "task.tolerance=1e-12", "logger=none",
+                  f"hydra.run.dir={tmp_path}")
+    assert out.returncode != 0
+    rec = json.loads((tmp_path / "record.json").read_text())
+    assert rec["status"] == "failed" and "not equivalent" in rec["error"]
+
+
+def test_unknown_experiment_lists_choices():
+    out = run_cli("experiment=nope", "logger=none")
+    assert out.returncode != 0
+    assert "equivalence" in out.stderr, out.stderr[-2000:]
+
+
+def test_bench_decode_prints_ratios(tmp_path):
+    out = run_cli("experiment=bench_decode", "logger=none", "task.contexts=[64]", "task.decode_steps=2",
+                  "model.config.hidden_size=256", "model.config.num_attention_heads=4",
+                  "model.config.num_key_value_heads=4", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "absorbed latent decode" in out.stdout
+    rec = json.loads((tmp_path / "record.json").read_text())
+    # The latent cache holds exactly d_c + d_r values per token per layer (float32: 4 B each).
+    assert rec["metrics"]["bench/decode/ctx64/absorbed_latent/cache_bytes_per_token_per_layer"] == 4 * 576
+    assert rec["metrics"]["bench/decode/ctx64/speedup_absorbed_vs_transformers"] > 0

@@ -1,0 +1,71 @@
+"""Every config group composes, every option of every group composes and instantiates (or fails clearly)."""
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, compose, options
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+GROUPS = ["model", "quant", "transform", "objective", "eval", "experiment", "logger"]
+
+
+def test_groups_exist_with_options():
+    for group in GROUPS + ["hydra/launcher"]:
+        assert options(group), f"conf/{group}/ has no options"
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_option_composes(group):
+    for option in options(group):
+        cfg = compose([f"{group}={option}"])
+        OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+
+
+@pytest.mark.parametrize("option", [o for o in options("model") if o.startswith("tiny_")])
+def test_tiny_models_instantiate_with_cli_overrides(option):
+    cfg = compose([f"model={option}", "model.config.kv_lora_rank=40"])
+    model = instantiate(cfg.model)
+    attn = model.mla_family.attention_modules(model)[0]
+    assert attn.kv_lora_rank == 40
+    assert type(attn).__name__.startswith("Absorbed")
+
+
+@pytest.mark.parametrize("option", [o for o in options("model") if not o.startswith("tiny_")])
+def test_real_checkpoints_fail_offline_naming_id_and_path(option, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache: nothing to find offline
+    cfg = compose([f"model={option}"])
+    with pytest.raises(Exception) as err:  # hydra wraps the OSError in an InstantiationException
+        instantiate(cfg.model)
+    msg = str(err.value)
+    assert cfg.model.hf_id in msg and "model.path" in msg, msg
+
+
+def test_quant_options_share_one_shape():
+    shape = None
+    for option in options("quant"):
+        q = compose([f"quant={option}"]).quant
+        keys = (sorted(q), sorted(q.content), sorted(q.rope), sorted(q.protected))
+        shape = shape or keys
+        assert keys == shape, f"quant={option} has keys {keys}, expected {shape}"
+
+
+def test_loggers_instantiate():
+    for option in options("logger"):
+        logger = instantiate(compose([f"logger={option}"]).logger)
+        assert hasattr(logger, "log_metrics")
+
+
+def test_unknown_option_lists_the_choices():
+    with pytest.raises((ConfigCompositionException, MissingConfigException)) as err:
+        compose(["model=tiny_gpt2"])
+    assert "tiny_deepseek_v3" in str(err.value)
+
+
+def test_help_lists_groups_and_options():
+    out = subprocess.run([sys.executable, "run.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for text in ["model:", "quant:", "experiment:", "tiny_deepseek_v3", "deepseek_v2_lite", "equivalence"]:
+        assert text in out.stdout, f"{text!r} missing from --help"
