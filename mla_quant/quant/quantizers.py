@@ -1,0 +1,258 @@
+"""Cache quantizers as small pure functions: integer group quantization (INT2/3/4/8) and FP8 e4m3.
+
+Everything works along the last (feature) dim of any tensor (..., d), in per-token groups of `group_size` values
+(None = one group over the whole vector). Nothing here packs bits; `packing.py` does that.
+
+Integer, asymmetric (scale + zero, zero = group minimum):     x_hat = q * s + z,              q in [0, 2^b)
+Integer, symmetric   (scale only, zero point implicit):        x_hat = (q - 2^(b-1)) * s,     q in [0, 2^b)
+    s = (max - min) / (2^b - 1)   or   s = amax / (2^(b-1) - 1);   q = clamp(round_half_even((x - z) / s))
+FP8 e4m3 (torch.float8_e4m3fn):                                x_hat = fp8(x / s) * s,        s = amax / 448
+
+Scale dtypes (`scale_dtype`): "fp16", "bf16", "fp32", and "pow2": power-of-two scales stored as int8 exponents e,
+s = 2^e. Scales are rounded UP to the stored dtype (to the next power of two for pow2), so the rounded step still
+covers the group's range and nothing is clipped. Codes are computed with the stored (rounded) scale and zero, so
+dequantization is exact arithmetic on what is stored. The asymmetric zero is rounded to nearest in the zero dtype
+(fp16 for pow2). Error per element: |x_hat - x| <= s_stored / 2 + |z_stored - min| (+ float32 arithmetic rounding);
+the second term is the zero's own dtype rounding and is 0 for symmetric groups.
+
+    codes, scales, zeros = group_quantize(x, bits=4, group_size=128)      # (..., d) uint8, (..., d/128) fp16 x2
+    x_hat = group_dequantize(codes, scales, zeros, bits=4)                  # float32
+    x_hat = fake_quantize(x, bits=4, group_size=128)                        # in x.dtype
+    codes, scales = fp8_quantize(x, group_size=128, scale_dtype="fp32")    # FlashMLA tiles: (..., d) e4m3, (..., 4)
+    x_hat = fp8_dequantize(codes, scales)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+INT_BITS = (2, 3, 4, 8)
+SCALE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "pow2": torch.int8}
+# The asymmetric zero is a value in the data's range, so it needs a float type; pow2 keeps it in fp16.
+ZERO_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "pow2": torch.float16}
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+_POW2_MIN_EXP, _POW2_MAX_EXP = -126, 127  # int8 exponent range kept inside normal float32
+
+
+class Quantized(NamedTuple):
+    codes: torch.Tensor  # (..., d) uint8 (integer) or float8_e4m3fn (fp8)
+    scales: torch.Tensor  # (..., n_groups) in the scale dtype (int8 exponents for pow2); 0-d for per-tensor fp8
+    zeros: torch.Tensor | None  # (..., n_groups) asymmetric only
+
+
+# ---------------------------------------------------------------------------------------------- validation
+def check_bits(bits: int) -> None:
+    if bits not in INT_BITS:
+        raise ValueError(f"unsupported integer bits={bits!r}; allowed: {list(INT_BITS)}")
+
+
+def check_scale_dtype(scale_dtype: str) -> None:
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"unknown scale_dtype={scale_dtype!r}; allowed: {list(SCALE_DTYPES)}")
+
+
+def n_groups(d: int, group_size: int | None) -> int:
+    """Groups per vector of d values; raises if group_size does not divide d."""
+    if group_size is None:
+        return 1
+    if not isinstance(group_size, int) or group_size <= 0 or d % group_size:
+        raise ValueError(
+            f"group_size={group_size!r} does not divide the dimension {d}; allowed: null (whole vector) "
+            f"or a positive divisor of {d}"
+        )
+    return d // group_size
+
+
+def _grouped(x: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """(..., d) -> (..., n_groups, g) view."""
+    d = x.shape[-1]
+    g = n_groups(d, group_size)
+    return x.reshape(*x.shape[:-1], g, d // g)
+
+
+# ---------------------------------------------------------------------------------------------- scale storage
+def store_scale(s: torch.Tensor, scale_dtype: str) -> torch.Tensor:
+    """Positive float32 scales -> stored scales, rounded UP (never below s). pow2 -> int8 exponents."""
+    check_scale_dtype(scale_dtype)
+    s = s.float()
+    if scale_dtype == "pow2":
+        e = torch.ceil(torch.log2(s)).clamp(_POW2_MIN_EXP, _POW2_MAX_EXP)
+        return e.to(torch.int8)
+    dtype = SCALE_DTYPES[scale_dtype]
+    r = s.to(dtype)
+    too_small = r.float() < s
+    return torch.where(too_small, torch.nextafter(r, torch.full_like(r, float("inf"))), r)
+
+
+def load_scale(stored: torch.Tensor) -> torch.Tensor:
+    """Stored scales -> float32 (int8 tensors are pow2 exponents)."""
+    if stored.dtype == torch.int8:
+        return torch.exp2(stored.float())
+    return stored.float()
+
+
+def _round_zero(z: torch.Tensor, scale_dtype: str) -> torch.Tensor:
+    return z.to(ZERO_DTYPES[scale_dtype])
+
+
+# ---------------------------------------------------------------------------------------------- integer groups
+def group_quantize(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int | None = None,
+    symmetric: bool = False,
+    scale_dtype: str = "fp16",
+) -> Quantized:
+    """x (..., d) -> codes (..., d) uint8 in [0, 2^bits), scales (..., n_groups), zeros (..., n_groups) or None."""
+    check_bits(bits)
+    check_scale_dtype(scale_dtype)
+    xg = _grouped(x.float(), group_size)  # (..., G, g)
+    if symmetric:
+        half = 2 ** (bits - 1)
+        s = xg.abs().amax(-1) / (half - 1)  # (..., G)
+        s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero group: any scale, codes land on the zero level
+        scales = store_scale(s, scale_dtype)
+        q = torch.round(xg / load_scale(scales).unsqueeze(-1)) + half
+        zeros = None
+    else:
+        lo, hi = xg.amin(-1), xg.amax(-1)  # (..., G)
+        s = (hi - lo) / (2**bits - 1)
+        s = torch.where(s > 0, s, torch.ones_like(s))  # constant group: every code is 0, x_hat = zero
+        scales = store_scale(s, scale_dtype)
+        zeros = _round_zero(lo, scale_dtype)
+        q = torch.round((xg - zeros.float().unsqueeze(-1)) / load_scale(scales).unsqueeze(-1))
+    codes = q.clamp(0, 2**bits - 1).to(torch.uint8).reshape(x.shape)
+    return Quantized(codes, scales, zeros)
+
+
+def group_dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """codes (..., d) uint8, scales/zeros (..., n_groups) -> x_hat (..., d) in `dtype`. zeros=None: symmetric."""
+    check_bits(bits)
+    d, g = codes.shape[-1], scales.shape[-1]
+    q = codes.float().reshape(*codes.shape[:-1], g, d // g)  # (..., G, g)
+    s = load_scale(scales).unsqueeze(-1)
+    if zeros is None:
+        x = (q - 2 ** (bits - 1)) * s
+    else:
+        x = q * s + zeros.float().unsqueeze(-1)
+    return x.reshape(codes.shape).to(dtype)
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int | None = None,
+    symmetric: bool = False,
+    scale_dtype: str = "fp16",
+) -> torch.Tensor:
+    """Quantize then dequantize, back in x.dtype."""
+    codes, scales, zeros = group_quantize(x, bits, group_size, symmetric, scale_dtype)
+    return group_dequantize(codes, scales, zeros, bits, x.dtype)
+
+
+def group_quantize_reference(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int | None = None,
+    symmetric: bool = False,
+    scale_dtype: str = "fp16",
+) -> Quantized:
+    """The spec of `group_quantize`: one group at a time, written out. Same signature, same results."""
+    check_bits(bits)
+    check_scale_dtype(scale_dtype)
+    d = x.shape[-1]
+    g = n_groups(d, group_size)
+    size = d // g
+    rows = x.float().reshape(-1, d)
+    codes = torch.empty(rows.shape, dtype=torch.uint8)
+    scales = torch.empty(rows.shape[0], g, dtype=SCALE_DTYPES[scale_dtype])
+    zeros = None if symmetric else torch.empty(rows.shape[0], g, dtype=ZERO_DTYPES[scale_dtype])
+    top = 2**bits - 1
+    for r in range(rows.shape[0]):
+        for j in range(g):
+            v = rows[r, j * size : (j + 1) * size]
+            if symmetric:
+                step = v.abs().max() / (2 ** (bits - 1) - 1)
+                step = step if step > 0 else torch.tensor(1.0)
+                scales[r, j] = store_scale(step.reshape(1), scale_dtype)[0]
+                q = torch.round(v / load_scale(scales[r, j])) + 2 ** (bits - 1)
+            else:
+                step = (v.max() - v.min()) / top
+                step = step if step > 0 else torch.tensor(1.0)
+                scales[r, j] = store_scale(step.reshape(1), scale_dtype)[0]
+                zeros[r, j] = _round_zero(v.min(), scale_dtype)
+                q = torch.round((v - zeros[r, j].float()) / load_scale(scales[r, j]))
+            codes[r, j * size : (j + 1) * size] = q.clamp(0, top).to(torch.uint8)
+    lead = x.shape[:-1]
+    return Quantized(
+        codes.reshape(x.shape),
+        scales.reshape(*lead, g),
+        None if zeros is None else zeros.reshape(*lead, g),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- FP8 e4m3
+def fp8_quantize(
+    x: torch.Tensor,
+    group_size: int | None = None,
+    per_tensor: bool = False,
+    scale_dtype: str = "fp32",
+    scale: torch.Tensor | float | None = None,
+) -> Quantized:
+    """x (..., d) -> codes (..., d) float8_e4m3fn, scales; zeros is always None.
+
+    per_tensor=True: one scale for the whole tensor (scales is 0-d float32); `scale` fixes it (static/calibrated)
+    instead of amax/448. Otherwise per token (group_size=None, scales (..., 1)) or per tile of group_size values
+    (scales (..., d/group_size)), s = amax/448 rounded up to scale_dtype. Values are clamped to +-448 before
+    torch's own round-to-nearest-even cast.
+    """
+    check_scale_dtype(scale_dtype)
+    xf = x.float()
+    if per_tensor:
+        if scale is None:
+            s = xf.abs().amax() / FP8_MAX
+            s = torch.where(s > 0, s, torch.ones_like(s))
+        else:
+            s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+            if s.dim() != 0 or not bool(s > 0):
+                raise ValueError(f"a per-tensor fp8 scale must be one positive number, got {scale!r}")
+        scales = s.reshape(())
+        codes = (xf / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return Quantized(codes, scales, None)
+    if scale is not None:
+        raise ValueError("a fixed fp8 `scale` is only for per_tensor=True")
+    xg = _grouped(xf, group_size)  # (..., G, g)
+    s = xg.abs().amax(-1) / FP8_MAX
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    scales = store_scale(s, scale_dtype)  # (..., G)
+    codes = (xg / load_scale(scales).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return Quantized(codes.reshape(x.shape), scales, None)
+
+
+def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes (..., d) float8_e4m3fn (or its uint8 view), scales 0-d or (..., n_groups) -> x_hat (..., d)."""
+    if codes.dtype == torch.uint8:
+        codes = codes.view(FP8_DTYPE)
+    x = codes.float()
+    s = load_scale(scales)
+    if s.dim() == 0:
+        return (x * s).to(dtype)
+    d, g = codes.shape[-1], scales.shape[-1]
+    x = x.reshape(*codes.shape[:-1], g, d // g) * s.unsqueeze(-1)
+    return x.reshape(codes.shape).to(dtype)
+
+
+def fp8_fake_quantize(x: torch.Tensor, group_size: int | None = None, per_tensor: bool = False,
+                      scale_dtype: str = "fp32") -> torch.Tensor:
+    """FP8 quantize then dequantize, back in x.dtype."""
+    codes, scales, _ = fp8_quantize(x, group_size, per_tensor, scale_dtype)
+    return fp8_dequantize(codes, scales, x.dtype)

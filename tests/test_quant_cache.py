@@ -1,0 +1,354 @@
+"""The quantized latent cache: config options and errors, exactness of the bf16 format and of the protected region,
+simulated vs serving semantics through a tiny absorbed model, cache management, and the byte targets."""
+
+from pathlib import Path
+
+import hydra
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from mla_quant.models.absorbed import cache_kwargs, latent_dims, new_cache
+from mla_quant.models.latent_cache import LatentCacheLayer
+from mla_quant.quant.cache import (
+    QuantizedLatentCacheLayer,
+    load_quant_option,
+    byte_table,
+    cache_layer_factory,
+    measure_bytes,
+    quantized_cache,
+)
+from mla_quant.quant.formats import cache_bytes_per_token, cache_format, fake_quantizer
+from mla_quant.quant.quantizers import fake_quantize, fp8_fake_quantize
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+OPTIONS = sorted(p.stem for p in (CONF / "quant").glob("*.yaml"))
+# The tiny model has d_c=32, d_r=8: groups of 128 do not divide 32, and a short prompt needs a short window.
+TINY = ["quant.content.group_size=16", "quant.protected.n_sink=2", "quant.protected.recent=8"]
+
+
+def compose(*overrides):
+    with hydra.initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra.compose("config", overrides=list(overrides))
+
+
+def quant_cfg(option, *overrides):
+    """What `quant=<option> quant.a.b=v ...` composes to, without Hydra's ~0.4 s per compose (checked equal to
+    Hydra's own composition in test_every_option_composes_and_builds and test_command_line_per_path_combination)."""
+    dotlist = [o.removeprefix("quant.") for o in overrides]
+    return OmegaConf.merge(load_quant_option(option), OmegaConf.from_dotlist(dotlist))
+
+
+def rel_err(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(scope="module")
+def model():
+    return instantiate(compose("model=tiny_deepseek_v3").model)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def bf16_logits(model, ids):
+    with torch.no_grad():
+        return model(ids, **cache_kwargs(new_cache(model))).logits
+
+
+def prefill_logits(model, ids, quant_cfg):
+    with torch.no_grad():
+        return model(ids, **cache_kwargs(quantized_cache(model, quant_cfg))).logits
+
+
+# ---------------------------------------------------------------------------------------------- config
+def _shape(cfg) -> dict:
+    return {k: _shape(v) if isinstance(v, dict) else None for k, v in cfg.items()}
+
+
+def test_required_options_exist():
+    required = {"bf16", "fp8_flat", "fp8_ds_mla", "int4_content", "int4_joint", "int2_content_int4_rope", "int8_joint"}
+    assert required <= set(OPTIONS), f"missing quant options: {required - set(OPTIONS)}"
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_every_option_composes_and_builds(option):
+    quant = compose(f"quant={option}").quant
+    assert quant == load_quant_option(option)
+    bf16 = OmegaConf.to_container(load_quant_option("bf16"))
+    assert _shape(OmegaConf.to_container(quant)) == _shape(bf16), f"{option} does not have the shape of bf16.yaml"
+    assert quant.name == option
+    factory = cache_layer_factory(quant, d_c=512, d_r=64)
+    layer = factory()
+    if option == "bf16":
+        assert factory is LatentCacheLayer and type(layer) is LatentCacheLayer
+    else:
+        assert isinstance(layer, QuantizedLatentCacheLayer)
+
+
+def test_command_line_per_path_combination():
+    overrides = ("quant.content.bits=3", "quant.rope.bits=8", "quant.content.group_size=64")
+    quant = compose("quant=int4_joint", *overrides).quant
+    assert quant == quant_cfg("int4_joint", *overrides)
+    fmt = cache_format(quant, 512, 64)
+    assert (fmt.content.bits, fmt.rope.bits, fmt.content.group_size) == (3, 8, 64)
+    assert fmt.content.bytes_per_token(512) == 192 + 8 * 4 and fmt.rope.bytes_per_token(64) == 64 + 4
+    layer = cache_layer_factory(quant, 512, 64)()
+    c, r = torch.randn(1, 300, 512), torch.randn(1, 300, 64)
+    layer.append(c, r)
+    assert layer.n_quantized == 300 - 4 - 128
+    assert layer.nbytes() == 132 * 576 * 4 + 168 * (224 + 68)  # float32 protected tokens here
+    rc, rr = layer.read()
+    mid = slice(4, 172)  # int3 over groups of 64 Gaussians: RMS error ~ (range / 7) / sqrt(12) ~ 0.2
+    err_c, err_r = rel_err(rc[:, mid], c[:, mid]), rel_err(rr[:, mid], r[:, mid])
+    assert 0.1 < err_c < 0.3 and 1e-3 < err_r < 0.01, f"content rel err {err_c:.3g}, rope (int8) {err_r:.3g}"
+    # from the bf16 option, a path needs format=int as well
+    fmt = cache_format(compose("quant.content.format=int", "quant.content.bits=3").quant, 512, 64)
+    assert fmt.content.bits == 3 and not fmt.rope.quantized
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["quant=bf16", "quant.content.bits=3"], r"quant.content.bits=3 but quant.content.format=bf16.*format=int"),
+        (["quant=int4_joint", "quant.content.bits=5"], r"quant.content.bits=5 .*\[2, 3, 4, 8\]"),
+        (["quant=int4_joint", "quant.content.group_size=100"], r"group_size=100 does not divide .* 512"),
+        (["quant=int4_joint", "quant.rope.group_size=48"], r"quant.rope.group_size=48 does not divide .* 64"),
+        (["quant=int4_joint", "quant.rope.scale_dtype=fp8"], r"scale_dtype='fp8'.*pow2"),
+        (["quant=fp8_ds_mla", "quant.content.bits=4"], r"bits=4 but format=fp8"),
+        (["quant=int4_joint", "quant.content.format=nf4"], r"format='nf4'.*bf16"),
+        (["quant=int4_joint", "quant.mode=fast"], r"quant.mode='fast'.*serving"),
+        (["quant=int4_joint", "quant.content.bitz=4"], r"unknown key\(s\) \['bitz'\]"),
+        (["quant=int4_joint", "quant.shared_scale=true"], r"shared_scale=true needs both paths"),
+        (["quant=int4_joint", "quant.protected.recent=-1"], r"recent=-1"),
+    ],
+)
+def test_bad_config_fails_early_naming_the_value(overrides, match):
+    cfg = quant_cfg(overrides[0].removeprefix("quant="), *overrides[1:])
+    with pytest.raises(ValueError, match=match):
+        cache_layer_factory(cfg, d_c=512, d_r=64)
+
+
+def test_dimension_checked_against_the_model(model):
+    assert latent_dims(model)["d_c"] == 32
+    with pytest.raises(ValueError, match=r"group_size=128 does not divide the path dimension 32"):
+        quantized_cache(model, quant_cfg("int4_joint"))
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+def test_bf16_format_equals_plain_layer(model, ids, bf16_logits):
+    fmt = cache_format(quant_cfg("bf16", "quant.protected.recent=8"), 32, 8)
+    layer = lambda: QuantizedLatentCacheLayer(fmt)  # noqa: E731 - bypasses the factory's bf16 shortcut on purpose
+    with torch.no_grad():
+        logits = model(ids, **cache_kwargs(new_cache(model, layer))).logits
+    assert torch.equal(logits, bf16_logits), f"max diff {float((logits - bf16_logits).abs().max())}"
+    runs = []
+    for factory in (None, layer):
+        cache = new_cache(model, factory)
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True,
+                             attention_mask=torch.ones_like(ids), pad_token_id=0, **cache_kwargs(cache))
+        runs.append((out.sequences, torch.stack(out.logits), cache))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1], runs[1][1]), f"max diff {float((runs[0][1] - runs[1][1]).abs().max())}"
+    assert runs[1][2].layers[0].n_quantized == 45 - 4 - 8  # tokens did go through the bf16 "quantized" store
+
+
+class FakeQuantMiddle(LatentCacheLayer):
+    """Independent reference for simulated int4_joint on the tiny model: fake-quantize the non-protected tokens."""
+
+    def read(self):
+        c, r = super().read()
+        c, r = c.clone(), r.clone()
+        c[:, 2:-8] = fake_quantize(c[:, 2:-8], 4, 16)
+        r[:, 2:-8] = fake_quantize(r[:, 2:-8], 4, None)
+        return c, r
+
+
+def test_simulated_prefill_equals_fake_quant_reference(model, ids, bf16_logits):
+    logits = prefill_logits(model, ids, quant_cfg("int4_joint", *TINY))
+    with torch.no_grad():
+        ref = model(ids, **cache_kwargs(new_cache(model, FakeQuantMiddle))).logits
+    assert torch.equal(logits, ref), f"max diff {float((logits - ref).abs().max())}"
+    assert rel_err(logits, bf16_logits) > 1e-3
+
+
+def test_low_bit_generation_is_finite_and_plausible(model, ids, bf16_logits):
+    errs = {}
+    for option in ("int8_joint", "int4_joint", "int2_content_int4_rope", "fp8_ds_mla"):
+        logits = prefill_logits(model, ids, quant_cfg(option, *TINY))
+        assert bool(torch.isfinite(logits).all()), option
+        errs[option] = rel_err(logits, bf16_logits)
+    assert errs["int8_joint"] < errs["int4_joint"] < errs["int2_content_int4_rope"], f"logit rel errors {errs}"
+    assert 1e-4 < errs["int8_joint"] < 0.05 and 1e-3 < errs["int4_joint"] < 0.5, f"logit rel errors {errs}"
+    assert errs["int2_content_int4_rope"] < 1.0, f"logit rel errors {errs}"
+    cache = quantized_cache(model, quant_cfg("int2_content_int4_rope", *TINY))
+    out = model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_logits=True,
+                         attention_mask=torch.ones_like(ids), pad_token_id=0, **cache_kwargs(cache))
+    assert out.sequences.shape == (2, 45) and bool(torch.isfinite(torch.stack(out.logits)).all())
+    assert cache.get_seq_length() == 44 and cache.layers[-1].n_quantized == 44 - 2 - 8
+
+
+def test_serving_prefill_exact_then_decode_sees_stored(model, ids, bf16_logits):
+    serving = quant_cfg("int4_joint", "quant.mode=serving", *TINY)
+    simulated = quant_cfg("int4_joint", "quant.mode=simulated", *TINY)
+    caches = {}
+    with torch.no_grad():
+        for name, q in (("bf16", None), ("serving", serving), ("simulated", simulated)):
+            cache = new_cache(model) if q is None else quantized_cache(model, q)
+            prefill = model(ids, **cache_kwargs(cache)).logits
+            step = model(ids[:, :1] * 0 + 7, **cache_kwargs(cache)).logits  # one decode step on token 7
+            caches[name] = (prefill, step)
+    assert torch.equal(caches["serving"][0], bf16_logits), "serving prefill must not see its own quantization"
+    assert rel_err(caches["simulated"][0], bf16_logits) > 1e-3
+    step_err = rel_err(caches["serving"][1], caches["bf16"][1])
+    assert 1e-4 < step_err < 0.5, f"serving decode step vs bf16: rel {step_err:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------- layer behaviour
+def small_layer(mode="simulated", option="int2_content_int4_rope", **extra):
+    quant = quant_cfg(option, f"quant.mode={mode}", "quant.content.group_size=16", "quant.protected.n_sink=4",
+                      "quant.protected.recent=16", *[f"quant.{k}={v}" for k, v in extra.items()])
+    return cache_layer_factory(quant, d_c=64, d_r=16)()
+
+
+def test_protected_region_exact_and_tokens_quantized_once():
+    gen = torch.Generator().manual_seed(3)
+    c_all, r_all = torch.randn(2, 70, 64, generator=gen), torch.randn(2, 70, 16, generator=gen)
+    layer, one_shot = small_layer(), small_layer()
+    one_shot.append(c_all, r_all)
+    s, snapshot = 0, None
+    for t in (3, 30, 1, 1, 5, 1, 29):
+        layer.append(c_all[:, s : s + t], r_all[:, s : s + t])
+        s += t
+        c, r = layer.read()
+        q = max(0, s - 4 - 16)
+        assert layer.length == s and layer.n_quantized == q, f"S={s}: n_quantized {layer.n_quantized}, expected {q}"
+        sink, recent = slice(0, min(s, 4)), slice(max(s - 16, min(s, 4)), s)
+        for got, x in ((c, c_all), (r, r_all)):
+            assert torch.equal(got[:, sink], x[:, sink]) and torch.equal(got[:, recent], x[:, recent]), f"S={s}"
+        if q:
+            mid = slice(4, 4 + q)
+            assert not torch.equal(c[:, mid], c_all[:, mid]), "int2 middle tokens read back unquantized"
+            assert torch.equal(c[:, mid], fake_quantize(c_all[:, mid], 2, 16))
+            assert torch.equal(r[:, mid], fake_quantize(r_all[:, mid], 4, None))
+            codes = layer.stored["content"].view()["codes"]
+            if snapshot is not None:  # tokens already quantized never change
+                assert torch.equal(codes[:, : snapshot.shape[1]], snapshot)
+            snapshot = codes.clone()
+    # chunking does not matter: the same tokens give the same stored tensors
+    for path in ("content", "rope"):
+        for k, v in one_shot.stored[path].view().items():
+            assert torch.equal(layer.stored[path].view()[k], v), f"{path}.{k} depends on the append chunking"
+    parts = layer.stored["content"].view()
+    assert parts["codes"].dtype == torch.uint8 and parts["codes"].shape == (2, 50, 16)  # 64 int2 codes = 16 bytes
+    assert parts["scales"].dtype == torch.float16 and parts["scales"].shape == (2, 50, 4)
+    assert parts["zeros"].dtype == torch.float16 and layer.stored["rope"].view()["codes"].shape == (2, 50, 8)
+
+
+def test_serving_layer_sees_fresh_then_stored():
+    gen = torch.Generator().manual_seed(4)
+    c, r = torch.randn(1, 40, 64, generator=gen), torch.randn(1, 40, 16, generator=gen)
+    for mode in ("serving", "simulated"):
+        layer = small_layer(mode)
+        got_c, got_r = layer.update_and_read(c, r)
+        assert layer.n_quantized == 20
+        assert torch.equal(got_c, c) == (mode == "serving") and torch.equal(got_r, r) == (mode == "serving"), mode
+        c1, r1 = torch.randn(1, 1, 64, generator=gen), torch.randn(1, 1, 16, generator=gen)
+        got_c, got_r = layer.update_and_read(c1, r1)
+        assert torch.equal(got_c[:, -1:], c1) and torch.equal(got_c[:, :4], c[:, :4])
+        assert torch.equal(got_c[:, 4:25], fake_quantize(c[:, 4:25], 2, 16)), f"{mode}: older tokens not stored values"
+
+
+def test_fp8_flat_shared_first_batch_scale():
+    layer = cache_layer_factory(quant_cfg("fp8_flat"), 512, 64)()
+    gen = torch.Generator().manual_seed(5)
+    c, r = torch.randn(1, 10, 512, generator=gen), 5 * torch.randn(1, 10, 64, generator=gen)
+    layer.append(c, r)
+    scale = layer.tensor_scales["content"]
+    assert scale is layer.tensor_scales["rope"] and scale.dim() == 0
+    assert float(scale) == pytest.approx(float(torch.cat([c.flatten(), r.flatten()]).abs().max()) / 448)
+    layer.append(100 * c[:, :1], r[:, :1])  # later, larger tokens: same frozen scale, saturating at 448 * scale
+    assert layer.tensor_scales["content"] is scale
+    got_c, _ = layer.read()
+    assert float(got_c[:, -1].abs().max()) == pytest.approx(448 * float(scale))
+    assert layer.nbytes() == 11 * 576 + 4
+
+
+def test_crop_and_batch_operations():
+    gen = torch.Generator().manual_seed(6)
+    c, r = torch.randn(3, 40, 64, generator=gen), torch.randn(3, 40, 16, generator=gen)
+    layer = small_layer()
+    layer.append(c, r)
+    full_c, full_r = layer.read()
+    layer.reorder_cache(torch.tensor([2, 0, 1]))
+    assert torch.equal(layer.read()[0], full_c[[2, 0, 1]]) and torch.equal(layer.read()[1], full_r[[2, 0, 1]])
+    layer.batch_select_indices(torch.tensor([1, 2]))  # back to the original order of sequences 0, 1
+    full_c, full_r = full_c[:2], full_r[:2]
+    assert torch.equal(layer.read()[0], full_c)
+    layer.crop(-22)  # all 16 recent tokens and 6 quantized ones
+    assert (layer.length, layer.n_quantized) == (18, 14)
+    assert torch.equal(layer.read()[0], full_c[:, :18]) and torch.equal(layer.read()[1], full_r[:, :18])
+    extra = torch.randn(2, 3, 64, generator=gen), torch.randn(2, 3, 16, generator=gen)
+    layer.append(*extra)  # refills the window; nothing new is quantized yet
+    assert (layer.length, layer.n_quantized) == (21, 14)
+    assert torch.equal(layer.read()[0][:, :18], full_c[:, :18]) and torch.equal(layer.read()[0][:, 18:], extra[0])
+    layer.crop(-19)  # into the sinks
+    assert (layer.length, layer.n_quantized) == (2, 0) and torch.equal(layer.read()[0], full_c[:, :2])
+    layer.batch_repeat_interleave(2)  # (empty stores follow the batch size too)
+    layer.append(torch.randn(4, 30, 64, generator=gen), torch.randn(4, 30, 16, generator=gen))
+    assert layer.read()[0].shape == (4, 32, 64) and layer.n_quantized == 12
+    assert torch.equal(layer.read()[0][:, :2], full_c[:, :2].repeat_interleave(2, dim=0))
+    with pytest.raises(ValueError, match="got 3"):
+        layer.crop(3)
+
+
+# ---------------------------------------------------------------------------------------------- bytes
+def test_industry_layouts_exact_bytes():
+    for option, per_token, constant in (("fp8_flat", 576, 4), ("fp8_ds_mla", 656, 0), ("bf16", 1152, 0)):
+        quant = quant_cfg(option)
+        measured = measure_bytes(quant, (1, 300, 1000), chunk=256)
+        for s, nbytes in measured.items():
+            assert nbytes == per_token * s + constant, f"{option} at {s} tokens: {nbytes} B"
+
+
+@pytest.mark.parametrize("option", ["int8_joint", "int4_content", "int4_joint", "int2_content_int4_rope"])
+def test_measured_bytes_equal_formula_and_scale_linearly(option):
+    quant = quant_cfg(option)
+    fmt = cache_format(quant, 512, 64)
+    per_quantized = fmt.content.bytes_per_token(512) + fmt.rope.bytes_per_token(64)
+    measured = measure_bytes(quant, (100, 1000, 4096), chunk=512)
+    for s, nbytes in measured.items():
+        assert nbytes == cache_bytes_per_token(fmt, 512, 64, s) * s, f"{option} at {s}: {nbytes} B measured"
+    assert measured[4096] - measured[1000] == per_quantized * 3096, "bytes do not grow by the per-token format size"
+    assert measured[100] == 100 * 1152  # all protected
+
+
+def test_byte_targets_at_128k():
+    expected = {"int4_joint": (308, 27.9), "int2_content_int4_rope": (196, 17.5), "int4_content": (400, 36),
+                "int8_joint": (596, 52)}
+    for option, (per_quantized, pct_max) in expected.items():
+        fmt = cache_format(quant_cfg(option), 512, 64)
+        assert fmt.content.bytes_per_token(512) + fmt.rope.bytes_per_token(64) == per_quantized, option
+        pct = 100 * cache_bytes_per_token(fmt, 512, 64, 131072) / 1152
+        assert pct <= pct_max, f"{option}: {pct:.2f}% of BF16 at 128K (target <= {pct_max}%)"
+    rows = byte_table(("fp8_ds_mla", "int4_joint"), contexts=(300, 2000), chunk=512)
+    assert len(rows) == 4 and all(row["measured_B_per_token"] == row["formula_B_per_token"] for row in rows), rows
+
+
+def test_fake_quantizer_matches_the_cache_read():
+    x = torch.randn(2, 30, 64, generator=torch.Generator().manual_seed(7))
+    cfg = quant_cfg("int2_content_int4_rope", "quant.content.group_size=16", "quant.protected.recent=4")
+    fq = fake_quantizer(cfg.content, 64, path="content")
+    assert torch.equal(fq(x), fake_quantize(x, 2, 16))
+    layer = cache_layer_factory(cfg, 64, 64)()
+    layer.append(x, x)
+    assert torch.equal(layer.read()[0][:, 4:26], fq(x[:, 4:26]))
+    assert torch.equal(fake_quantizer(quant_cfg("fp8_ds_mla").rope, 64)(x), x)  # bf16 path: identity
+    fp8 = fake_quantizer(quant_cfg("fp8_ds_mla", "quant.content.group_size=32").content, 64)
+    assert torch.equal(fp8(x), fp8_fake_quantize(x, 32))
+    with pytest.raises(ValueError, match=r"quant.rope.group_size=128 does not divide the path dimension 64"):
+        fake_quantizer(quant_cfg("int4_joint", "quant.rope.group_size=128").rope, 64, path="rope")

@@ -1,0 +1,161 @@
+"""Quantizers: error within half a step (plus the stored zero's own rounding), the reference, FP8 against torch's cast,
+scale storage, and bad-input errors."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mla_quant.quant.quantizers import (
+    FP8_DTYPE,
+    INT_BITS,
+    SCALE_DTYPES,
+    fake_quantize,
+    fp8_dequantize,
+    fp8_fake_quantize,
+    fp8_quantize,
+    group_dequantize,
+    group_quantize,
+    group_quantize_reference,
+    load_scale,
+    store_scale,
+)
+
+
+@st.composite
+def grouped_inputs(draw):
+    n_groups = draw(st.integers(1, 4))
+    group = draw(st.sampled_from([1, 2, 3, 7, 8, 16, 33]))
+    d = n_groups * group
+    lead = draw(st.lists(st.integers(1, 3), min_size=1, max_size=2))
+    whole = draw(st.booleans())
+    magnitude = draw(st.sampled_from([1e-3, 1.0, 30.0, 1000.0]))
+    offset = draw(st.sampled_from([0.0, 0.5, -3.0]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    x = (torch.randn(*lead, d, generator=torch.Generator().manual_seed(seed)) + offset) * magnitude
+    return x, (None if whole else group)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    xg=grouped_inputs(),
+    bits=st.sampled_from(INT_BITS),
+    symmetric=st.booleans(),
+    scale_dtype=st.sampled_from(list(SCALE_DTYPES)),
+)
+def test_error_at_most_half_a_step(xg, bits, symmetric, scale_dtype):
+    x, group_size = xg
+    codes, scales, zeros = group_quantize(x, bits, group_size, symmetric, scale_dtype)
+    d = x.shape[-1]
+    g = 1 if group_size is None else d // group_size
+    assert codes.dtype == torch.uint8 and codes.shape == x.shape
+    assert scales.shape == (*x.shape[:-1], g) and (zeros is None) == symmetric
+    assert int(codes.max()) < 2**bits
+    x_hat = group_dequantize(codes, scales, zeros, bits)
+    step = load_scale(scales).repeat_interleave(d // g, dim=-1)  # the stored (rounded-up) step, per element
+    bound = step / 2
+    if zeros is not None:  # the zero is rounded to its own dtype: that rounding adds to the error, honestly
+        exact_min = x.reshape(*x.shape[:-1], g, d // g).amin(-1)
+        bound = bound + (zeros.float() - exact_min).abs().repeat_interleave(d // g, dim=-1)
+    bound = bound * (1 + 1e-5) + 1e-6 * x.abs()  # float32 arithmetic
+    err = (x_hat - x).abs()
+    worst = float((err / bound).max())
+    assert worst <= 1.0, (
+        f"bits={bits} sym={symmetric} {scale_dtype} group={group_size}: error {float(err.max()):.4g} "
+        f"exceeds the bound by x{worst:.4f}"
+    )
+
+
+@pytest.mark.parametrize("scale_dtype", list(SCALE_DTYPES))
+def test_scales_rounded_up_to_the_stored_dtype(scale_dtype):
+    s = torch.rand(1000, generator=torch.Generator().manual_seed(0)) * 10 + 1e-4
+    stored = store_scale(s, scale_dtype)
+    assert stored.dtype == SCALE_DTYPES[scale_dtype]
+    back = load_scale(stored)
+    assert bool((back >= s).all()), f"{scale_dtype}: {int((back < s).sum())} scales rounded down"
+    if scale_dtype == "pow2":
+        assert torch.equal(back, torch.exp2(torch.log2(back).round())), "pow2 scales are not powers of two"
+        assert float((back / s).max()) <= 2.0
+    else:
+        rel = float(((back - s) / s).max())
+        assert rel <= {"fp16": 2**-10, "bf16": 2**-7, "fp32": 0}[scale_dtype] * 1.0001, f"{scale_dtype}: rel {rel}"
+
+
+@pytest.mark.parametrize("bits", INT_BITS)
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_matches_reference(bits, symmetric):
+    x = torch.randn(3, 5, 24, generator=torch.Generator().manual_seed(bits))
+    for group_size, scale_dtype in [(8, "fp16"), (None, "bf16"), (12, "pow2"), (6, "fp32")]:
+        got = group_quantize(x, bits, group_size, symmetric, scale_dtype)
+        ref = group_quantize_reference(x, bits, group_size, symmetric, scale_dtype)
+        assert torch.equal(got.codes, ref.codes), f"codes differ in {int((got.codes != ref.codes).sum())} places"
+        assert torch.equal(got.scales, ref.scales)
+        assert (got.zeros is None and ref.zeros is None) or torch.equal(got.zeros, ref.zeros)
+
+
+def test_more_bits_less_error_and_dtype_kept():
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0), dtype=torch.float32).to(torch.bfloat16)
+    errs = {}
+    for bits in INT_BITS:
+        x_hat = fake_quantize(x, bits, 32)
+        assert x_hat.dtype == torch.bfloat16
+        errs[bits] = float((x_hat.float() - x.float()).pow(2).mean() / x.float().pow(2).mean())
+    assert errs[2] > errs[3] > errs[4] > errs[8], f"NMSE by bits: {errs}"
+    # uniform error: NMSE ~ (range / (2^b - 1))^2 / 12 / var; int4 over groups of 32 Gaussians lands near 0.01
+    assert 1e-3 < errs[4] < 3e-2, f"int4 g32 NMSE {errs[4]:.3g} is implausible"
+
+
+def test_constant_and_zero_groups():
+    x = torch.tensor([[2.5] * 8, [0.0] * 8])
+    assert torch.equal(fake_quantize(x, 4, 4), x)  # asymmetric: the zero (fp16 2.5) carries the value exactly
+    x_hat = fake_quantize(x, 4, 4, symmetric=True)
+    assert torch.equal(x_hat[1], x[1])  # all-zero group stays exactly zero
+    step = 2.5 / 7  # symmetric: 2.5 sits on the top level, 7 x the fp16-rounded-up step
+    assert 0 < float((x_hat[0] - 2.5).abs().max()) <= 7 * step * 2**-10, f"{x_hat[0]}"
+
+
+@pytest.mark.parametrize("group_size", [None, 16])
+@pytest.mark.parametrize("scale_dtype", ["fp32", "fp16", "pow2"])
+def test_fp8_matches_torch_cast(group_size, scale_dtype):
+    x = torch.randn(4, 7, 64, generator=torch.Generator().manual_seed(1)) * 3
+    codes, scales, zeros = fp8_quantize(x, group_size, scale_dtype=scale_dtype)
+    assert codes.dtype == FP8_DTYPE and zeros is None
+    g = 1 if group_size is None else 64 // group_size
+    assert scales.shape == (4, 7, g)
+    s = load_scale(scales).repeat_interleave(64 // g, dim=-1)
+    assert bool((x.abs().amax(-1, keepdim=True) <= 448 * s.amax(-1, keepdim=True) * (1 + 1e-6)).all())
+    expected = (x / s).to(torch.float8_e4m3fn)  # torch's own round-to-nearest-even cast
+    assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
+    x_hat = fp8_dequantize(codes, scales)
+    assert torch.equal(x_hat, expected.float() * s)
+    assert torch.equal(fp8_dequantize(codes.view(torch.uint8), scales), x_hat)
+    normal = (x / s).abs() >= 2**-6  # e4m3 normal range: 3 mantissa bits, relative error <= 2^-4
+    rel = ((x_hat - x).abs() / x.abs())[normal]
+    assert float(rel.max()) <= 2**-4 + 1e-6, f"fp8 rel error {float(rel.max()):.4g}"
+
+
+def test_fp8_per_tensor():
+    x = torch.randn(3, 10, 32, generator=torch.Generator().manual_seed(2))
+    codes, scale, _ = fp8_quantize(x, per_tensor=True)
+    assert scale.dim() == 0 and scale.dtype == torch.float32
+    assert torch.allclose(scale, x.abs().amax() / 448)
+    assert torch.equal(codes.view(torch.uint8), (x / scale).to(torch.float8_e4m3fn).view(torch.uint8))
+    # a static scale of 1.0 (vLLM's default k_scale) is a plain clamped cast
+    codes1, _, _ = fp8_quantize(x * 300, per_tensor=True, scale=1.0)
+    expected = (x * 300).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(codes1.view(torch.uint8), expected.view(torch.uint8))
+    assert fp8_fake_quantize(x, per_tensor=True).dtype == x.dtype
+
+
+def test_bad_inputs_name_the_value():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"bits=5.*\[2, 3, 4, 8\]"):
+        group_quantize(x, 5)
+    with pytest.raises(ValueError, match="group_size=3 does not divide the dimension 8"):
+        group_quantize(x, 4, 3)
+    with pytest.raises(ValueError, match="scale_dtype='fp8'"):
+        group_quantize(x, 4, None, False, "fp8")
+    with pytest.raises(ValueError, match="group_size=5 does not divide the dimension 8"):
+        fp8_quantize(x, 5)
+    with pytest.raises(ValueError, match="-1.0"):
+        fp8_quantize(x, per_tensor=True, scale=-1.0)
