@@ -15,6 +15,7 @@ import platform
 import subprocess
 import tempfile
 from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +27,30 @@ def write_json_atomic(path: str | Path, obj: Any) -> Path:
     return write_text_atomic(path, json.dumps(obj, indent=2, default=_json_default) + "\n")
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write to a temp file in the same folder, fsync, then rename: readers never see half a file."""
+@contextmanager
+def atomic_path(path: str | Path):
+    """Yield a temp path beside `path`; on success it is renamed over `path`, on failure removed.
+
+    Readers never see half a file, and a failed write leaves the previous file as it was.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        yield Path(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    return Path(path)
 
 
 def _json_default(x):

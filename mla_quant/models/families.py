@@ -57,6 +57,17 @@ class MLAWeights:
         return w[:, self.d_nope :]
 
 
+def rope_pair(layout: str, d_r: int, i: int) -> tuple[int, int]:
+    """The two coordinates of RoPE frequency pair i in a d_r-dim key laid out as `layout`."""
+    if not 0 <= i < d_r // 2:
+        raise ValueError(f"RoPE pair {i} out of range: d_r={d_r} has pairs 0..{d_r // 2 - 1}")
+    if layout == "interleaved":
+        return 2 * i, 2 * i + 1
+    if layout == "half":
+        return i, i + d_r // 2
+    raise ValueError(f"unknown RoPE layout {layout!r}; allowed: interleaved, half")
+
+
 class MLAFamily:
     """DeepSeek-V3-style MLA (also the default behaviour the other families override)."""
 
@@ -91,6 +102,10 @@ class MLAFamily:
 
     def rope_layout(self, config) -> str:
         return "interleaved" if getattr(config, "rope_interleave", True) else "half"
+
+    def cached_rope_layout(self, config) -> str:
+        """Pair layout of the cached (post-RoPE) key: transformers' interleave RoPE outputs rotate-half order."""
+        return "half"
 
     def mla_weights(self, attn: nn.Module) -> MLAWeights:
         return MLAWeights(
@@ -152,6 +167,9 @@ class DeepseekV2Family(MLAFamily):
 
     def rope_layout(self, config) -> str:
         return "interleaved"
+
+    def cached_rope_layout(self, config) -> str:
+        return "interleaved"  # complex RoPE keeps the pairs interleaved after rotation
 
     def rotate(self, attn, q_rope, k_rope, position_embeddings):
         q_rope, k_rope = self.modeling.apply_rotary_emb(

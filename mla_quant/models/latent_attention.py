@@ -39,10 +39,16 @@ def latent_attention(
     rope: torch.Tensor,
     scale: float,
     mask: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q_latent (B, H, T, d_c), q_rope (B, H, T, d_r), content (B, S, d_c), rope (B, S, d_r) -> o_latent (B, H, T, d_c)."""
+    """q_latent (B, H, T, d_c), q_rope (B, H, T, d_r), content (B, S, d_c), rope (B, S, d_r) -> o_latent (B, H, T, d_c).
+
+    `values` (B, S, d_c) replaces the content on the aggregation side only (default: the content itself); the
+    sensitivity study uses it to split the score-side and value-side effects of a content error.
+    """
     b, h, t, d_c = q_latent.shape
     content = content.to(q_latent.dtype)
+    values = content if values is None else values.to(q_latent.dtype)
     rope = rope.to(q_rope.dtype)
     # Heads and queries share one latent "head": fold them into one row dimension so each product is a single
     # (B, H*T, d) @ (B, d, S) batch matmul over the cache, with no per-head copy of it.
@@ -51,4 +57,4 @@ def latent_attention(
     scores = apply_attention_mask(scores.view(b, h, t, -1) * scale, mask)  # (B, H, T, S)
     # Softmax in float32 as transformers' eager attention does, then back to the activation dtype.
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
-    return (probs.view(b, h * t, -1) @ content).view(b, h, t, d_c)  # (B, H, T, d_c)
+    return (probs.view(b, h * t, -1) @ values).view(b, h, t, d_c)  # (B, H, T, d_c)

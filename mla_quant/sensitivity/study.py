@@ -1,0 +1,122 @@
+"""Measuring how a cache error in one path reaches the output, and the analytical predictor (DESIGN.md section 2).
+
+    probe = probe_ids(task.probe, model)
+    clean = capture(model, probe, new_cache(model, RecordingLatentLayer))      # reference outputs + query energies
+    noisy = capture(model, probe, new_cache(model, injection_factory(spec)))
+    output_errors(noisy, clean)   # {"logits": nmse, "kl": ..., "attn_output": [per MLA layer], "layer_output": [...]}
+
+Output NMSE is ||y_noisy - y||^2 / ||y||^2 over all tokens of the probe at: each MLA module's output (after o_proj),
+each decoder layer's output, and the final logits; next-token KL is KL(p_clean || p_noisy) averaged over positions.
+The predictor: for independent errors, E[(q . delta)^2] = sum_i E[q_i^2] E[delta_i^2], with q the scaled absorbed
+query (q~ = tau W_UK^T q_nope) for the content path and the scaled RoPE query for the RoPE key; the ratio of the two
+score-error energies predicts the RoPE/content amplification at the score.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from mla_quant.models.absorbed import cache_kwargs
+from mla_quant.models.latent_cache import LatentCacheLayer
+from mla_quant.sensitivity.injection import nmse
+
+
+class RecordingLatentLayer(LatentCacheLayer):
+    """A plain latent layer that also keeps, per coordinate, the mean energy of the scaled queries it served."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_latent_energy: torch.Tensor | None = None  # (d_c,)
+        self.q_rope_energy: torch.Tensor | None = None  # (d_r,)
+
+    def attend(self, q_latent, q_rope, content, rope, scale, mask):
+        d_c, d_r = q_latent.shape[-1], q_rope.shape[-1]
+        self.q_latent_energy = (q_latent.double() * scale).pow(2).reshape(-1, d_c).mean(0).cpu()
+        self.q_rope_energy = (q_rope.double() * scale).pow(2).reshape(-1, d_r).mean(0).cpu()
+        return super().attend(q_latent, q_rope, content, rope, scale, mask)
+
+
+@dataclass
+class Capture:
+    logits: torch.Tensor  # (B, T, V)
+    attn_output: list[torch.Tensor]  # per MLA module (cache layer): (B, T, hidden)
+    layer_output: list[torch.Tensor]  # per decoder layer: (B, T, hidden)
+    layer_of_attention: list[int]  # decoder layer holding each MLA module
+    cache: object
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    return list(model.model.layers)
+
+
+@torch.no_grad()
+def capture(model, ids: torch.Tensor, cache) -> Capture:
+    """One forward over `ids` with `cache`, keeping every MLA module's and decoder layer's output."""
+    attention = model.mla_family.attention_modules(model)
+    layers = decoder_layers(model)
+    attn_out: list = [None] * len(attention)
+    layer_out: list = [None] * len(layers)
+    attention_ids = {id(a) for a in attention}
+    owner = {id(m): i for i, layer in enumerate(layers) for m in layer.modules() if id(m) in attention_ids}
+
+    def keep(store, idx):
+        def hook(module, args, output):
+            store[idx] = (output[0] if isinstance(output, tuple) else output).detach()
+
+        return hook
+
+    handles = [a.register_forward_hook(keep(attn_out, i)) for i, a in enumerate(attention)]
+    handles += [layer.register_forward_hook(keep(layer_out, i)) for i, layer in enumerate(layers)]
+    try:
+        logits = model(ids, use_cache=True, **cache_kwargs(cache)).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return Capture(logits.detach(), attn_out, layer_out, [owner[id(a)] for a in attention], cache)
+
+
+def next_token_kl(noisy_logits: torch.Tensor, clean_logits: torch.Tensor) -> float:
+    """Mean over positions of KL(p_clean || p_noisy), in nats."""
+    log_p = torch.log_softmax(clean_logits.double(), dim=-1)
+    log_q = torch.log_softmax(noisy_logits.double(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+
+
+def output_errors(noisy: Capture, clean: Capture) -> dict:
+    return {
+        "logits": nmse(noisy.logits, clean.logits),
+        "kl": next_token_kl(noisy.logits, clean.logits),
+        "attn_output": [nmse(n, c) for n, c in zip(noisy.attn_output, clean.attn_output)],
+        "layer_output": [nmse(n, c) for n, c in zip(noisy.layer_output, clean.layer_output)],
+    }
+
+
+def predicted_score_error(query_energy: torch.Tensor, error_energy: torch.Tensor) -> float:
+    """E[(q . delta)^2] = sum_i E[q_i^2] E[delta_i^2] for an error independent of the query."""
+    return float((query_energy * error_energy).sum())
+
+
+def probe_ids(probe: DictConfig, model, tokenizer=None) -> torch.Tensor:
+    """The calibration/probe batch (B, T): random ids (tiny random models), or text from a Hugging Face dataset."""
+    g = torch.Generator().manual_seed(int(probe.seed))
+    if probe.source == "random":
+        vocab = model.config.vocab_size
+        return torch.randint(3, vocab, (probe.num_sequences, probe.seq_len), generator=g)
+    if probe.source == "hf":
+        if not probe.get("dataset"):
+            raise ValueError("task.probe.source=hf needs task.probe.dataset (a Hugging Face dataset name)")
+        if tokenizer is None:
+            raise ValueError("task.probe.source=hf needs a model with a tokenizer")
+        from datasets import load_dataset
+
+        data = load_dataset(probe.dataset, probe.get("config"), split=probe.get("split", "train"))
+        text = "\n\n".join(data[probe.get("text_field", "text")][: 10 * probe.num_sequences])
+        ids = tokenizer(text, return_tensors="pt").input_ids[0]
+        need = probe.num_sequences * probe.seq_len
+        if ids.numel() < need:
+            raise ValueError(f"dataset {probe.dataset!r} gave {ids.numel()} tokens, the probe needs {need}")
+        return ids[:need].view(probe.num_sequences, probe.seq_len)
+    raise ValueError(f"task.probe.source={probe.source!r}; allowed: random, hf")

@@ -1,0 +1,252 @@
+"""The fixed-NMSE sensitivity study: how much more output error a RoPE-key cache error causes than a content one.
+
+    python run.py experiment=sensitivity model=tiny_deepseek_v2
+    python run.py experiment=sensitivity model=tiny_minicpm3 task.nmse=0.02 task.seeds=5
+    python run.py experiment=sensitivity task.noise=quantizer quant=int4_joint    # real INT4 error, rescaled
+
+Parts (DESIGN.md section 2): (1) inject into the content latent or the RoPE key, all layers at once and one layer at
+a time, rescaled to the target cache NMSE exactly; (2) output NMSE at the attention output, the layer output and
+the logits, next-token KL, and the amplification A = NMSE_out(RoPE) / NMSE_out(content), mean and spread over seeds;
+(3) the content mechanism split (score side = match, value side = aggregation, both; coupling = both - match -
+aggregation) and the RoPE error per frequency pair; (4) the analytical predictor beside the measured A per layer.
+Writes record metrics (`sensitivity/...`), sensitivity.md, sensitivity_rows.csv and PNG figures in the run dir.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from hydra.utils import instantiate  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from mla_quant.models.absorbed import new_cache  # noqa: E402
+from mla_quant.pipeline import StageResult  # noqa: E402
+from mla_quant.record import atomic_path, write_text_atomic  # noqa: E402
+from mla_quant.sensitivity.injection import InjectionSpec, check_nmse_target, injection_factory  # noqa: E402
+from mla_quant.sensitivity.study import (  # noqa: E402
+    RecordingLatentLayer,
+    capture,
+    output_errors,
+    predicted_score_error,
+    probe_ids,
+)
+
+SITES = ("logits", "kl")
+
+
+def noise_quantizers(cfg: DictConfig, dims: dict[str, int]) -> dict:
+    """Per path, x -> fake-quantized x in the format `quant.<path>` describes (for task.noise=quantizer)."""
+    from mla_quant.quant.formats import fake_quantizer  # the quantized-cache formats
+
+    return {path: fake_quantizer(cfg.quant[path], dims[path], path=path) for path in ("content", "rope")}
+
+
+def validate(task: DictConfig) -> list[float]:
+    targets = sorted({check_nmse_target(t) for t in [task.nmse, *task.sweep_nmse]})
+    if int(task.seeds) < 1:
+        raise ValueError(f"task.seeds={task.seeds}; need at least 1")
+    if task.noise not in ("gaussian", "quantizer"):
+        raise ValueError(f"task.noise={task.noise!r}; allowed: gaussian, quantizer")
+    return targets
+
+
+def _rows(errors: dict, **key) -> list[dict]:
+    rows = [dict(key, site=site, value=errors[site]) for site in SITES]
+    for site in ("attn_output", "layer_output"):
+        rows += [dict(key, site=f"{site}/{i}", value=v) for i, v in enumerate(errors[site])]
+    return rows
+
+
+def run(cfg: DictConfig, run_dir: Path) -> StageResult:
+    task = cfg.task
+    targets = validate(task)  # bad targets fail here, before any model work
+    headline = float(task.nmse)
+    model = instantiate(cfg.model)
+    attention = model.mla_family.attention_modules(model)
+    n_layers = len(attention)
+    dims = {"content": attention[0].kv_lora_rank, "rope": attention[0].qk_rope_head_dim}
+    quantizers = noise_quantizers(cfg, dims) if task.noise == "quantizer" else {}
+    layout = model.mla_family.cached_rope_layout(model.config)
+    ids = probe_ids(task.probe, model, getattr(model, "tokenizer", None))
+    clean = capture(model, ids, new_cache(model, RecordingLatentLayer))
+    seeds = range(int(task.seeds))
+
+    rows, specs = [], []
+
+    def inject(kind: str, **kw):
+        spec = InjectionSpec(shape=task.noise, rope_layout=layout, quantizer=quantizers.get(kw["path"]), **kw)
+        errors = output_errors(capture(model, ids, new_cache(model, injection_factory(spec))), clean)
+        key = dict(kind=kind, path=kw["path"], nmse_target=kw["nmse"], seed=kw.get("seed", 0),
+                   layer=-1 if kw.get("layers") is None else min(kw["layers"]),
+                   side=kw.get("side", "both"), pair=kw.get("pair", -1))
+        rows.extend(_rows(errors, **key))
+        specs.append((key, spec))
+
+    jobs = [("all_layers", dict(path=p, nmse=t, seed=s)) for t in targets for s in seeds for p in ("content", "rope")]
+    if task.per_layer:
+        jobs += [("one_layer", dict(path=p, nmse=headline, seed=s, layers={i}))
+                 for i in range(n_layers) for s in seeds for p in ("content", "rope")]
+    if task.mechanism:
+        jobs += [("mechanism", dict(path="content", nmse=headline, seed=s, side=side))
+                 for side in ("score", "value") for s in seeds]
+    if task.rope_pairs:
+        jobs += [("rope_pair", dict(path="rope", nmse=headline, seed=s, pair=i))
+                 for i in range(dims["rope"] // 2) for s in seeds]
+    for kind, kw in tqdm(jobs, desc="sensitivity", unit="injection"):
+        inject(kind, **kw)
+
+    df = pd.DataFrame(rows)
+    with atomic_path(run_dir / "sensitivity_rows.csv") as tmp:
+        df.to_csv(tmp, index=False)
+    metrics, tables = summarise(df, specs, clean, headline, n_layers, attention_layer_of=clean.layer_of_attention)
+    write_text_atomic(run_dir / "sensitivity.md", tables)
+    figures(df, metrics, headline, n_layers, run_dir)
+    print(tables)
+    return StageResult(metrics=metrics)
+
+
+def _ratio_over_seeds(df: pd.DataFrame, site: str, **where) -> pd.Series:
+    sel = df[(df.site == site) & _match(df, where)]
+    wide = sel.pivot_table(index="seed", columns="path", values="value")
+    return wide["rope"] / wide["content"]
+
+
+def _match(df, where):
+    mask = pd.Series(True, index=df.index)
+    for k, v in where.items():
+        mask &= df[k] == v
+    return mask
+
+
+def summarise(df, specs, clean, headline, n_layers, attention_layer_of):
+    m: dict[str, float] = {}
+    allh = dict(kind="all_layers", nmse_target=headline)
+    for path in ("content", "rope"):
+        achieved = [v for key, spec in specs if key["path"] == path and key["nmse_target"] == headline
+                    for v in spec.achieved.values()]
+        m[f"sensitivity/achieved_nmse/{path}"] = sum(achieved) / len(achieved)
+        m[f"sensitivity/achieved_nmse_max_rel_error/{path}"] = max(abs(a / headline - 1) for a in achieved)
+        for site in SITES:
+            vals = df[(df.site == site) & (df.path == path) & _match(df, allh)].value
+            m[f"sensitivity/output_nmse/{path}/{site}" if site != "kl" else f"sensitivity/kl/{path}"] = vals.mean()
+    for site in SITES:
+        a = _ratio_over_seeds(df, site, **allh)
+        name = "logits" if site == "logits" else "kl"
+        m[f"sensitivity/amplification/{name}"] = a.mean()
+        m[f"sensitivity/amplification/{name}_std"] = a.std(ddof=0)
+    for t in sorted(df.nmse_target.unique()):
+        a = _ratio_over_seeds(df, "logits", kind="all_layers", nmse_target=t)
+        m[f"sensitivity/sweep/nmse_{t:g}/amplification/logits"] = a.mean()
+        for path in ("content", "rope"):
+            sel = df[(df.site == "logits") & (df.path == path) & _match(df, dict(kind="all_layers", nmse_target=t))]
+            m[f"sensitivity/sweep/nmse_{t:g}/{path}/logits"] = sel.value.mean()
+
+    lines = [f"# Fixed-NMSE sensitivity (cache NMSE {headline:g}, {df.seed.nunique()} seeds)\n",
+             "| injected | output NMSE content | output NMSE RoPE | amplification (mean ± std) |", "|---|---|---|---|"]
+    lines.append(f"| all layers, logits | {m['sensitivity/output_nmse/content/logits']:.3g} | "
+                 f"{m['sensitivity/output_nmse/rope/logits']:.3g} | {m['sensitivity/amplification/logits']:.2f} ± "
+                 f"{m['sensitivity/amplification/logits_std']:.2f} |")
+    lines.append(f"| all layers, next-token KL | {m['sensitivity/kl/content']:.3g} | {m['sensitivity/kl/rope']:.3g} | "
+                 f"{m['sensitivity/amplification/kl']:.2f} ± {m['sensitivity/amplification/kl_std']:.2f} |")
+
+    if (df.kind == "one_layer").any():
+        lines += ["", "## One layer at a time", "",
+                  "| layer | A attention output | A layer output | A logits | predicted A (score) |", "|---|---|---|---|---|"]
+        for i in range(n_layers):
+            one = dict(kind="one_layer", layer=i)
+            a_attn = _ratio_over_seeds(df, f"attn_output/{i}", **one)
+            a_layer = _ratio_over_seeds(df, f"layer_output/{attention_layer_of[i]}", **one)
+            a_logits = _ratio_over_seeds(df, "logits", **one)
+            pred = predicted_amplification(specs, clean, i)
+            m[f"sensitivity/layer{i}/amplification/attn_output"] = a_attn.mean()
+            m[f"sensitivity/layer{i}/amplification/attn_output_std"] = a_attn.std(ddof=0)
+            m[f"sensitivity/layer{i}/amplification/layer_output"] = a_layer.mean()
+            m[f"sensitivity/layer{i}/amplification/logits"] = a_logits.mean()
+            m[f"sensitivity/layer{i}/predicted_amplification"] = pred
+            lines.append(f"| {i} | {a_attn.mean():.2f} ± {a_attn.std(ddof=0):.2f} | {a_layer.mean():.2f} | "
+                         f"{a_logits.mean():.2f} | {pred:.2f} |")
+
+    if (df.kind == "mechanism").any():
+        both = m["sensitivity/output_nmse/content/logits"]
+        match = df[(df.site == "logits") & _match(df, dict(kind="mechanism", side="score"))].value.mean()
+        agg = df[(df.site == "logits") & _match(df, dict(kind="mechanism", side="value"))].value.mean()
+        m["sensitivity/mechanism/match/logits"] = match
+        m["sensitivity/mechanism/aggregation/logits"] = agg
+        m["sensitivity/mechanism/both/logits"] = both
+        m["sensitivity/mechanism/coupling/logits"] = both - match - agg
+        lines += ["", "## Content error mechanisms (all layers, logits NMSE)", "",
+                  "| match (score side) | aggregation (value side) | both | coupling = both - match - aggregation |",
+                  "|---|---|---|---|", f"| {match:.3g} | {agg:.3g} | {both:.3g} | {both - match - agg:.3g} |"]
+
+    if (df.kind == "rope_pair").any():
+        pairs = (df[(df.site == "logits") & (df.kind == "rope_pair")].groupby("pair").value.mean())
+        lines += ["", "## RoPE error per frequency pair (all layers, logits NMSE; pair 0 = highest frequency)", "",
+                  "| pair | logits NMSE |", "|---|---|"]
+        for pair, v in pairs.items():
+            m[f"sensitivity/rope_pair/{int(pair)}/logits"] = v
+            lines.append(f"| {int(pair)} | {v:.3g} |")
+        m["sensitivity/rope_pair/most_sensitive"] = int(pairs.idxmax())
+    return m, "\n".join(lines) + "\n"
+
+
+def predicted_amplification(specs, clean, layer: int) -> float:
+    """Predicted score-error ratio RoPE/content at `layer`, from query energies and the injected error energies."""
+    rec = clean.cache.layers[layer]
+    energy = {"content": [], "rope": []}
+    for key, spec in specs:
+        if key["kind"] == "one_layer" and key["layer"] == layer:
+            energy[key["path"]].append(spec.error_energy[layer])
+    e_c = torch.stack(energy["content"]).mean(0)
+    e_r = torch.stack(energy["rope"]).mean(0)
+    return predicted_score_error(rec.q_rope_energy, e_r) / predicted_score_error(rec.q_latent_energy, e_c)
+
+
+def figures(df: pd.DataFrame, m: dict, headline: float, n_layers: int, run_dir: Path) -> None:
+    def save(fig, name):
+        with atomic_path(run_dir / name) as tmp:
+            fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+        plt.close(fig)
+
+    if f"sensitivity/layer0/amplification/attn_output" in m:
+        fig, ax = plt.subplots(figsize=(max(4, 0.6 * n_layers + 2), 3.2))
+        xs = list(range(n_layers))
+        ax.bar(xs, [m[f"sensitivity/layer{i}/amplification/attn_output"] for i in xs],
+               yerr=[m[f"sensitivity/layer{i}/amplification/attn_output_std"] for i in xs], capsize=3,
+               label="measured (attention output)", color="tab:blue", alpha=0.8)
+        ax.plot(xs, [m[f"sensitivity/layer{i}/predicted_amplification"] for i in xs], "o", color="tab:red",
+                label="predicted (score error)")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xlabel("MLA layer (injected alone)")
+        ax.set_ylabel("amplification RoPE / content")
+        ax.set_title(f"cache NMSE {headline:g}")
+        ax.legend(fontsize=8)
+        save(fig, "amplification_per_layer.png")
+
+    sweep = df[(df.kind == "all_layers") & (df.site == "logits")].groupby(["path", "nmse_target"]).value
+    mean, std = sweep.mean(), sweep.std(ddof=0).fillna(0)
+    fig, ax = plt.subplots(figsize=(4.5, 3.2))
+    for path, color in (("content", "tab:blue"), ("rope", "tab:orange")):
+        ax.errorbar(mean[path].index, mean[path].values, yerr=std[path].values, marker="o", color=color,
+                    label=f"{path} injected", capsize=3)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("injected cache NMSE (all layers)")
+    ax.set_ylabel("logits NMSE")
+    ax.legend(fontsize=8)
+    save(fig, "output_vs_injected_nmse.png")
+
+    if (df.kind == "rope_pair").any():
+        pairs = df[(df.kind == "rope_pair") & (df.site == "logits")].groupby("pair").value.mean()
+        fig, ax = plt.subplots(figsize=(max(4, 0.3 * len(pairs) + 2), 3.2))
+        ax.bar(pairs.index.astype(int), pairs.values, color="tab:orange")
+        ax.set_xlabel("RoPE frequency pair (0 = highest frequency)")
+        ax.set_ylabel("logits NMSE")
+        ax.set_title(f"RoPE key error confined to one pair, cache NMSE {headline:g}")
+        save(fig, "rope_pair_sensitivity.png")
