@@ -352,3 +352,31 @@ def test_fake_quantizer_matches_the_cache_read():
     assert torch.equal(fp8(x), fp8_fake_quantize(x, 32))
     with pytest.raises(ValueError, match=r"quant.rope.group_size=128 does not divide the path dimension 64"):
         fake_quantizer(quant_cfg("int4_joint", "quant.rope.group_size=128").rope, 64, path="rope")
+
+
+def test_protected_region_covering_the_context_is_refused():
+    from conftest import compose
+
+    from mla_quant.quant.formats import cache_format
+
+    q = compose(["quant=int4_joint"]).quant
+    cache_format(q, 512, 64, context=1024)  # fine: 132 protected of 1024
+    with pytest.raises(ValueError, match=r"n_sink \+ recent = 4 \+ 128 = 132 covers the whole context of 100"):
+        cache_format(q, 512, 64, context=100)
+    cache_format(compose(["quant=bf16"]).quant, 512, 64, context=100)  # nothing quantized: nothing to protect
+
+
+def test_cache_bytes_experiment_measures_every_option(tmp_path):
+    from conftest import compose
+
+    from mla_quant.stages import cache_bytes
+
+    cfg = compose(["experiment=cache_bytes", "task.contexts=[512,1024]", "task.chunk=256"])
+    result = cache_bytes.run(cfg, tmp_path)
+    m = result.metrics
+    assert result.ok
+    assert m["bytes/fp8_ds_mla/ctx1024/measured_bytes_per_token_per_layer"] == 656
+    assert m["bytes/bf16/ctx512/measured_bytes_per_token_per_layer"] == 1152
+    # The protected region (4 + 128 BF16 tokens) weighs less as the context grows.
+    assert m["bytes/int4_joint/ctx1024/pct_of_bf16"] < m["bytes/int4_joint/ctx512/pct_of_bf16"]
+    assert (tmp_path / "cache_bytes.md").exists()

@@ -162,3 +162,23 @@ def test_study_runs_on_every_family(name, tmp_path):
               "rope_pair_sensitivity.png"):
         assert (tmp_path / f).stat().st_size > 0, f
     json.dumps(m)  # record-ready
+
+
+def test_quantizer_noise_uses_the_real_quantization_error(tmp_path):
+    cfg = compose(["experiment=sensitivity", "task.noise=quantizer", "quant=int4_joint", "quant.content.group_size=16",
+                   "task.seeds=1", "task.sweep_nmse=[]", "task.per_layer=false", "task.rope_pairs=false",
+                   "task.mechanism=false", "task.probe.num_sequences=2", "task.probe.seq_len=32"])
+    m = sensitivity.run(cfg, tmp_path).metrics
+    assert m["sensitivity/achieved_nmse_max_rel_error/content"] < 1e-6
+    assert m["sensitivity/output_nmse/content/logits"] > 0
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["quant=bf16"], "keeps the content path in bf16"),
+    (["quant=int4_joint"], "group_size=128 does not divide the path dimension 32"),
+])
+def test_quantizer_noise_bad_formats_fail_before_model_work(overrides, match, monkeypatch, tmp_path):
+    cfg = compose(["experiment=sensitivity", "task.noise=quantizer", *overrides])
+    monkeypatch.setattr(sensitivity, "instantiate", lambda *a, **k: pytest.fail("model built before validation"))
+    with pytest.raises(ValueError, match=match):
+        sensitivity.run(cfg, tmp_path)

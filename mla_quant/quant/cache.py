@@ -245,10 +245,11 @@ class QuantizedLatentCacheLayer(LatentCacheLayer):
 
 
 # ---------------------------------------------------------------------------------------------- building caches
-def cache_layer_factory(quant_cfg, d_c: int, d_r: int) -> Callable[[], LatentCacheLayer]:
-    """A zero-argument layer constructor for `new_cache(model, factory)`; validates the config first.
+def cache_layer_factory(quant_cfg, d_c: int, d_r: int, context: int | None = None) -> Callable[[], LatentCacheLayer]:
+    """A zero-argument layer constructor for `new_cache(model, factory)`; validates the config first (with
+    `context`, also that the protected region leaves something to quantize).
     An all-bf16 format returns the plain `LatentCacheLayer` itself (exact, nothing changed)."""
-    fmt = cache_format(quant_cfg, d_c, d_r)
+    fmt = cache_format(quant_cfg, d_c, d_r, context)
     if not fmt.quantized:
         return LatentCacheLayer
     if fmt.backend != "torch":

@@ -169,8 +169,12 @@ class CacheFormat:
 TOP_KEYS = ("name", "mode", "backend", "protected", "content", "rope", "shared_scale")
 
 
-def cache_format(quant_cfg, d_c: int, d_r: int) -> CacheFormat:
-    """Build and validate the format of a `quant` config for a model with latent dims (d_c, d_r)."""
+def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None) -> CacheFormat:
+    """Build and validate the format of a `quant` config for a model with latent dims (d_c, d_r).
+
+    With `context` (the longest sequence the run will hold), a quantized format whose protected region covers the
+    whole context is refused: nothing would ever be quantized.
+    """
     cfg = _plain(quant_cfg)
     _check_keys(cfg, TOP_KEYS, "quant")
     mode, backend = cfg.get("mode", "simulated"), cfg.get("backend", "torch")
@@ -188,6 +192,12 @@ def cache_format(quant_cfg, d_c: int, d_r: int) -> CacheFormat:
     rope = PathFormat.from_cfg(cfg.get("rope", {}), "quant.rope")
     content.check(d_c, "quant.content")
     rope.check(d_r, "quant.rope")
+    if context is not None and (content.quantized or rope.quantized) and n_sink + recent >= context:
+        raise ValueError(
+            f"quant.protected: n_sink + recent = {n_sink} + {recent} = {n_sink + recent} covers the whole context of "
+            f"{context} tokens, so nothing would be quantized; allowed: n_sink + recent < {context} "
+            "(lower quant.protected.recent or use longer sequences)"
+        )
     shared = bool(cfg.get("shared_scale", False))
     if shared and not all(p.format == "fp8" and p.granularity == "tensor" for p in (content, rope)):
         raise ValueError(

@@ -27,6 +27,7 @@ from omegaconf import DictConfig  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from mla_quant.models.absorbed import new_cache  # noqa: E402
+from mla_quant.models.build import configured_latent_dims  # noqa: E402
 from mla_quant.pipeline import StageResult  # noqa: E402
 from mla_quant.record import atomic_path, write_text_atomic  # noqa: E402
 from mla_quant.sensitivity.injection import InjectionSpec, check_nmse_target, injection_factory  # noqa: E402
@@ -45,15 +46,24 @@ def noise_quantizers(cfg: DictConfig, dims: dict[str, int]) -> dict:
     """Per path, x -> fake-quantized x in the format `quant.<path>` describes (for task.noise=quantizer)."""
     from mla_quant.quant.formats import fake_quantizer  # the quantized-cache formats
 
+    for path in ("content", "rope"):
+        if cfg.quant[path].format == "bf16":
+            raise ValueError(f"task.noise=quantizer needs quant.{path}.format int or fp8; quant={cfg.quant.name} "
+                             f"keeps the {path} path in bf16 (lossless), e.g. use quant=int4_joint")
     return {path: fake_quantizer(cfg.quant[path], dims[path], path=path) for path in ("content", "rope")}
 
 
-def validate(task: DictConfig) -> list[float]:
+def validate(cfg: DictConfig) -> list[float]:
+    """Check the study's options (and, for quantizer noise, the formats) before any model work."""
+    task = cfg.task
     targets = sorted({check_nmse_target(t) for t in [task.nmse, *task.sweep_nmse]})
     if int(task.seeds) < 1:
         raise ValueError(f"task.seeds={task.seeds}; need at least 1")
     if task.noise not in ("gaussian", "quantizer"):
         raise ValueError(f"task.noise={task.noise!r}; allowed: gaussian, quantizer")
+    dims = configured_latent_dims(cfg.model)
+    if task.noise == "quantizer" and dims is not None:
+        noise_quantizers(cfg, dims)
     return targets
 
 
@@ -66,7 +76,7 @@ def _rows(errors: dict, **key) -> list[dict]:
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
-    targets = validate(task)  # bad targets fail here, before any model work
+    targets = validate(cfg)  # bad targets and formats fail here, before any model work
     headline = float(task.nmse)
     model = instantiate(cfg.model)
     attention = model.mla_family.attention_modules(model)
