@@ -27,6 +27,15 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from mla_quant.models.latent_attention import latent_attention
 
 
+def check_latents(content: torch.Tensor, rope: torch.Tensor) -> None:
+    """content (B, T, d_c) and rope (B, T, d_r) with the same B and T."""
+    if content.dim() != 3 or rope.dim() != 3 or content.shape[:2] != rope.shape[:2]:
+        raise ValueError(
+            f"append expects content (B, T, d_c) and rope (B, T, d_r) with the same B, T; "
+            f"got {tuple(content.shape)} and {tuple(rope.shape)}"
+        )
+
+
 class LatentCacheLayer(CacheLayerMixin):
     """One attention layer's latent cache, in full precision (the dtype of the tensors it receives)."""
 
@@ -45,11 +54,7 @@ class LatentCacheLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ the latent interface
     def append(self, content: torch.Tensor, rope: torch.Tensor) -> None:
         """Store new tokens. content (B, T, d_c), rope (B, T, d_r)."""
-        if content.dim() != 3 or rope.dim() != 3 or content.shape[:2] != rope.shape[:2]:
-            raise ValueError(
-                f"append expects content (B, T, d_c) and rope (B, T, d_r) with the same B, T; "
-                f"got {tuple(content.shape)} and {tuple(rope.shape)}"
-            )
+        check_latents(content, rope)
         if not self.is_initialized:
             self.lazy_initialization(content, rope)
         t = content.shape[1]

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from mla_quant.models.absorbed import latent_dims, new_cache
-from mla_quant.models.latent_cache import LatentCache, LatentCacheLayer
+from mla_quant.models.latent_cache import LatentCache, LatentCacheLayer, check_latents
 from mla_quant.quant.formats import (
     CacheFormat,
     cache_bytes_per_token,
@@ -127,11 +127,7 @@ class QuantizedLatentCacheLayer(LatentCacheLayer):
 
     def append(self, content: torch.Tensor, rope: torch.Tensor) -> None:
         """Store new tokens; those pushed out of the recent window are quantized now. (B, T, d_c), (B, T, d_r)."""
-        if content.dim() != 3 or rope.dim() != 3 or content.shape[:2] != rope.shape[:2]:
-            raise ValueError(
-                f"append expects content (B, T, d_c) and rope (B, T, d_r) with the same B, T; "
-                f"got {tuple(content.shape)} and {tuple(rope.shape)}"
-            )
+        check_latents(content, rope)
         if not self.is_initialized:
             self.lazy_initialization(content, rope)
         if self.length == 0 and content.shape[1] > 0:
