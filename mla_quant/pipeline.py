@@ -70,6 +70,14 @@ def run_dir_of(cfg: DictConfig) -> Path:
     return Path(cfg.get("run_dir") or "outputs/adhoc")
 
 
+def config_choices() -> dict[str, str]:
+    """The option picked in each config group (model=tiny_kimi_k2, quant=int4_joint, ...), for analysis."""
+    if not HydraConfig.initialized():
+        return {}
+    choices = HydraConfig.get().runtime.choices
+    return {k: v for k, v in choices.items() if not k.startswith("hydra") and v is not None}
+
+
 def main(cfg: DictConfig) -> StageResult:
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -102,6 +110,7 @@ def main(cfg: DictConfig) -> StageResult:
             device=device_description(device),
             status=status,
             error=error,
+            choices=config_choices(),
         )
         tracker.log_metrics(result.metrics)
         tracker.log_file(path)

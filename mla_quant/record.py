@@ -122,9 +122,11 @@ def write_record(
     device: str,
     status: str = "ok",
     error: str | None = None,
+    choices: Mapping[str, str] | None = None,
 ) -> Path:
     record = {
         "config": dict(config),
+        "choices": dict(choices or {}),
         "config_hash": config_hash(config),
         "metrics": check_metrics(metrics),
         "versions": versions(),
