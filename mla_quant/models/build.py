@@ -117,14 +117,25 @@ def pretrained_model(
     if "kv_lora_rank" not in raw:
         arch = (raw.get("architectures") or [raw.get("model_type", "?")])[0]
         raise ValueError(f"not an MLA model: {arch} at {source!r} has no kv_lora_rank")
-    hf_config = fam.config_class.from_dict({**raw, **_plain(config)})
-    model = fam.model_class.from_pretrained(
+    # The family's own model_type (e.g. deepseek_v3 for Kimi-K2's "kimi_k2"): transformers picks its checkpoint
+    # conversion (per-expert weights -> fused experts) by model_type, and a foreign one silently skips it.
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
+    hf_config = fam.config_class.from_dict({**fields, **_plain(config)})
+    model, info = fam.model_class.from_pretrained(
         source,
         config=hf_config,
         dtype=torch_dtype(dtype),
         attn_implementation=attn_implementation,
         device_map=device_map,
         trust_remote_code=trust_remote_code,
+        output_loading_info=True,
         **kwargs,
-    ).eval()
+    )
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise ValueError(
+            f"checkpoint {source!r} does not fit {fam.model_class_name} ({len(missing)} weights missing, e.g. "
+            f"{missing[:3]}): refusing to run with randomly initialised weights"
+        )
+    model.eval()
     return absorb(model) if absorbed else model
