@@ -23,6 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from mla_quant.models.build import resolve_device
 from mla_quant.record import write_record
 
 
@@ -46,16 +47,6 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed)
     except ImportError:  # pragma: no cover
         pass
-
-
-def resolve_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but no CUDA GPU is visible; use device=cpu or device=auto")
-    if name != "cpu" and not name.startswith("cuda"):
-        raise ValueError(f"device={name!r}; allowed: auto, cpu, cuda, cuda:N")
-    return name
 
 
 def device_description(device: str) -> str:

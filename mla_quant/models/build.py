@@ -27,6 +27,17 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; allowed: {sorted(DTYPES)}") from None
 
 
+def resolve_device(name: str) -> str:
+    """auto -> cuda when a GPU is visible, else cpu; an explicit device is checked."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but no CUDA GPU is visible; use device=cpu or device=auto")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ValueError(f"device={name!r}; allowed: auto, cpu, cuda, cuda:N")
+    return name
+
+
 def _plain(config: Mapping | None) -> dict:
     """OmegaConf containers -> plain python (transformers configs must not hold DictConfig/ListConfig)."""
     if config is None:
@@ -62,8 +73,9 @@ def tiny_model(
     """A small randomly initialised model of `family`, seeded (the same seed gives the same weights)."""
     cfg = tiny_config(family, config)
     cfg._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    model = get_family(family).model_class(cfg).to(device=device, dtype=torch_dtype(dtype)).eval()
+    torch.manual_seed(seed)  # weights are drawn on the CPU, so a seed gives the same model on every device
+    model = get_family(family).model_class(cfg).to(dtype=torch_dtype(dtype))
+    model = model.to(resolve_device(device)).eval()
     return absorb(model) if absorbed else model
 
 

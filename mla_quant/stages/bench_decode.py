@@ -25,7 +25,8 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from mla_quant.models.absorbed import absorb, cache_kwargs, latent_dims, new_cache
-from mla_quant.pipeline import StageResult, resolve_device
+from mla_quant.models.build import resolve_device
+from mla_quant.pipeline import StageResult
 from mla_quant.record import write_text_atomic
 
 

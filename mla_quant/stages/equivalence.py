@@ -79,7 +79,7 @@ def check_model(model_cfg: DictConfig, *, prefill_tokens: int, decode_steps: int
         absorbed = absorb(copy.deepcopy(reference))
         vocab = reference.config.vocab_size
         for pad_name, pad in (("no_padding", 0), ("left_padding", left_pad)):
-            ids, mask = make_batch(vocab, batch_size, prefill_tokens, pad, seed)
+            ids, mask = (t.to(reference.device) for t in make_batch(vocab, batch_size, prefill_tokens, pad, seed))
             metrics = compare(reference, absorbed, ids, mask, decode_steps)
             dims = latent_dims(absorbed)
             metrics["latent_values_per_token_per_layer"] = dims["d_c"] + dims["d_r"]

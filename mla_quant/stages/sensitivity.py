@@ -84,7 +84,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     dims = {"content": attention[0].kv_lora_rank, "rope": attention[0].qk_rope_head_dim}
     quantizers = noise_quantizers(cfg, dims) if task.noise == "quantizer" else {}
     layout = model.mla_family.cached_rope_layout(model.config)
-    ids = probe_ids(task.probe, model, getattr(model, "tokenizer", None))
+    ids = probe_ids(task.probe, model, getattr(model, "tokenizer", None)).to(model.device)
     clean = capture(model, ids, new_cache(model, RecordingLatentLayer))
     seeds = range(int(task.seeds))
 
