@@ -49,3 +49,15 @@ def test_bench_decode_prints_ratios(tmp_path):
     # The latent cache holds exactly d_c + d_r values per token per layer (float32: 4 B each).
     assert rec["metrics"]["bench/decode/ctx64/absorbed_latent/cache_bytes_per_token_per_layer"] == 4 * 576
     assert rec["metrics"]["bench/decode/ctx64/speedup_absorbed_vs_transformers"] > 0
+
+
+def test_multirun_through_the_submitit_launcher(tmp_path):
+    """--multirun with hydra/launcher=local runs each job through submitit (the SLURM launcher's local twin)."""
+    out = run_cli("--multirun", "hydra/launcher=local", "hydra.launcher.timeout_min=10", "experiment=equivalence",
+                  "task.only=[deepseek_v2],[minicpm3]", "task.decode_steps=2", "logger=none",
+                  f"hydra.sweep.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = sorted(tmp_path.glob("*/record.json"))
+    assert len(records) == 2, list(tmp_path.iterdir())
+    passed = [json.loads(r.read_text())["metrics"]["equivalence/all_passed"] for r in records]
+    assert passed == [True, True]
