@@ -46,3 +46,11 @@ def test_tiny_model_is_seeded():
     c = tiny_model("deepseek_v3", cfg, seed=4)
     wa, wb, wc = (m.model.layers[0].self_attn.kv_b_proj.weight for m in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+
+
+def test_missing_tokenizer_names_id_and_path(tmp_path, monkeypatch):
+    from mla_quant.models.build import pretrained_tokenizer
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(OSError, match=r"'deepseek-ai/DeepSeek-V2-Lite'.*model.path"):
+        pretrained_tokenizer("deepseek-ai/DeepSeek-V2-Lite", revision="main")

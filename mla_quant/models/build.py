@@ -79,6 +79,26 @@ def tiny_model(
     return absorb(model) if absorbed else model
 
 
+def pretrained_tokenizer(hf_id: str, revision: str | None = None, path: str | None = None):
+    """The checkpoint's tokenizer (AutoTokenizer), from `path` if given; the same clear error as the weights."""
+    from transformers import AutoTokenizer
+
+    try:
+        if path:
+            return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(hf_id, revision=revision)
+    except OSError as err:
+        raise _missing_checkpoint_error(hf_id, revision, path, err) from err
+
+
+def load_tokenizer(model_cfg):
+    """The tokenizer a model config names under `tokenizer` (a `_target_` node), or None (tiny random models)."""
+    from hydra.utils import instantiate
+
+    node = model_cfg.get("tokenizer")
+    return None if node is None else instantiate(node)
+
+
 def configured_latent_dims(model_cfg) -> dict[str, int] | None:
     """{"content": d_c, "rope": d_r} from a model config node, without building the model, where the node says
     (tiny models; real checkpoints override them in `config`); None when only the checkpoint knows."""

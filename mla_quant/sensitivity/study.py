@@ -100,8 +100,22 @@ def predicted_score_error(query_energy: torch.Tensor, error_energy: torch.Tensor
 
 
 def probe_ids(probe: DictConfig, model, tokenizer=None) -> torch.Tensor:
-    """The calibration/probe batch (B, T): random ids (tiny random models), or text from a Hugging Face dataset."""
+    """The calibration/probe batch (B, T): random ids (tiny random models), held-out prompts of the project's own
+    needle-retrieval task (`tasks`, for models with a tokenizer such as the toy model), or Hugging Face text."""
     g = torch.Generator().manual_seed(int(probe.seed))
+    if probe.source == "tasks":
+        if tokenizer is None:
+            raise ValueError("task.probe.source=tasks needs a model with a tokenizer (e.g. model=toy_mla)")
+        from mla_quant.tasks import niah
+
+        def count(text: str) -> int:
+            return len(tokenizer(text).input_ids)
+
+        docs = niah.test_set(probe.get("task", "multikey_1"), [int(probe.seq_len)], int(probe.num_sequences),
+                             int(probe.seed), count)
+        rows = [tokenizer(d["prompt"] + d["answer"]).input_ids for d in docs]
+        t = min(len(r) for r in rows)  # documents fill the length up to a block: cut all to the shortest
+        return torch.tensor([r[:t] for r in rows])
     if probe.source == "random":
         vocab = model.config.vocab_size
         return torch.randint(3, vocab, (probe.num_sequences, probe.seq_len), generator=g)
@@ -119,4 +133,4 @@ def probe_ids(probe: DictConfig, model, tokenizer=None) -> torch.Tensor:
         if ids.numel() < need:
             raise ValueError(f"dataset {probe.dataset!r} gave {ids.numel()} tokens, the probe needs {need}")
         return ids[:need].view(probe.num_sequences, probe.seq_len)
-    raise ValueError(f"task.probe.source={probe.source!r}; allowed: random, hf")
+    raise ValueError(f"task.probe.source={probe.source!r}; allowed: random, tasks, hf")

@@ -27,7 +27,7 @@ from omegaconf import DictConfig  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from mla_quant.models.absorbed import new_cache  # noqa: E402
-from mla_quant.models.build import configured_latent_dims  # noqa: E402
+from mla_quant.models.build import configured_latent_dims, load_tokenizer  # noqa: E402
 from mla_quant.pipeline import StageResult  # noqa: E402
 from mla_quant.record import atomic_path, write_text_atomic  # noqa: E402
 from mla_quant.sensitivity.injection import InjectionSpec, check_nmse_target, injection_factory  # noqa: E402
@@ -84,7 +84,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     dims = {"content": attention[0].kv_lora_rank, "rope": attention[0].qk_rope_head_dim}
     quantizers = noise_quantizers(cfg, dims) if task.noise == "quantizer" else {}
     layout = model.mla_family.cached_rope_layout(model.config)
-    ids = probe_ids(task.probe, model, getattr(model, "tokenizer", None)).to(model.device)
+    tokenizer = load_tokenizer(cfg.model) if task.probe.source != "random" else None
+    ids = probe_ids(task.probe, model, tokenizer).to(model.device)
     clean = capture(model, ids, new_cache(model, RecordingLatentLayer))
     seeds = range(int(task.seeds))
 
