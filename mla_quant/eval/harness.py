@@ -1,0 +1,116 @@
+"""lm-eval over the absorbed MLA model with a fresh latent cache per call, and the no-RoPE positional control.
+
+`LatentCacheHFLM` is lm-eval's HFLM with two changes: every forward (`_model_call`) and generate
+(`_model_generate`) runs over `new_cache(model, layer_factory)`, so a quantized cache format plugs in through
+`layer_factory` (see `cache_layer_factory`); and a context longer than the model's positions raises
+`ContextTooLong` naming the limit instead of HFLM's silent left truncation.
+
+    lm = LatentCacheHFLM(model, tokenizer, layer_factory=cache_layer_factory(cfg, model), batch_size=16)
+    results = evaluate_tasks(lm, ["toy_gsm8k"], include_path=folder, limit=None)
+    with rope_zeroed(model): ...            # every RoPE angle 0: positions are invisible to attention
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import torch
+
+from mla_quant.models.absorbed import cache_kwargs, latent_dims, new_cache
+
+log = logging.getLogger(__name__)
+
+
+class ContextTooLong(ValueError):
+    pass
+
+
+def cache_layer_factory(cfg, model):
+    """The cache layer constructor for `cfg.quant` on `model` (validated for the model's d_c, d_r): the plain
+    LatentCacheLayer when both paths are bf16, else the quantized format of mla_quant.quant.cache."""
+    from mla_quant.quant.cache import cache_layer_factory as quant_layer_factory
+
+    quant = cfg.get("quant")
+    if quant is None:
+        return None
+    dims = latent_dims(model)
+    return quant_layer_factory(quant, dims["d_c"], dims["d_r"], context=model.config.max_position_embeddings)
+
+
+def _make_hflm_class():
+    from lm_eval.models.huggingface import HFLM
+
+    class LatentCacheHFLM(HFLM):
+        """HFLM whose every model call runs over a fresh latent cache (see the module docstring)."""
+
+        def __init__(self, model, tokenizer, layer_factory=None, **kwargs):
+            self.max_positions = int(model.config.max_position_embeddings)
+            kwargs.setdefault("max_length", self.max_positions)
+            super().__init__(pretrained=model, tokenizer=tokenizer, **kwargs)
+            self.layer_factory = layer_factory  # None = plain LatentCacheLayer
+            self.cache_calls = 0
+
+        def fresh_cache(self):
+            self.cache_calls += 1
+            return new_cache(self.model, self.layer_factory)
+
+        def _check_length(self, n: int, what: str) -> None:
+            if n > self.max_positions:
+                raise ContextTooLong(f"{what} of {n} tokens exceeds the model's limit of {self.max_positions} "
+                                     f"positions (config.max_position_embeddings); shorten the task's contexts")
+
+        def tok_batch_encode(self, strings, padding_side="left", left_truncate_len=None, truncation=False):
+            ids, mask = super().tok_batch_encode(strings, padding_side=padding_side, left_truncate_len=None,
+                                                 truncation=truncation)
+            if left_truncate_len and ids.shape[1] > left_truncate_len:
+                raise ContextTooLong(
+                    f"a context of {ids.shape[1]} tokens plus {self.max_positions - left_truncate_len} tokens to "
+                    f"generate exceeds the model's limit of {self.max_positions} positions")
+            return ids, mask
+
+        def _model_call(self, inps, attn_mask=None, labels=None):
+            self._check_length(inps.shape[1], "an input")
+            with torch.no_grad():
+                return self.model(inps, use_cache=True, **cache_kwargs(self.fresh_cache())).logits
+
+        def _model_generate(self, context, max_length, stop, **generation_kwargs):
+            self._check_length(max_length, "a context plus generated tokens")
+            generation_kwargs.update(cache_kwargs(self.fresh_cache()))
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    return LatentCacheHFLM
+
+
+def LatentCacheHFLM(model, tokenizer, **kwargs):  # noqa: N802 - a class, built lazily (lm_eval imports are slow)
+    return _make_hflm_class()(model, tokenizer, **kwargs)
+
+
+@contextlib.contextmanager
+def rope_zeroed(model):
+    """Set every RoPE angle to zero (inv_freq = 0) for the duration: each position rotates by 0, so attention
+    cannot tell positions apart. Restores the frequencies afterwards."""
+    rotary = model.model.rotary_emb
+    saved = rotary.inv_freq.clone()
+    rotary.inv_freq.zero_()
+    try:
+        yield model
+    finally:
+        rotary.inv_freq.copy_(saved)
+
+
+def evaluate_tasks(lm, tasks: list[str], include_path: str | Path | list, *, limit=None, metadata=None,
+                   include_defaults: bool = False, allow_code_execution: bool = False, gen_kwargs=None,
+                   seed: int = 0) -> dict:
+    """lm_eval.simple_evaluate over `tasks` found in `include_path` (stock tasks only with include_defaults)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    paths = include_path if isinstance(include_path, list) else [include_path]
+    tm = TaskManager(include_path=[str(p) for p in paths], include_defaults=include_defaults,
+                     metadata=metadata or None)
+    return simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit, bootstrap_iters=0,
+                           log_samples=False, confirm_run_unsafe_code=allow_code_execution,
+                           gen_kwargs=gen_kwargs or None, random_seed=seed, numpy_random_seed=seed,
+                           torch_random_seed=seed, fewshot_random_seed=seed, metadata=metadata or None)

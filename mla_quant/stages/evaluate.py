@@ -1,0 +1,155 @@
+"""Stage: lm-eval (offline) over the absorbed MLA model with a fresh latent cache per call.
+
+    python run.py model=toy_mla experiment=evaluate logger=none
+    python run.py model=toy_mla experiment=evaluate eval.allow_code_execution=true   # + toy_humaneval (pass@1)
+    python run.py model=toy_mla experiment=evaluate quant=int4_joint                 # quantized latent cache
+
+Writes the toy task files (mla_quant.eval.task_files) into <run_dir>/lm_eval_tasks, runs lm_eval.simple_evaluate
+with a TaskManager over them, prints the scores as a table (eval.md) and writes lm_eval_results.json. Metrics are
+flat: eval/<task>/<metric> (eval/toy_gsm8k/exact_match is the strict `#### N` match), and, with
+eval.control_no_rope.enabled, eval/control_no_rope/<task>/<metric> for the needle tasks rerun with every RoPE
+angle at zero (retrieval should collapse). Options: conf/eval/toy.yaml.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from mla_quant.eval.harness import (ContextTooLong, LatentCacheHFLM, cache_layer_factory, evaluate_tasks,
+                                   rope_zeroed)
+from mla_quant.eval.task_files import CODE_TASKS, TOY_TASKS, write_task_files
+from mla_quant.eval.task_utils import ALLOW_ENV, OPT_IN_HINT
+from mla_quant.pipeline import StageResult
+from mla_quant.record import write_json_atomic, write_text_atomic
+
+STOCK_NIAH = "niah_single_1"
+FILTER_NAMES = {"none": "", "strict-match": ""}  # the filter whose score is reported under the bare metric name
+
+
+def load_model_and_tokenizer(model_cfg: DictConfig):
+    """(model, tokenizer): `model.tokenizer` (a _target_) when the model config has one, else the checkpoint's."""
+    if model_cfg.get("tokenizer") is not None:
+        model = instantiate(model_cfg, tokenizer=None)
+        return model, instantiate(model_cfg.tokenizer)
+    from transformers import AutoTokenizer
+
+    source = model_cfg.get("path") or model_cfg.get("hf_id")
+    if source is None:
+        raise ValueError(f"model {model_cfg.get('_target_')} has no tokenizer (a random tiny model?); "
+                         f"evaluate needs a trained model, e.g. model=toy_mla")
+    return instantiate(model_cfg), AutoTokenizer.from_pretrained(source)
+
+
+def flat_metrics(results: dict, prefix: str) -> dict[str, float]:
+    """lm-eval's {"task": {"metric,filter": value}} -> {"<prefix>/<task>/<metric>[@filter]": value}."""
+    out = {}
+    for task, scores in results.get("results", {}).items():
+        for key, value in scores.items():
+            if "," not in key or "_stderr" in key or not isinstance(value, (int, float)) or value == -1.0:
+                continue  # -1: a per-length metric for a length this run did not evaluate
+            metric, filt = key.split(",", 1)
+            name = metric if filt in FILTER_NAMES else f"{metric}@{filt}"
+            out[f"{prefix}/{task}/{name}"] = float(value)
+    return out
+
+
+def code_tasks_allowed(tasks: list[str], allow: bool) -> list[str]:
+    """The task list without code-executing tasks unless code execution was opted into (prints why)."""
+    code = [t for t in tasks if t in CODE_TASKS]
+    if code and not allow:
+        print(f"[evaluate] refusing {code}: they execute model-written code; {OPT_IN_HINT}")
+        return [t for t in tasks if t not in CODE_TASKS]
+    return list(tasks)
+
+
+def table(metrics: dict[str, float]) -> pd.DataFrame:
+    """Long table (setting, task, metric, score) of the eval/... metrics."""
+    rows = []
+    for key, value in metrics.items():
+        parts = key.split("/")
+        if parts[1] == "control_no_rope" and len(parts) == 4:
+            rows.append({"setting": "rope=0", "task": parts[2], "metric": parts[3], "score": value})
+        elif len(parts) == 3 and parts[2] not in ("seconds", "cache_calls"):
+            rows.append({"setting": "model", "task": parts[1], "metric": parts[2], "score": value})
+    return pd.DataFrame(rows)
+
+
+def run(cfg: DictConfig, run_dir: Path) -> StageResult:
+    ev = cfg.eval
+    torch.set_num_threads(int(ev.get("threads", 2)))
+    tasks = list(ev.tasks)
+    unknown = sorted(set(tasks) - set(TOY_TASKS) - {STOCK_NIAH})
+    if unknown:
+        raise ValueError(f"eval.tasks has unknown tasks {unknown}; known: {TOY_TASKS + [STOCK_NIAH]}")
+    allow = bool(ev.get("allow_code_execution", False))
+    tasks = code_tasks_allowed(tasks, allow)
+    if not tasks:
+        raise ValueError("eval.tasks is empty (after refusing code execution); nothing to evaluate")
+
+    model, tokenizer = load_model_and_tokenizer(cfg.model)
+    limit = int(model.config.max_position_embeddings)
+    too_long = [n for n in ev.data.niah_lengths if n > limit]
+    if too_long:
+        raise ContextTooLong(f"eval.data.niah_lengths {too_long} exceed the model's limit of {limit} positions "
+                             f"(config.max_position_embeddings)")
+    folder = write_task_files(run_dir / "lm_eval_tasks", tokenizer, **OmegaConf.to_container(ev.data, resolve=True))
+    lm = LatentCacheHFLM(model, tokenizer, layer_factory=cache_layer_factory(cfg, model),
+                         batch_size=int(ev.batch_size))
+    gen_kwargs = OmegaConf.to_container(ev.gen_kwargs, resolve=True) if ev.get("gen_kwargs") else None
+    if allow:
+        os.environ[ALLOW_ENV] = "1"  # read by mla_quant.eval.task_utils.run_program
+
+    metrics: dict[str, float] = {}
+    raw: dict = {}
+    toy = [t for t in tasks if t != STOCK_NIAH]
+    start = time.perf_counter()
+    if toy:
+        res = evaluate_tasks(lm, toy, folder, limit=ev.limit, allow_code_execution=allow, gen_kwargs=gen_kwargs,
+                             seed=cfg.seed)
+        raw["toy"] = res
+        metrics.update(flat_metrics(res, "eval"))
+    metrics["eval/seconds"] = time.perf_counter() - start
+    metrics["eval/cache_calls"] = lm.cache_calls
+
+    control = ev.get("control_no_rope")
+    control_tasks = [t for t in (control.tasks if control else []) if t in toy]
+    if control and control.enabled and control_tasks:
+        start = time.perf_counter()
+        with rope_zeroed(model):
+            res = evaluate_tasks(lm, control_tasks, folder, limit=ev.limit, gen_kwargs=gen_kwargs, seed=cfg.seed)
+        raw["control_no_rope"] = res
+        metrics.update(flat_metrics(res, "eval/control_no_rope"))
+        metrics["eval/control_no_rope/seconds"] = time.perf_counter() - start
+
+    stock = ev.get("stock_niah")
+    if STOCK_NIAH in tasks or (stock and stock.enabled):
+        import lm_eval
+
+        ruler = Path(lm_eval.__file__).resolve().parent / "tasks" / "ruler"
+        start = time.perf_counter()
+        res = evaluate_tasks(lm, [STOCK_NIAH], ruler, limit=stock.limit, seed=cfg.seed,
+                             metadata={"tokenizer": tokenizer.name_or_path, "max_seq_lengths": list(stock.lengths)})
+        raw["stock_niah"] = res
+        for key, value in flat_metrics(res, "eval").items():
+            if value != -1.0:
+                metrics[key] = value
+        metrics["eval/niah_single_1/seconds"] = time.perf_counter() - start
+
+    write_json_atomic(run_dir / "lm_eval_results.json",
+                      json.loads(json.dumps({k: {f: v.get(f) for f in ("results", "n-shot", "n-samples", "versions")}
+                                             for k, v in raw.items()}, default=str)))
+    df = table(metrics)
+    text = df.to_markdown(index=False, floatfmt=".3f") if len(df) else "(no scores)"
+    seconds = {k: round(v, 1) for k, v in metrics.items() if k.endswith("seconds")}
+    write_text_atomic(run_dir / "eval.md", f"{text}\n\nseconds: {seconds}\n")
+    print(text)
+    print(f"[evaluate] seconds: {seconds}")
+    return StageResult(metrics=metrics)
