@@ -27,6 +27,7 @@ from mla_quant.eval.harness import (ContextTooLong, LatentCacheHFLM, cache_layer
                                    rope_zeroed)
 from mla_quant.eval.task_files import CODE_TASKS, TOY_TASKS, write_task_files
 from mla_quant.eval.task_utils import ALLOW_ENV, OPT_IN_HINT
+from mla_quant.models.build import load_tokenizer
 from mla_quant.pipeline import StageResult
 from mla_quant.record import write_json_atomic, write_text_atomic
 
@@ -35,17 +36,12 @@ FILTER_NAMES = {"none": "", "strict-match": ""}  # the filter whose score is rep
 
 
 def load_model_and_tokenizer(model_cfg: DictConfig):
-    """(model, tokenizer): `model.tokenizer` (a _target_) when the model config has one, else the checkpoint's."""
-    if model_cfg.get("tokenizer") is not None:
-        model = instantiate(model_cfg, tokenizer=None)
-        return model, instantiate(model_cfg.tokenizer)
-    from transformers import AutoTokenizer
-
-    source = model_cfg.get("path") or model_cfg.get("hf_id")
-    if source is None:
+    """(model, tokenizer) from the model config's `tokenizer` node (toy model, real checkpoints)."""
+    tokenizer = load_tokenizer(model_cfg)
+    if tokenizer is None:
         raise ValueError(f"model {model_cfg.get('_target_')} has no tokenizer (a random tiny model?); "
                          f"evaluate needs a trained model, e.g. model=toy_mla")
-    return instantiate(model_cfg), AutoTokenizer.from_pretrained(source)
+    return instantiate(model_cfg), tokenizer
 
 
 def flat_metrics(results: dict, prefix: str) -> dict[str, float]:

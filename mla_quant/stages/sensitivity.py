@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from mla_quant.models.absorbed import new_cache  # noqa: E402
@@ -85,7 +85,10 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     quantizers = noise_quantizers(cfg, dims) if task.noise == "quantizer" else {}
     layout = model.mla_family.cached_rope_layout(model.config)
     tokenizer = load_tokenizer(cfg.model) if task.probe.source != "random" else None
-    ids = probe_ids(task.probe, model, tokenizer).to(model.device)
+    probe = task.probe
+    if probe.source == "auto":
+        probe = OmegaConf.merge(probe, {"source": "tasks" if tokenizer is not None else "random"})
+    ids = probe_ids(probe, model, tokenizer).to(model.device)
     clean = capture(model, ids, new_cache(model, RecordingLatentLayer))
     seeds = range(int(task.seeds))
 

@@ -123,7 +123,7 @@ def load_toy_model(path: str | Path | None = None, dtype: str = "float32", attn_
     from transformers import DeepseekV2ForCausalLM
 
     from mla_quant.models.absorbed import absorb
-    from mla_quant.models.build import torch_dtype
+    from mla_quant.models.build import resolve_device, torch_dtype
 
     config, state, _ = load_toy_state(path)
     config._attn_implementation = attn_implementation
@@ -137,7 +137,7 @@ def load_toy_model(path: str | Path | None = None, dtype: str = "float32", attn_
     # Non-persistent buffers (RoPE inv_freq) are not in the state dict: rebuild them on the real device.
     rotary = type(model.model.rotary_emb)(config=config)
     model.model.rotary_emb = rotary
-    model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
+    model = model.to(device=resolve_device(device), dtype=torch_dtype(dtype)).eval()
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     return absorb(model) if absorbed else model
