@@ -106,15 +106,18 @@ def test_command_line_per_path_combination():
     mid = slice(4, 172)  # int3 over groups of 64 Gaussians: RMS error ~ (range / 7) / sqrt(12) ~ 0.2
     err_c, err_r = rel_err(rc[:, mid], c[:, mid]), rel_err(rr[:, mid], r[:, mid])
     assert 0.1 < err_c < 0.3 and 1e-3 < err_r < 0.01, f"content rel err {err_c:.3g}, rope (int8) {err_r:.3g}"
-    # from the bf16 option, a path needs format=int as well
-    fmt = cache_format(compose("quant.content.format=int", "quant.content.bits=3").quant, 512, 64)
+    # from the bf16 option, a low bit width alone selects the integer format (the example command)
+    fmt = cache_format(compose("quant.content.bits=3", "quant.rope.bits=8", "quant.content.group_size=64").quant, 512, 64)
+    assert (fmt.content.format, fmt.content.bits, fmt.content.group_size) == ("int", 3, 64)
+    assert (fmt.rope.format, fmt.rope.bits) == ("int", 8)
+    fmt = cache_format(compose("quant.content.bits=3").quant, 512, 64)
     assert fmt.content.bits == 3 and not fmt.rope.quantized
 
 
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (["quant=bf16", "quant.content.bits=3"], r"quant.content.bits=3 but quant.content.format=bf16.*format=int"),
+        (["quant=bf16", "quant.content.bits=5"], r"quant.content.bits=5 .*\[2, 3, 4, 8\]"),
         (["quant=int4_joint", "quant.content.bits=5"], r"quant.content.bits=5 .*\[2, 3, 4, 8\]"),
         (["quant=int4_joint", "quant.content.group_size=100"], r"group_size=100 does not divide .* 512"),
         (["quant=int4_joint", "quant.rope.group_size=48"], r"quant.rope.group_size=48 does not divide .* 64"),

@@ -71,6 +71,9 @@ class PathFormat:
     def from_cfg(cls, cfg, where: str = "quant.<path>") -> "PathFormat":
         cfg = _plain(cfg)
         _check_keys(cfg, [f.name for f in fields(cls)], where)
+        # A low bit width on a bf16 path means an integer format: `quant.content.bits=3` works from quant=bf16.
+        if cfg.get("format", "bf16") == "bf16" and cfg.get("bits", 16) not in (16, None):
+            cfg = {**cfg, "format": "int"}
         fmt = cls(**cfg)
         fmt.check(where=where)
         return fmt
