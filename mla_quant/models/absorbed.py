@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 import transformers
 from packaging.version import Version
 from torch import nn

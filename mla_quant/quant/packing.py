@@ -87,7 +87,6 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=packed.device)
         v = ((word.unsqueeze(-1) >> shifts) & 0x7).to(torch.uint8)  # (..., n/8, 8)
     else:
-        per_byte = 8 // bits
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         v = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., bytes, per_byte)
     return v.reshape(*v.shape[:-2], -1)[..., :n].contiguous()

@@ -228,7 +228,7 @@ def figures(df: pd.DataFrame, m: dict, headline: float, n_layers: int, run_dir: 
             fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
         plt.close(fig)
 
-    if f"sensitivity/layer0/amplification/attn_output" in m:
+    if "sensitivity/layer0/amplification/attn_output" in m:
         fig, ax = plt.subplots(figsize=(max(4, 0.6 * n_layers + 2), 3.2))
         xs = list(range(n_layers))
         ax.bar(xs, [m[f"sensitivity/layer{i}/amplification/attn_output"] for i in xs],
