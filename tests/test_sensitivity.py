@@ -45,7 +45,7 @@ def test_nmse_target_outside_unit_interval_is_refused(bad):
 
 
 def test_bad_target_fails_before_any_model_work(monkeypatch, tmp_path):
-    cfg = compose(["experiment=sensitivity", "task.nmse=1.5"])
+    cfg = compose(["model=tiny_deepseek_v3", "experiment=sensitivity", "task.nmse=1.5"])
     monkeypatch.setattr(sensitivity, "instantiate", lambda *a, **k: pytest.fail("model built before validation"))
     with pytest.raises(ValueError, match="1.5"):
         sensitivity.run(cfg, tmp_path)
@@ -165,7 +165,8 @@ def test_study_runs_on_every_family(name, tmp_path):
 
 
 def test_quantizer_noise_uses_the_real_quantization_error(tmp_path):
-    cfg = compose(["experiment=sensitivity", "task.noise=quantizer", "quant=int4_joint", "quant.content.group_size=16",
+    cfg = compose(["model=tiny_deepseek_v3", "experiment=sensitivity", "task.noise=quantizer", "quant=int4_joint",
+                   "quant.content.group_size=16",
                    "task.seeds=1", "task.sweep_nmse=[]", "task.per_layer=false", "task.rope_pairs=false",
                    "task.mechanism=false", "task.probe.num_sequences=2", "task.probe.seq_len=32"])
     m = sensitivity.run(cfg, tmp_path).metrics
@@ -178,7 +179,7 @@ def test_quantizer_noise_uses_the_real_quantization_error(tmp_path):
     (["quant=int4_joint"], "group_size=128 does not divide the path dimension 32"),
 ])
 def test_quantizer_noise_bad_formats_fail_before_model_work(overrides, match, monkeypatch, tmp_path):
-    cfg = compose(["experiment=sensitivity", "task.noise=quantizer", *overrides])
+    cfg = compose(["model=tiny_deepseek_v3", "experiment=sensitivity", "task.noise=quantizer", *overrides])
     monkeypatch.setattr(sensitivity, "instantiate", lambda *a, **k: pytest.fail("model built before validation"))
     with pytest.raises(ValueError, match=match):
         sensitivity.run(cfg, tmp_path)
