@@ -107,5 +107,5 @@ def cache_kwargs(cache) -> dict:
 
 def latent_dims(model: nn.Module) -> dict[str, int]:
     """d_c, d_r and the number of MLA (cache) layers of a model."""
-    attn = attention_modules(model)[0]
-    return {"d_c": attn.kv_lora_rank, "d_r": attn.qk_rope_head_dim, "layers": len(attention_modules(model))}
+    modules = attention_modules(model)
+    return {"d_c": modules[0].kv_lora_rank, "d_r": modules[0].qk_rope_head_dim, "layers": len(modules)}

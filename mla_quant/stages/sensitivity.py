@@ -26,7 +26,7 @@ from hydra.utils import instantiate  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from mla_quant.models.absorbed import new_cache  # noqa: E402
+from mla_quant.models.absorbed import latent_dims, new_cache  # noqa: E402
 from mla_quant.models.build import configured_latent_dims, load_tokenizer  # noqa: E402
 from mla_quant.pipeline import StageResult  # noqa: E402
 from mla_quant.record import atomic_path, write_text_atomic  # noqa: E402
@@ -79,9 +79,9 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     targets = validate(cfg)  # bad targets and formats fail here, before any model work
     headline = float(task.nmse)
     model = instantiate(cfg.model)
-    attention = model.mla_family.attention_modules(model)
-    n_layers = len(attention)
-    dims = {"content": attention[0].kv_lora_rank, "rope": attention[0].qk_rope_head_dim}
+    latent = latent_dims(model)
+    n_layers = latent["layers"]
+    dims = {"content": latent["d_c"], "rope": latent["d_r"]}
     quantizers = noise_quantizers(cfg, dims) if task.noise == "quantizer" else {}
     layout = model.mla_family.cached_rope_layout(model.config)
     tokenizer = load_tokenizer(cfg.model) if task.probe.source != "random" else None
