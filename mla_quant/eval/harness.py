@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from mla_quant.models.absorbed import cache_kwargs, latent_dims, new_cache
+from mla_quant.models.absorbed import cache_kwargs, new_cache
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +30,10 @@ class ContextTooLong(ValueError):
 def cache_layer_factory(cfg, model):
     """The cache layer constructor for `cfg.quant` on `model` (validated for the model's d_c, d_r): the plain
     LatentCacheLayer when both paths are bf16, else the quantized format of mla_quant.quant.cache."""
-    from mla_quant.quant.cache import cache_layer_factory as quant_layer_factory
+    from mla_quant.quant.cache import model_layer_factory
 
     quant = cfg.get("quant")
-    if quant is None:
-        return None
-    dims = latent_dims(model)
-    return quant_layer_factory(quant, dims["d_c"], dims["d_r"], context=model.config.max_position_embeddings)
+    return None if quant is None else model_layer_factory(model, quant)
 
 
 def _make_hflm_class():

@@ -253,10 +253,16 @@ def cache_layer_factory(quant_cfg, d_c: int, d_r: int, context: int | None = Non
     return functools.partial(QuantizedLatentCacheLayer, fmt)
 
 
+def model_layer_factory(model, quant_cfg) -> Callable[[], LatentCacheLayer]:
+    """`cache_layer_factory` for `model`: (d_c, d_r) from its MLA modules, the context from its config."""
+    dims = latent_dims(model)
+    context = getattr(model.config, "max_position_embeddings", None)
+    return cache_layer_factory(quant_cfg, dims["d_c"], dims["d_r"], context=context)
+
+
 def quantized_cache(model, quant_cfg) -> LatentCache:
     """An empty cache for `model` in the format of `quant_cfg` (the `quant` config group)."""
-    dims = latent_dims(model)
-    return new_cache(model, cache_layer_factory(quant_cfg, dims["d_c"], dims["d_r"]))
+    return new_cache(model, model_layer_factory(model, quant_cfg))
 
 
 # ---------------------------------------------------------------------------------------------- byte table
