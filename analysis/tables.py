@@ -4,6 +4,8 @@ Reads every record.json under the given folders (mla_quant.record.load_records) 
   amplification.md   RoPE/content amplification per model (sensitivity runs), mean ± std over seeds, per layer
   equivalence.md     absorbed vs transformers max |logit diff| per model (equivalence runs)
   cache_bytes.md     bytes per token per layer per quant option and context (cache_bytes runs)
+  accuracy.md        lm-eval score per task, per model and cache format (evaluate runs; `rope=0` rows: the
+                     positional control)
 The latest successful run of each configuration wins. Nothing is typed in by hand: every number is a record's.
 """
 
@@ -74,6 +76,35 @@ def bytes_table(records: list[dict]) -> pd.DataFrame:
     return df
 
 
+HEADLINE_METRICS = ("exact_match", "pass@1", "acc")  # the first a task reports is its column in accuracy.md
+
+
+def path_format(path: dict) -> str:
+    """One cache path of a quant config in a few characters: bf16, fp8, int4 g32, int2 tok (per token)."""
+    if path["format"] != "int":
+        return path["format"]
+    return f"int{path['bits']} " + (f"g{path['group_size']}" if path.get("group_size") else "tok")
+
+
+def accuracy_table(records: list[dict]) -> pd.DataFrame:
+    rows = []
+    for r in latest_ok(records, "evaluate"):
+        quant, m = r["config"]["quant"], r["metrics"]
+        for prefix, label in (("eval/", "model"), ("eval/control_no_rope/", "rope=0")):
+            scores = {}
+            for key, value in m.items():
+                rest = key[len(prefix):] if key.startswith(prefix) else ""
+                if rest.count("/") == 1:
+                    task, metric = rest.split("/")
+                    if task not in scores and metric in HEADLINE_METRICS:
+                        scores[task] = value
+            if scores:
+                rows.append({"model": r.get("choices", {}).get("model", "?"), "cache": quant["name"],
+                             "content": path_format(quant["content"]), "rope": path_format(quant["rope"]),
+                             "run as": label, **scores, "run": Path(r["run_dir"]).name})
+    return _newest(rows, ["model", "cache", "content", "rope", "run as"])
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("roots", nargs="*", default=["outputs", "multirun"])
@@ -82,7 +113,7 @@ def main(argv=None) -> None:
     records = [r for root in args.roots if Path(root).exists() for r in load_records(root)]
     out = Path(args.out)
     for name, table in (("amplification", amplification_table(records)), ("equivalence", equivalence_table(records)),
-                        ("cache_bytes", bytes_table(records))):
+                        ("cache_bytes", bytes_table(records)), ("accuracy", accuracy_table(records))):
         if table.empty:
             print(f"{name}: no successful runs found under {args.roots}")
             continue

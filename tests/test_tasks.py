@@ -38,17 +38,55 @@ def test_niah_too_short_names_the_length():
         niah.make_doc(random.Random(0), "single_1", 100)
 
 
+def _check_fact(text: str) -> int:
+    """`a op b [op c] = r` is correct arithmetic (integer division); returns r."""
+    lhs, rhs = text.split(" = ")
+    assert re.fullmatch(r"\d+( [-+*/] \d+)+", lhs), text
+    assert eval(lhs.replace("/", "//")) == int(rhs), text
+    return int(rhs)
+
+
 def test_arithmetic_format():
-    for p in arithmetic.test_set(30, seed=0):
+    for p in arithmetic.test_set(60, seed=0):
         lines = p["answer"].split("\n")
         assert 2 <= len(lines) - 1 <= 3, p["answer"]  # two or three worked steps, then #### N
         final = re.fullmatch(r"#### (\d+)", lines[-1])
         assert final, p["answer"]
-        for step in lines[:-1]:  # every worked step is correct arithmetic
-            a, op, b, _, c = step.split()
-            assert eval(f"{a} {op.replace('/', '//')} {b}") == int(c), step
-        assert lines[-2].split()[-1] == final.group(1)
+        results = []
+        for step in lines[:-1]:  # every worked step is correct arithmetic, its columns too
+            column = re.fullmatch(r"(\d+ [-+] \d+): (.+), so (\d+)", step)
+            if column:
+                whole, facts, result = column.groups()
+                assert _check_fact(f"{whole} = {result}") == int(result)
+                for fact in facts.split(", "):
+                    _check_fact(fact)
+                results.append(int(result))
+            else:
+                results.append(_check_fact(step))
+        assert results[-1] == int(final.group(1))
         assert p["prompt"] == f"Question: {p['question']}\nAnswer:"
+
+
+@pytest.mark.parametrize("x, y", [(46, 35), (7, 27), (99, 99), (5, 5), (0, 0)])
+def test_column_addition(x, y):
+    line = arithmetic.add_step(x, y)
+    assert line.startswith(f"{x} + {y}: ") and line.endswith(f", so {x + y}")
+    facts = line.split(": ", 1)[1].rsplit(", so", 1)[0].split(", ")
+    assert len(facts) == max(len(str(x)), len(str(y)))  # one per column
+    assert [_check_fact(f) for f in facts]
+
+
+@pytest.mark.parametrize("x, y", [(72, 36), (104, 97), (119, 15), (100, 1), (198, 197), (5, 5)])
+def test_column_subtraction(x, y):
+    line = arithmetic.sub_step(x, y)
+    assert line.startswith(f"{x} - {y}: ") and line.endswith(f", so {x - y}")
+    facts = line.split(": ", 1)[1].rsplit(", so", 1)[0].split(", ")
+    assert len(facts) == len(str(x))
+    digits = [_check_fact(f) for f in facts]
+    assert all(0 <= d <= 9 for d in digits)  # borrowing keeps every column digit in 0..9
+    assert int("".join(map(str, reversed(digits)))) == x - y
+    with pytest.raises(ValueError, match="negative"):
+        arithmetic.sub_step(y, x + 1)
 
 
 def test_code_format_and_canonical_solution_passes():

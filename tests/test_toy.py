@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from mla_quant.tasks import arithmetic, code, niah
 from mla_quant.toy.model import (ASSETS, TOY_CONFIG, ToyCheckpointError, load_toy_model, load_toy_tokenizer,
                                  new_toy_model, sha256_of, toy_config)
 from mla_quant.toy.tokenizer import build_tokenizer
-from mla_quant.toy.train import CHECKPOINT, TrainOptions, make_batch, train
+from mla_quant.toy.train import CHECKPOINT, TrainOptions, encode_doc, make_batch, sample_doc, train
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -42,6 +43,33 @@ def test_tokenizer_round_trip_and_offline_autotokenizer(shipped_tokenizer, monke
         assert tok.decode(ids) == text
         assert tok.eos_token_id not in ids and tok.pad_token_id not in ids  # no special tokens added
     assert tok("1234567").input_ids == [tok.convert_tokens_to_ids(c) for c in "1234567"]  # digits one by one
+
+
+def test_uuid_value_starts_like_a_number(shipped_tokenizer):
+    """A UUID-like value never merges with the space before it: both kinds of answer start with the token " "."""
+    tok = shipped_tokenizer
+    space = tok(" ").input_ids
+    for value in ("ce5b6b62-ca10-893a-5749-c38314770eab", "4817263", "ab7b2174-8c9b-753e-011d-c1f2a06159e0"):
+        assert tok(" " + value).input_ids[:1] == space, value
+        assert tok(f"is: {value}.").input_ids[2:3] == space, value
+
+
+def test_training_needle_docs_ask_every_needle(shipped_tokenizer):
+    opts = TrainOptions(mix={"niah": 1.0}, niah_variants={"multikey_1": 1.0})
+    segments = sample_doc(random.Random(0), shipped_tokenizer, opts, 512)
+    prompt = segments[0][0]
+    needles = dict(re.findall(r"magic numbers for (\S+) is: (\d+)\.", prompt))
+    assert len(segments) == len(needles) == 4
+    asked = {}
+    for text, answer in segments:
+        key = re.findall(r"The special magic number for (\S+) mentioned in the provided text is$", text)
+        assert len(key) == 1, text[-120:]
+        asked[key[0]] = answer.strip()
+    assert asked == needles  # each needle asked once, with its own value
+    ids, labels = encode_doc(shipped_tokenizer, *segments)
+    assert len(ids) <= 512
+    supervised = [t for t, lab in zip(ids, labels) if lab != -100]
+    assert supervised.count(shipped_tokenizer.eos_token_id) == 4
 
 
 def test_tokenizer_recipe_reproduces_shipped(shipped_tokenizer):
@@ -80,6 +108,17 @@ def test_shipped_model_generates_a_needle(shipped_tokenizer):
         out = model.generate(ids, max_new_tokens=10, do_sample=False, **cache_kwargs(new_cache(model)))
         hits += doc["outputs"][0] in shipped_tokenizer.decode(out[0, ids.shape[1]:])
     assert hits >= 2, f"retrieved {hits}/4 needles"
+
+
+def test_shipped_model_works_a_sum(shipped_tokenizer):
+    """...and works held-out arithmetic in columns to the right `#### N`."""
+    model = load_toy_model(absorbed=False)
+    hits = 0
+    for problem in arithmetic.test_set(4, seed=99):
+        ids = shipped_tokenizer(problem["prompt"], return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=110, do_sample=False)
+        hits += shipped_tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == problem["completion"]
+    assert hits >= 3, f"solved {hits}/4 problems"
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "garbage_no_record", "missing_config"])

@@ -123,7 +123,7 @@ metadata:
 
 def write_task_files(folder: str | Path, tokenizer, *, seed: int = 1234, niah_lengths=(256, 512, 1024),
                      niah_per_length: int = 16, arithmetic_n: int = 100, code_n: int = 50,
-                     gsm8k_max_gen_toks: int = 96, code_max_gen_toks: int = 64) -> Path:
+                     gsm8k_max_gen_toks: int = 128, code_max_gen_toks: int = 64) -> Path:
     """Write data (*.jsonl) and task YAMLs for every toy task into `folder`; returns the folder."""
     folder = Path(folder).resolve()
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,16 @@
 """Arithmetic word problems in GSM8K's format: a question, a worked answer, and a last line `#### N`.
 
 Two- and three-step problems over small integers (products of one-digit numbers, sums and differences below
-a few hundred), with one worked step per line, e.g.
+a few hundred), with one worked step per line. Sums and differences are worked in columns, units first, the way they
+are written on paper (carry `+ 1`, borrow `1x - y` then `- 1` in the next column), then assembled after `so`: a
+2M-parameter model does not learn two-digit addition in a single token, but it does learn one-digit facts and where
+their digits sit. Products and quotients are one-digit table facts. E.g.
 
-    Question: Mia has 23 apples. She buys 4 bags with 6 apples in each bag. Then she gives 15 apples to Leo.
+    Question: Mia has 23 apples. She buys 4 bags with 6 apples in each. Then she gives 15 apples to Leo.
     How many apples does Mia have now?
     Answer: 4 * 6 = 24
-    23 + 24 = 47
-    47 - 15 = 32
+    23 + 24: 3 + 4 = 7, 2 + 2 = 4, so 47
+    47 - 15: 7 - 5 = 2, 4 - 1 = 3, so 32
     #### 32
 
 The problem's template and numbers form its key; train and test keys never overlap (`mla_quant.tasks.split`).
@@ -30,6 +33,35 @@ ITEMS = "apples pens stickers cookies marbles books shells cards coins stamps".s
 CONTAINERS = "bags boxes packs jars".split()
 
 
+def add_step(x: int, y: int) -> str:
+    """`x + y` worked in columns, units first: "46 + 35: 6 + 5 = 11, 4 + 3 + 1 = 8, so 81"."""
+    xs, ys = str(x)[::-1], str(y)[::-1]
+    columns, digits, carry = [], [], 0
+    n = max(len(xs), len(ys))
+    for i in range(n):
+        dx, dy = int(xs[i]) if i < len(xs) else 0, int(ys[i]) if i < len(ys) else 0
+        s = dx + dy + carry
+        columns.append(f"{dx} + {dy}" + (" + 1" if carry else "") + f" = {s}")
+        digits.append(str(s) if i == n - 1 else str(s % 10))
+        carry = s // 10
+    assert int("".join(reversed(digits))) == x + y
+    return f"{x} + {y}: " + ", ".join(columns) + f", so {x + y}"
+
+
+def sub_step(x: int, y: int) -> str:
+    """`x - y` (x >= y) worked in columns, units first: "72 - 36: 12 - 6 = 6, 7 - 3 - 1 = 3, so 36"."""
+    if y > x:
+        raise ValueError(f"sub_step({x}, {y}): the result would be negative")
+    xs, ys = str(x)[::-1], str(y)[::-1]
+    columns, borrow = [], 0
+    for i in range(len(xs)):
+        dx, dy = int(xs[i]), int(ys[i]) if i < len(ys) else 0
+        top = dx + (10 if dx - borrow < dy else 0)
+        columns.append(f"{top} - {dy}" + (" - 1" if borrow else "") + f" = {top - dy - borrow}")
+        borrow = int(top > dx)
+    return f"{x} - {y}: " + ", ".join(columns) + f", so {x - y}"
+
+
 def _pronoun(name: str) -> str:
     return "She" if name in SHE else "He"
 
@@ -42,7 +74,7 @@ def buy_bags_give(rng: random.Random) -> tuple[str, list[str], int, str]:
     d = rng.randint(1, a + b * c - 1)
     q = (f"{name} has {a} {item}. {_pronoun(name)} buys {b} {box} with {c} {item} in each. "
          f"Then {_pronoun(name).lower()} gives {d} {item} to {friend}. How many {item} does {name} have now?")
-    steps = [f"{b} * {c} = {b * c}", f"{a} + {b * c} = {a + b * c}", f"{a + b * c} - {d} = {a + b * c - d}"]
+    steps = [f"{b} * {c} = {b * c}", add_step(a, b * c), sub_step(a + b * c, d)]
     return q, steps, a + b * c - d, f"bbg:{a}:{b}:{c}:{d}"
 
 
@@ -54,7 +86,7 @@ def get_then_give(rng: random.Random) -> tuple[str, list[str], int, str]:
     c = rng.randint(1, a + b - 1)
     q = (f"{name} has {a} {item}. {friend} gives {'her' if name in SHE else 'him'} "
          f"{b} more {item}. Then {name} loses {c} {item}. How many {item} does {name} have left?")
-    steps = [f"{a} + {b} = {a + b}", f"{a + b} - {c} = {a + b - c}"]
+    steps = [add_step(a, b), sub_step(a + b, c)]
     return q, steps, a + b - c, f"gtg:{a}:{b}:{c}"
 
 
@@ -65,7 +97,7 @@ def daily_plus(rng: random.Random) -> tuple[str, list[str], int, str]:
     a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 99)
     q = (f"{name} collects {a} {item} every day for {b} days. {_pronoun(name)} already had {c} {item}. "
          f"How many {item} does {name} have in total?")
-    steps = [f"{a} * {b} = {a * b}", f"{a * b} + {c} = {a * b + c}"]
+    steps = [f"{a} * {b} = {a * b}", add_step(a * b, c)]
     return q, steps, a * b + c, f"dp:{a}:{b}:{c}"
 
 
@@ -82,7 +114,7 @@ def share_equally(rng: random.Random) -> tuple[str, list[str], int, str]:
         total = b * c
     q = (f"{name} has {b} {box} with {c} {item} in each. {_pronoun(name)} keeps {d} {item} and shares the rest "
          f"equally among {e} friends. How many {item} does each friend get?")
-    steps = [f"{b} * {c} = {total}", f"{total} - {d} = {total - d}", f"{total - d} / {e} = {(total - d) // e}"]
+    steps = [f"{b} * {c} = {total}", sub_step(total, d), f"{total - d} / {e} = {(total - d) // e}"]
     return q, steps, (total - d) // e, f"se:{b}:{c}:{d}:{e}"
 
 

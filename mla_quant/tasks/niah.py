@@ -104,15 +104,19 @@ def haystack_block(rng: random.Random, haystack: str) -> str:
 
 
 def make_doc(rng: random.Random, variant: str, max_length: int, split: str = "train",
-             count_tokens: Callable[[str], int] = len, reserve: int = 48) -> dict:
+             count_tokens: Callable[[str], int] = len, reserve: int = 48, n_needles: int | None = None) -> dict:
     """One example whose prompt plus `reserve` generated tokens fits in `max_length` tokens.
 
-    Returns RULER's fields (input, outputs, gen_prefix, length, max_length) plus prompt/answer for training.
+    Returns RULER's fields (input, outputs, gen_prefix, length, max_length) plus prompt/answer for training and
+    `needles` ((key, value) of every needle, the asked one first). `n_needles` overrides the variant's count.
     """
     check_split(split)
     if variant not in VARIANTS:
         raise ValueError(f"niah variant {variant!r}; allowed: {sorted(VARIANTS)}")
-    haystack, kind, n_needles = VARIANTS[variant]
+    haystack, kind, default_needles = VARIANTS[variant]
+    n_needles = default_needles if n_needles is None else n_needles
+    if n_needles < 1:
+        raise ValueError(f"n_needles={n_needles}; at least 1")
     kinds = kind + "s"
     taken: set[str] = set()
     needles = []
@@ -154,7 +158,14 @@ def make_doc(rng: random.Random, variant: str, max_length: int, split: str = "tr
         "key": query.key,
         "prompt": prompt,
         "answer": " " + query.value,
+        "needles": [(n.key, n.value) for n in needles],
     }
+
+
+def question(kind: str, key: str) -> str:
+    """The query part of the template for `key`, ending with the generation prefix (what a prompt ends with)."""
+    tail = TEMPLATE.split("{context}\n", 1)[1]
+    return tail.format(kind=kind, query=key) + " " + GEN_PREFIX.format(kind=kind, query=key)
 
 
 def test_set(variant: str, lengths: list[int], n: int, seed: int,

@@ -144,7 +144,7 @@ def load_toy_model(path: str | Path | None = None, dtype: str = "float32", attn_
 
 
 def load_toy_tokenizer(path: str | Path | None = None):
-    """The shipped character tokenizer (AutoTokenizer over the assets folder, offline)."""
+    """The shipped byte-level BPE tokenizer (AutoTokenizer over the assets folder, offline)."""
     from transformers import AutoTokenizer
 
     folder = Path(path) if path else ASSETS

@@ -21,6 +21,7 @@ PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
 SPECIAL_TOKENS = [PAD, EOS, UNK]  # ids 0, 1, 2
 VOCAB_SIZE = 1024
 MAX_LENGTH = 1024
+UUID_PATTERN = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 
 
 def corpus(n_docs: int = 600, seed: int = 0) -> Iterator[str]:
@@ -38,12 +39,14 @@ def corpus(n_docs: int = 600, seed: int = 0) -> Iterator[str]:
 
 def build_tokenizer(vocab_size: int = VOCAB_SIZE, n_docs: int = 600, seed: int = 0):
     """A PreTrainedTokenizerFast: eos `</s>`, pad `<pad>`, no BOS ever added, left padding for generation."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE(unk_token=None))
-    # Digits first so that the byte-level regex never merges a number into one token.
+    # A UUID-like value is a piece of its own, so its first characters never merge with the space before it (the
+    # first answer token is " ", as for a number). Then digits, so that the byte-level regex never merges a number.
     core.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(UUID_PATTERN), behavior="isolated"),
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])

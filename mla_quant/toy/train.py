@@ -41,7 +41,13 @@ class TrainOptions:
     # up to the row length, so they grow with it; rows x length stays 4096 tokens per step.
     curriculum: list = field(default_factory=lambda: [[0.0, 256, 16], [0.45, 512, 8], [0.8, 1024, 4]])
     # probability of each document kind
-    mix: dict = field(default_factory=lambda: {"niah": 0.4, "arithmetic": 0.35, "code": 0.25})
+    mix: dict = field(default_factory=lambda: {"niah": 0.45, "arithmetic": 0.45, "code": 0.1})
+    # probability of each needle variant among needle documents
+    niah_variants: dict = field(default_factory=lambda: {"single_1": 0.15, "single_2": 0.2, "single_3": 0.3,
+                                                         "multikey_1": 0.35})
+    # training needle documents over varied text hold 1..max_needles needles (multikey_1 always its 4), and every
+    # needle is asked in turn, so each long document teaches key matching several times
+    max_needles: int = 4
     niah_min_length: int = 160  # tokens; shortest needle document
     checkpoint_every: int = 100
     eval_every: int = 250
@@ -67,31 +73,51 @@ def lr_at(opts: TrainOptions, step: int) -> float:
     return opts.lr * (opts.min_lr_ratio + (1 - opts.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def encode_doc(tok, prompt: str, answer: str) -> tuple[list[int], list[int]]:
-    """ids of prompt + answer + EOS and labels (IGNORE on the prompt)."""
-    p, a = tok(prompt).input_ids, tok(answer).input_ids + [tok.eos_token_id]
-    return p + a, [IGNORE] * len(p) + a
+def encode_doc(tok, *segments: tuple[str, str]) -> tuple[list[int], list[int]]:
+    """ids of prompt + answer + EOS (for each (prompt, answer) segment) and labels (IGNORE on the prompts)."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for prompt, answer in segments:
+        p, a = tok(prompt).input_ids, tok(answer).input_ids + [tok.eos_token_id]
+        ids += p + a
+        labels += [IGNORE] * len(p) + a
+    return ids, labels
 
 
-def sample_doc(rng: random.Random, tok, opts: TrainOptions, max_tokens: int, split: str = "train") -> tuple[str, str]:
+def needle_segments(doc: dict, rng: random.Random) -> list[tuple[str, str]]:
+    """The document's own question first, then every other needle asked in turn, in random order."""
+    kind = niah.VARIANTS[doc["variant"]][1]
+    others = doc["needles"][1:]
+    rng.shuffle(others)
+    return [(doc["prompt"], doc["answer"])] + [("\n" + niah.question(kind, k), " " + v) for k, v in others]
+
+
+def sample_doc(rng: random.Random, tok, opts: TrainOptions, max_tokens: int,
+               split: str = "train") -> list[tuple[str, str]]:
+    """One document of the mix as (prompt, answer) segments."""
     kinds, weights = zip(*opts.mix.items())
     kind = rng.choices(kinds, weights)[0]
     if kind == "niah" and max_tokens < opts.niah_min_length:
         kind = "arithmetic"  # no room left in the row for a needle document
     if kind == "niah":
-        variant = rng.choice(list(niah.VARIANTS))
+        variant = rng.choices(*zip(*opts.niah_variants.items()))[0]
+        haystack, value_kind, n_needles = niah.VARIANTS[variant]
+        if haystack == "varied" and n_needles == 1:
+            n_needles = rng.randint(1, opts.max_needles)
         count = lambda s: len(tok(s).input_ids)  # noqa: E731
         for _ in range(20):
             length = rng.randint(opts.niah_min_length, max_tokens)
+            follow_up = 76 if value_kind == "uuid" else 48  # tokens of one follow-up question and its answer
             try:
-                doc = niah.make_doc(rng, variant, length, split, count_tokens=count, reserve=24)
-                return doc["prompt"], doc["answer"]
+                doc = niah.make_doc(rng, variant, length, split, count_tokens=count,
+                                    reserve=24 + follow_up * (n_needles - 1), n_needles=n_needles)
+                return needle_segments(doc, rng)
             except ValueError:  # too short for this variant's template: draw again
                 continue
         kind = "arithmetic"
     gen = {"arithmetic": arithmetic.make_problem, "code": code.make_problem}[kind]
     p = gen(rng, split)
-    return p["prompt"], p.get("completion") or p["canonical_solution"]
+    return [(p["prompt"], p.get("completion") or p["canonical_solution"])]
 
 
 def make_batch(tok, opts: TrainOptions, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,8 +151,8 @@ def heldout_docs(tok, opts: TrainOptions) -> dict[str, list[tuple[list[int], lis
     out = {}
     for kind in ("niah", "arithmetic", "code"):
         rng = random.Random(f"toy-heldout:{opts.seed}:{kind}")
-        one = TrainOptions(**{**opts.__dict__, "mix": {kind: 1.0}})
-        out[kind] = [encode_doc(tok, *sample_doc(rng, tok, one, 512, split="test")) for _ in range(opts.eval_docs)]
+        one = TrainOptions(**{**opts.__dict__, "mix": {kind: 1.0}, "max_needles": 1})
+        out[kind] = [encode_doc(tok, *sample_doc(rng, tok, one, 512, split="test")[:1]) for _ in range(opts.eval_docs)]
     return out
 
 
