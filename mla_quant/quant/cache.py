@@ -33,8 +33,9 @@ Later tokens beyond that range saturate at +-448 * scale, as in vLLM.
 
 Semantics (`quant.mode`): "simulated": every read sees the stored (dequantized) values outside the protected
 region, the prefill step included. "serving": the step that appends tokens sees its own fresh latents; only later
-steps see stored values. The read path here dequantizes the whole quantized region at each read (a reference, not
-a kernel: the Triton backend will read the stored tensors in place).
+steps see stored values. The read path here dequantizes the whole quantized region at each read (the reference);
+with `quant.backend=triton` decode steps run mla_quant/kernels/latent_decode.py, which reads the stored tensors in
+place (prefill keeps this path).
 """
 
 from __future__ import annotations
@@ -99,8 +100,6 @@ class QuantizedLatentCacheLayer(LatentCacheLayer):
 
     def __init__(self, fmt: CacheFormat, **kwargs):
         super().__init__(**kwargs)
-        if fmt.backend != "torch":
-            raise NotImplementedError(f"quant.backend={fmt.backend!r}: only the torch read path exists so far")
         self.fmt = fmt
         self._clear_stored()
 
@@ -157,15 +156,17 @@ class QuantizedLatentCacheLayer(LatentCacheLayer):
             for p in per_tensor:
                 self.tensor_scales[p] = tensor_scale_for(x[p])
 
-    def read_stored(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every token as stored: protected ones exact, quantized ones dequantized. (B, S, d_c), (B, S, d_r)."""
+    def read_stored(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token as stored: protected ones exact, quantized ones dequantized (to `dtype`, default the
+        activation dtype). (B, S, d_c), (B, S, d_r)."""
         if not self.is_initialized:
             raise RuntimeError("read() on an empty latent cache layer")
         if self.n_quantized == 0:
-            return self.content, self.rope
+            return (self.content, self.rope) if dtype is None else (self.content.to(dtype), self.rope.to(dtype))
         n_s, out = self.n_sink_held, []
         for path, protected, d in (("content", self.content, self.fmt.d_c), ("rope", self.rope, self.fmt.d_r)):
             fmt = self.fmt.path(path)
+            protected = protected if dtype is None else protected.to(dtype)
             middle = decode_path(fmt, self.stored[path].view(), d, protected.dtype, self.tensor_scales[path])
             out.append(torch.cat([protected[:, :n_s], middle, protected[:, n_s:]], dim=1))
         return out[0], out[1]
@@ -246,10 +247,18 @@ def cache_layer_factory(quant_cfg, d_c: int, d_r: int, context: int | None = Non
     `context`, also that the protected region leaves something to quantize).
     An all-bf16 format returns the plain `LatentCacheLayer` itself (exact, nothing changed)."""
     fmt = cache_format(quant_cfg, d_c, d_r, context)
+    if fmt.backend == "triton":  # decode steps through the Triton kernel (mla_quant/kernels/latent_decode.py)
+        from mla_quant.kernels import latent_decode as kernels
+
+        kernels.check_triton_format(fmt)
+        why = kernels.triton_available()
+        if why:
+            raise RuntimeError(f"quant.backend=triton cannot run: {why}; or use quant.backend=torch")
+        if not fmt.quantized:
+            return kernels.TritonLatentCacheLayer
+        return functools.partial(kernels.TritonQuantizedLatentCacheLayer, fmt)
     if not fmt.quantized:
         return LatentCacheLayer
-    if fmt.backend != "torch":
-        raise NotImplementedError(f"quant.backend={fmt.backend!r}: only the torch read path exists so far")
     return functools.partial(QuantizedLatentCacheLayer, fmt)
 
 

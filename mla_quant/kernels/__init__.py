@@ -1,0 +1,1 @@
+"""Triton kernels over the latent cache (decode attention), each with a same-signature PyTorch reference."""

@@ -1,0 +1,144 @@
+"""The Triton decode kernel against its PyTorch reference (Triton's CPU interpreter here, set in conftest.py; on a GPU
+box run with TRITON_INTERPRET=0), reading the quantized cache's stored tensors in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from mla_quant.kernels.latent_decode import latent_decode, latent_decode_reference, mask_to_bias
+from mla_quant.models.absorbed import cache_kwargs
+from mla_quant.quant.cache import cache_layer_factory, load_quant_option, quantized_cache
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def filled_layer(quant: dict, d_c: int, d_r: int, batch: int, tokens: int, dtype=torch.float32, seed: int = 0):
+    cfg = OmegaConf.merge(load_quant_option(quant.pop("option", "int4_joint")), quant)
+    layer = cache_layer_factory(cfg, d_c, d_r, context=4096)()
+    g = torch.Generator().manual_seed(seed)
+    c = torch.randn(batch, tokens, d_c, generator=g).to(DEVICE, dtype)
+    r = (3 * torch.randn(batch, tokens, d_r, generator=g)).to(DEVICE, dtype)
+    first = tokens * 2 // 3
+    layer.append(c[:, :first], r[:, :first])  # a prefill, then single-token decode appends
+    for i in range(first, tokens):
+        layer.append(c[:, i : i + 1], r[:, i : i + 1])
+    return layer
+
+
+FORMATS = {
+    "bf16 (plain layer)": {"option": "bf16"},
+    "int4 g32 + int4 rope": {"content": {"group_size": 32}},
+    "int2 g32 + int4 rope": {"option": "int2_content_int4_rope", "content": {"group_size": 32}},
+    "int8 g96 sym + bf16 rope": {"option": "int4_content", "content": {"bits": 8, "group_size": 96,
+                                                                       "symmetric": True}},
+    "int4 pow2 sym + int8 rope": {"content": {"group_size": 32, "symmetric": True, "scale_dtype": "pow2"},
+                                  "rope": {"bits": 8}},
+    "int4 bf16 scales, no recent": {"content": {"group_size": 48, "scale_dtype": "bf16"},
+                                    "protected": {"n_sink": 2, "recent": 0}},
+}
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("heads", [4, 20])
+def test_kernel_matches_reference(name, heads):
+    layer = filled_layer(dict(FORMATS[name]), d_c=96, d_r=16, batch=2, tokens=190)
+    if name != "bf16 (plain layer)":
+        assert layer.n_quantized > 0
+    g = torch.Generator().manual_seed(1)
+    q_latent = torch.randn(2, heads, 96, generator=g).to(DEVICE)
+    q_rope = torch.randn(2, heads, 16, generator=g).to(DEVICE)
+    bias = torch.zeros(2, 190, device=DEVICE)
+    bias[1, :9] = float("-inf")  # left padding of the second sequence
+    for b in (None, bias):
+        out = latent_decode(q_latent, q_rope, layer, 0.12, b, block_n=16, split_tokens=48)  # several splits
+        ref = latent_decode_reference(q_latent, q_rope, layer, 0.12, b)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_reads_the_stored_codes_in_place():
+    """Flipping one stored code moves the kernel's output exactly as it moves the reference's."""
+    layer = filled_layer({"content": {"group_size": 32}}, d_c=64, d_r=16, batch=1, tokens=160)
+    q_latent, q_rope = torch.randn(1, 4, 64, device=DEVICE), torch.randn(1, 4, 16, device=DEVICE)
+    before = latent_decode(q_latent, q_rope, layer, 0.2)
+    codes = layer.stored["content"].parts["codes"]
+    codes[0, 3] ^= 0xFF  # every nibble of token 3's first bytes changes
+    after = latent_decode(q_latent, q_rope, layer, 0.2)
+    assert (after - before).abs().max() > 1e-4
+    torch.testing.assert_close(after, latent_decode_reference(q_latent, q_rope, layer, 0.2), rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_activations():
+    layer = filled_layer({"content": {"group_size": 32}}, d_c=64, d_r=16, batch=1, tokens=150, dtype=torch.bfloat16)
+    q_latent = torch.randn(1, 4, 64, device=DEVICE, dtype=torch.bfloat16)
+    q_rope = torch.randn(1, 4, 16, device=DEVICE, dtype=torch.bfloat16)
+    out = latent_decode(q_latent, q_rope, layer, 0.2)
+    torch.testing.assert_close(out, latent_decode_reference(q_latent, q_rope, layer, 0.2), rtol=1e-3, atol=1e-4)
+
+
+def test_mask_to_bias():
+    mask = torch.tensor([[[[True, False, True]]]])
+    assert mask_to_bias(mask, 2, 2).tolist() == [[float("-inf"), 0.0]] * 2
+    additive = torch.tensor([[[[0.0, -1e9]]]])
+    assert mask_to_bias(additive, 1, 2).tolist() == [[0.0, -1e9]]
+
+
+@pytest.mark.parametrize("option, override, match", [
+    ("int4_joint", {"content": {"bits": 3, "group_size": 32}}, r"quant.content.bits=3.*bits \[2, 4, 8\]"),
+    ("fp8_ds_mla", {}, r"quant.content.format=fp8.*quant.backend=torch"),
+])
+def test_formats_the_kernel_cannot_read_are_named(option, override, match):
+    cfg = OmegaConf.merge(load_quant_option(option), override, {"backend": "triton"})
+    with pytest.raises(ValueError, match=match):
+        cache_layer_factory(cfg, 96 if option != "fp8_ds_mla" else 512, 16 if option != "fp8_ds_mla" else 64)
+
+
+def test_no_gpu_and_no_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = OmegaConf.merge(load_quant_option("int4_joint"), {"backend": "triton", "content": {"group_size": 32}})
+    with pytest.raises(RuntimeError, match="no CUDA GPU.*TRITON_INTERPRET=1"):
+        cache_layer_factory(cfg, 96, 16)
+
+
+def test_toy_model_decodes_the_same_through_the_kernel():
+    """Greedy decode of the shipped toy model (batch of 2, left padding) with quant.backend=triton: the same tokens
+    and logits as the PyTorch read path, for a quantized and a BF16 cache."""
+    from mla_quant.tasks import niah
+    from mla_quant.toy.model import load_toy_model, load_toy_tokenizer
+
+    model, tok = load_toy_model(device=DEVICE), load_toy_tokenizer()
+    count = lambda s: len(tok(s).input_ids)  # noqa: E731
+    prompts = [d["prompt"] for d in niah.test_set("single_2", [200], 2, seed=3, count_tokens=count)]
+    enc = tok(prompts, return_tensors="pt", padding=True).to(DEVICE)
+    assert (enc.attention_mask == 0).any()  # left padding is exercised
+    for option in ("int4_joint", "bf16"):
+        runs = {}
+        for backend in ("torch", "triton"):
+            cfg = OmegaConf.merge(load_quant_option(option),
+                                  {"backend": backend, "content": {"group_size": 32}, "protected": {"recent": 16}})
+            out = model.generate(**enc, max_new_tokens=4, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True, **cache_kwargs(quantized_cache(model, cfg)))
+            runs[backend] = out
+        assert torch.equal(runs["torch"].sequences, runs["triton"].sequences), option
+        torch.testing.assert_close(torch.stack(runs["triton"].scores), torch.stack(runs["torch"].scores),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_bench_kernel_stage_smoke(tmp_path, monkeypatch):
+    """experiment=bench_kernel runs end to end (interpreter times mean nothing; the figures come from a GPU)."""
+    import json
+
+    from conftest import compose
+
+    from mla_quant import pipeline
+
+    monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: tmp_path)
+    pipeline.main(compose(["experiment=bench_kernel", "logger=none", "task.contexts=[200]", "task.iters=1",
+                           "task.warmup=0", "task.batch_size=1", "task.heads=4", "task.d_c=64", "task.d_r=16",
+                           "task.formats=[bf16,int4_joint]", "+task.quant_overrides.content.group_size=32"]))
+    metrics = json.loads((tmp_path / "record.json").read_text())["metrics"]
+    assert metrics["bench_kernel/int4_joint/ctx200/max_abs_err"] < 1e-2
+    assert metrics["bench_kernel/int4_joint/ctx200/bytes"] < metrics["bench_kernel/bf16/ctx200/bytes"]
+    assert (tmp_path / "bench_kernel.md").is_file()
