@@ -17,7 +17,7 @@ and its log-sum-exp. Stage 2 merges the partials with log-sum-exp weights (PyTor
 Supported per path: float values (bf16 / fp16 / fp32) or int with bits 2, 4, 8 (symmetric or asymmetric, group size
 a multiple of the codes per byte, scales fp16 / bf16 / fp32 / pow2). `check_triton_format` names anything else.
 On the CPU the kernel runs under TRITON_INTERPRET=1 (set before this module is imported); tests compare it with the
-reference there, and benchmarks/bench_kernel.py measures it on a GPU.
+reference there, and `python run.py experiment=bench_kernel` (mla_quant/stages/bench_kernel.py) measures it on a GPU.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 
 from mla_quant.models.latent_attention import latent_attention
+from mla_quant.models.latent_cache import LatentCacheLayer
+from mla_quant.quant.cache import QuantizedLatentCacheLayer
 
 TRITON_INT_BITS = (2, 4, 8)
 
@@ -51,18 +53,18 @@ def check_triton_format(fmt) -> None:
                              f"multiple of {8 // p.bits} (the codes in one byte at bits={p.bits})")
 
 
-def triton_available() -> str | None:
-    """None if the kernel can launch here, else why not."""
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        return None
-    return "no CUDA GPU here (set TRITON_INTERPRET=1 before starting to run the kernel in Triton's CPU interpreter)"
+def require_triton(what: str = "quant.backend=triton", hint: str = "") -> None:
+    """Raise RuntimeError naming `what` unless the kernel can launch here (a CUDA GPU, or the CPU interpreter)."""
+    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise RuntimeError(f"{what} cannot run: no CUDA GPU here (set TRITON_INTERPRET=1 before starting to run the "
+                           f"kernel in Triton's CPU interpreter){hint}")
 
 
 def mask_to_bias(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
     """An attention mask as transformers hands it for one query, (B, 1, 1, S) bool or additive -> (B, S) float32."""
     if mask is None:
         return None
-    m = mask[..., -length:].reshape(mask.shape[0], -1)[:, -length:].expand(batch, length)
+    m = mask[:, 0, -1, -length:].expand(batch, length)
     if m.dtype == torch.bool:
         return torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill(~m, float("-inf"))
     return m.float()
@@ -184,9 +186,7 @@ def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, layer, scale: fl
                   bias: torch.Tensor | None = None, block_n: int = 32, split_tokens: int = 256) -> torch.Tensor:
     """Triton decode attention (see the module docstring). q_latent (B, H, d_c), q_rope (B, H, d_r), bias (B, S)
     additive (0 / -inf) or None -> o_latent (B, H, d_c) float32."""
-    why = triton_available()
-    if why:
-        raise RuntimeError(f"quant.backend=triton cannot run: {why}")
+    require_triton()
     b, h, d_c = q_latent.shape
     d_r = q_rope.shape[-1]
     fmt = getattr(layer, "fmt", None)
@@ -255,17 +255,9 @@ class KernelDecode:
         return out.to(q_latent.dtype)[:, :, None]
 
 
-def _make_layer_classes():
-    from mla_quant.models.latent_cache import LatentCacheLayer
-    from mla_quant.quant.cache import QuantizedLatentCacheLayer
-
-    class TritonLatentCacheLayer(KernelDecode, LatentCacheLayer):
-        """Plain (BF16 / float) latent cache whose decode steps run the Triton kernel."""
-
-    class TritonQuantizedLatentCacheLayer(KernelDecode, QuantizedLatentCacheLayer):
-        """Quantized latent cache whose decode steps run the Triton kernel over the packed storage."""
-
-    return TritonLatentCacheLayer, TritonQuantizedLatentCacheLayer
+class TritonLatentCacheLayer(KernelDecode, LatentCacheLayer):
+    """Plain (BF16 / float) latent cache whose decode steps run the Triton kernel."""
 
 
-TritonLatentCacheLayer, TritonQuantizedLatentCacheLayer = _make_layer_classes()
+class TritonQuantizedLatentCacheLayer(KernelDecode, QuantizedLatentCacheLayer):
+    """Quantized latent cache whose decode steps run the Triton kernel over the packed storage."""

@@ -251,9 +251,7 @@ def cache_layer_factory(quant_cfg, d_c: int, d_r: int, context: int | None = Non
         from mla_quant.kernels import latent_decode as kernels
 
         kernels.check_triton_format(fmt)
-        why = kernels.triton_available()
-        if why:
-            raise RuntimeError(f"quant.backend=triton cannot run: {why}; or use quant.backend=torch")
+        kernels.require_triton(hint="; or use quant.backend=torch")
         if not fmt.quantized:
             return kernels.TritonLatentCacheLayer
         return functools.partial(kernels.TritonQuantizedLatentCacheLayer, fmt)

@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from mla_quant.kernels.latent_decode import latent_decode, latent_decode_reference, triton_available
+from mla_quant.kernels.latent_decode import latent_decode, latent_decode_reference, require_triton
 from mla_quant.models.build import resolve_device
 from mla_quant.pipeline import StageResult
 from mla_quant.quant.cache import cache_layer_factory, load_quant_option
@@ -46,9 +46,7 @@ def _timed(fn, device: str, iters: int, warmup: int) -> float:
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
-    why = triton_available()
-    if why:
-        raise RuntimeError(f"experiment=bench_kernel cannot run: {why}")
+    require_triton("experiment=bench_kernel")
     device = resolve_device(cfg.device)
     dtype = getattr(torch, task.dtype)
     g = torch.Generator().manual_seed(cfg.seed)

@@ -105,12 +105,13 @@ def sample_doc(rng: random.Random, tok, opts: TrainOptions, max_tokens: int,
         if haystack == "varied" and n_needles == 1:
             n_needles = rng.randint(1, opts.max_needles)
         count = lambda s: len(tok(s).input_ids)  # noqa: E731
+        follow_up = 76 if value_kind == "uuid" else 48  # tokens of one follow-up question and its answer
+        reserve = 24 + follow_up * (n_needles - 1)  # room for the answer and the follow-up questions
         for _ in range(20):
             length = rng.randint(opts.niah_min_length, max_tokens)
-            follow_up = 76 if value_kind == "uuid" else 48  # tokens of one follow-up question and its answer
             try:
-                doc = niah.make_doc(rng, variant, length, split, count_tokens=count,
-                                    reserve=24 + follow_up * (n_needles - 1), n_needles=n_needles)
+                doc = niah.make_doc(rng, variant, length, split, count_tokens=count, reserve=reserve,
+                                    n_needles=n_needles)
                 return needle_segments(doc, rng)
             except ValueError:  # too short for this variant's template: draw again
                 continue
