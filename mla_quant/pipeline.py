@@ -14,9 +14,7 @@ from __future__ import annotations
 import random
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -25,17 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from mla_quant.models.build import resolve_device
 from mla_quant.record import write_record
+from mla_quant.stages import StageFailed, StageResult, refuse_unused_groups
 
-
-@dataclass
-class StageResult:
-    metrics: dict[str, Any] = field(default_factory=dict)
-    ok: bool = True
-    message: str = ""
-
-
-class StageFailed(RuntimeError):
-    """A stage ran to the end but its checks failed (the record is written first)."""
+__all__ = ["StageFailed", "StageResult", "main"]
 
 
 def seed_everything(seed: int) -> None:
@@ -75,6 +65,7 @@ def main(cfg: DictConfig) -> StageResult:
     device = resolve_device(cfg.device)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     stage = get_method(cfg.task._target_)  # fails early, naming the target, if it does not exist
+    refuse_unused_groups(cfg.task)  # an override of a group this experiment does not read is refused by name
     seed_everything(cfg.seed)
 
     tracker = instantiate(cfg.logger)

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from mla_quant.eval import task_utils  # noqa: E402
 from mla_quant.eval.harness import ContextTooLong, LatentCacheHFLM, cache_layer_factory, evaluate_tasks, rope_zeroed  # noqa: E402,E501
 from mla_quant.eval.task_files import CODE_TASKS, NIAH_TASKS, TOY_TASKS, write_task_files  # noqa: E402
-from mla_quant.models.latent_cache import LatentCacheLayer  # noqa: E402
+from mla_quant.cache import LatentCacheLayer  # noqa: E402
 from mla_quant.toy.model import load_toy_model, load_toy_tokenizer  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

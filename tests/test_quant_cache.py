@@ -6,19 +6,12 @@ from pathlib import Path
 import hydra
 import pytest
 import torch
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from mla_quant.models.absorbed import cache_kwargs, latent_dims, new_cache
-from mla_quant.models.latent_cache import LatentCacheLayer
-from mla_quant.quant.cache import (
-    QuantizedLatentCacheLayer,
-    load_quant_option,
-    byte_table,
-    cache_layer_factory,
-    measure_bytes,
-    quantized_cache,
-)
+from mla_quant.cache import LatentCacheLayer, cache_layer_factory
+from mla_quant.cache.bytes import byte_table, load_quant_option, measure_bytes
+from mla_quant.models.absorbed import cache_kwargs, latent_dims, new_cache, quantized_cache
+from mla_quant.models.prepare import build_model
 from mla_quant.quant.formats import cache_bytes_per_token, cache_format, fake_quantizer
 from mla_quant.quant.quantizers import fake_quantize, fp8_fake_quantize
 
@@ -29,8 +22,12 @@ TINY = ["quant.content.group_size=16", "quant.protected.n_sink=2", "quant.protec
 
 
 def compose(*overrides):
+    """The run config; the quant options' content groups resolve for d_c = 512 unless a model is chosen."""
+    overrides = list(overrides[0]) if len(overrides) == 1 and isinstance(overrides[0], list) else list(overrides)
+    if not any(o.startswith("model=") for o in overrides):
+        overrides.insert(0, "model=tiny_deepseek_v2_lite_dims")
     with hydra.initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return hydra.compose("config", overrides=list(overrides))
+        return hydra.compose("config", overrides=overrides)
 
 
 def quant_cfg(option, *overrides):
@@ -46,7 +43,7 @@ def rel_err(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def model():
-    return instantiate(compose("model=tiny_deepseek_v3").model)
+    return build_model(compose("model=tiny_deepseek_v3").model)
 
 
 @pytest.fixture(scope="module")
@@ -77,22 +74,20 @@ def test_required_options_exist():
 
 @pytest.mark.parametrize("option", OPTIONS)
 def test_every_option_composes_and_builds(option):
-    quant = compose(f"quant={option}").quant
+    quant = OmegaConf.create(OmegaConf.to_container(compose(f"quant={option}").quant, resolve=True))
     assert quant == load_quant_option(option)
     bf16 = OmegaConf.to_container(load_quant_option("bf16"))
     assert _shape(OmegaConf.to_container(quant)) == _shape(bf16), f"{option} does not have the shape of bf16.yaml"
     assert quant.name == option
     factory = cache_layer_factory(quant, d_c=512, d_r=64)
     layer = factory()
-    if option == "bf16":
-        assert factory is LatentCacheLayer and type(layer) is LatentCacheLayer
-    else:
-        assert isinstance(layer, QuantizedLatentCacheLayer)
+    assert type(layer) is LatentCacheLayer and layer.fmt.name == option
+    assert layer.quantized == (option != "bf16")
 
 
 def test_command_line_per_path_combination():
     overrides = ("quant.content.bits=3", "quant.rope.bits=8", "quant.content.group_size=64")
-    quant = compose("quant=int4_joint", *overrides).quant
+    quant = OmegaConf.create(OmegaConf.to_container(compose("quant=int4_joint", *overrides).quant, resolve=True))
     assert quant == quant_cfg("int4_joint", *overrides)
     fmt = cache_format(quant, 512, 64)
     assert (fmt.content.bits, fmt.rope.bits, fmt.content.group_size) == (3, 8, 64)
@@ -122,7 +117,7 @@ def test_command_line_per_path_combination():
         (["quant=int4_joint", "quant.content.group_size=100"], r"group_size=100 does not divide .* 512"),
         (["quant=int4_joint", "quant.rope.group_size=48"], r"quant.rope.group_size=48 does not divide .* 64"),
         (["quant=int4_joint", "quant.rope.scale_dtype=fp8"], r"scale_dtype='fp8'.*pow2"),
-        (["quant=fp8_ds_mla", "quant.content.bits=4"], r"bits=4 but format=fp8"),
+        (["quant=fp8_ds_mla", "quant.content.bits=4"], r"bits=4 is not a width of format=fp8"),
         (["quant=int4_joint", "quant.content.format=nf4"], r"format='nf4'.*bf16"),
         (["quant=int4_joint", "quant.mode=fast"], r"quant.mode='fast'.*serving"),
         (["quant=int4_joint", "quant.content.bitz=4"], r"unknown key\(s\) \['bitz'\]"),
@@ -145,7 +140,7 @@ def test_dimension_checked_against_the_model(model):
 # ---------------------------------------------------------------------------------------------- exactness
 def test_bf16_format_equals_plain_layer(model, ids, bf16_logits):
     fmt = cache_format(quant_cfg("bf16", "quant.protected.recent=8"), 32, 8)
-    layer = lambda: QuantizedLatentCacheLayer(fmt)  # noqa: E731 - bypasses the factory's bf16 shortcut on purpose
+    layer = lambda: LatentCacheLayer(fmt)  # noqa: E731 - bypasses the factory's bf16 shortcut on purpose
     with torch.no_grad():
         logits = model(ids, **cache_kwargs(new_cache(model, layer))).logits
     assert torch.equal(logits, bf16_logits), f"max diff {float((logits - bf16_logits).abs().max())}"
@@ -157,7 +152,7 @@ def test_bf16_format_equals_plain_layer(model, ids, bf16_logits):
         runs.append((out.sequences, torch.stack(out.logits), cache))
     assert torch.equal(runs[0][0], runs[1][0])
     assert torch.equal(runs[0][1], runs[1][1]), f"max diff {float((runs[0][1] - runs[1][1]).abs().max())}"
-    assert runs[1][2].layers[0].n_quantized == 45 - 4 - 8  # tokens did go through the bf16 "quantized" store
+    assert runs[1][2].layers[0].n_quantized == 45  # unquantized: every token in the paged store, nothing protected
 
 
 class FakeQuantMiddle(LatentCacheLayer):
@@ -238,18 +233,18 @@ def test_protected_region_exact_and_tokens_quantized_once():
             assert not torch.equal(c[:, mid], c_all[:, mid]), "int2 middle tokens read back unquantized"
             assert torch.equal(c[:, mid], fake_quantize(c_all[:, mid], 2, 16))
             assert torch.equal(r[:, mid], fake_quantize(r_all[:, mid], 4, None))
-            codes = layer.stored["content"].view()["codes"]
+            codes = layer.stored_parts("content")["codes"]
             if snapshot is not None:  # tokens already quantized never change
                 assert torch.equal(codes[:, : snapshot.shape[1]], snapshot)
             snapshot = codes.clone()
     # chunking does not matter: the same tokens give the same stored tensors
     for path in ("content", "rope"):
-        for k, v in one_shot.stored[path].view().items():
-            assert torch.equal(layer.stored[path].view()[k], v), f"{path}.{k} depends on the append chunking"
-    parts = layer.stored["content"].view()
+        for k, v in one_shot.stored_parts(path).items():
+            assert torch.equal(layer.stored_parts(path)[k], v), f"{path}.{k} depends on the append chunking"
+    parts = layer.stored_parts("content")
     assert parts["codes"].dtype == torch.uint8 and parts["codes"].shape == (2, 50, 16)  # 64 int2 codes = 16 bytes
     assert parts["scales"].dtype == torch.float16 and parts["scales"].shape == (2, 50, 4)
-    assert parts["zeros"].dtype == torch.float16 and layer.stored["rope"].view()["codes"].shape == (2, 50, 8)
+    assert parts["zeros"].dtype == torch.float16 and layer.stored_parts("rope")["codes"].shape == (2, 50, 8)
 
 
 def test_serving_layer_sees_fresh_then_stored():
@@ -272,7 +267,7 @@ def test_fp8_flat_shared_first_batch_scale():
     c, r = torch.randn(1, 10, 512, generator=gen), 5 * torch.randn(1, 10, 64, generator=gen)
     layer.append(c, r)
     scale = layer.tensor_scales["content"]
-    assert scale is layer.tensor_scales["rope"] and scale.dim() == 0
+    assert scale is layer.tensor_scales["rope"] and scale.shape == (1,)  # one scale per sequence
     assert float(scale) == pytest.approx(float(torch.cat([c.flatten(), r.flatten()]).abs().max()) / 448)
     layer.append(100 * c[:, :1], r[:, :1])  # later, larger tokens: same frozen scale, saturating at 448 * scale
     assert layer.tensor_scales["content"] is scale
@@ -310,12 +305,32 @@ def test_crop_and_batch_operations():
 
 
 # ---------------------------------------------------------------------------------------------- bytes
+def used_bytes(quant, contexts, chunk, batch=1, block_size=None):
+    """{context: (used, held)} of one layer filled in chunks, at d_c 512, d_r 64."""
+    if block_size is not None:
+        quant = OmegaConf.merge(quant, {"block_size": block_size})
+    return measure_bytes(cache_format(quant, 512, 64), contexts, batch=batch, chunk=chunk)
+
+
 def test_industry_layouts_exact_bytes():
     for option, per_token, constant in (("fp8_flat", 576, 4), ("fp8_ds_mla", 656, 0), ("bf16", 1152, 0)):
         quant = quant_cfg(option)
-        measured = measure_bytes(quant, (1, 300, 1000), chunk=256)
-        for s, nbytes in measured.items():
+        measured = used_bytes(quant, (1, 300, 1000), chunk=256)
+        for s, (nbytes, held) in measured.items():
             assert nbytes == per_token * s + constant, f"{option} at {s} tokens: {nbytes} B"
+            assert nbytes <= held <= nbytes + 64 * per_token, f"{option} at {s}: held {held} B, used {nbytes} B"
+
+
+@pytest.mark.parametrize("option", ["bf16", "int4_joint", "int2_content_int4_rope", "fp8_flat"])
+@pytest.mark.parametrize("block", [16, 64])
+def test_paged_storage_holds_at_most_one_block_more_than_it_uses(option, block):
+    """Held bytes (whole blocks + protected buffers) <= used + one partly filled block per sequence, at every
+    length; blocks come on demand (no doubling)."""
+    fmt = cache_format(OmegaConf.merge(quant_cfg(option), {"block_size": block}), 512, 64)
+    per_block = block * (fmt.content.bytes_per_token(512) + fmt.rope.bytes_per_token(64))
+    measured = measure_bytes(fmt, (1, 7, 131, 132, 133, 200, 1000, 1001), batch=3, chunk=97)
+    for s, (nbytes, held) in measured.items():
+        assert nbytes <= held <= nbytes + 3 * per_block, f"{option}, block {block}, {s} tokens: held {held}, used {nbytes}"
 
 
 @pytest.mark.parametrize("option", ["int8_joint", "int4_content", "int4_joint", "int2_content_int4_rope"])
@@ -323,7 +338,7 @@ def test_measured_bytes_equal_formula_and_scale_linearly(option):
     quant = quant_cfg(option)
     fmt = cache_format(quant, 512, 64)
     per_quantized = fmt.content.bytes_per_token(512) + fmt.rope.bytes_per_token(64)
-    measured = measure_bytes(quant, (100, 1000, 4096), chunk=512)
+    measured = {s: used for s, (used, _) in used_bytes(quant, (100, 1000, 4096), chunk=512).items()}
     for s, nbytes in measured.items():
         assert nbytes == cache_bytes_per_token(fmt, 512, 64, s) * s, f"{option} at {s}: {nbytes} B measured"
     assert measured[4096] - measured[1000] == per_quantized * 3096, "bytes do not grow by the per-token format size"
@@ -339,7 +354,7 @@ def test_byte_targets_at_128k():
         pct = 100 * cache_bytes_per_token(fmt, 512, 64, 131072) / 1152
         assert pct <= pct_max, f"{option}: {pct:.2f}% of BF16 at 128K (target <= {pct_max}%)"
     rows = byte_table(("fp8_ds_mla", "int4_joint"), contexts=(300, 2000), chunk=512)
-    assert len(rows) == 4 and all(row["measured_B_per_token"] == row["formula_B_per_token"] for row in rows), rows
+    assert len(rows) == 4 and all(row["used_B_per_token"] == row["formula_B_per_token"] for row in rows), rows
 
 
 def test_fake_quantizer_matches_the_cache_read():
@@ -378,8 +393,9 @@ def test_cache_bytes_experiment_measures_every_option(tmp_path):
     result = cache_bytes.run(cfg, tmp_path)
     m = result.metrics
     assert result.ok
-    assert m["bytes/fp8_ds_mla/ctx1024/measured_bytes_per_token_per_layer"] == 656
-    assert m["bytes/bf16/ctx512/measured_bytes_per_token_per_layer"] == 1152
+    assert m["bytes/fp8_ds_mla/ctx1024/used_bytes_per_token_per_layer"] == 656
+    assert m["bytes/bf16/ctx512/used_bytes_per_token_per_layer"] == 1152
+    assert all(1.0 <= m[f"bytes/{o}/ctx1024/held_over_used"] <= 1.05 for o in ("bf16", "int4_joint", "fp8_flat"))
     # The protected region (4 + 128 BF16 tokens) weighs less as the context grows.
     assert m["bytes/int4_joint/ctx1024/pct_of_bf16"] < m["bytes/int4_joint/ctx512/pct_of_bf16"]
     assert (tmp_path / "cache_bytes.md").exists()

@@ -28,12 +28,21 @@ class ContextTooLong(ValueError):
 
 
 def cache_layer_factory(cfg, model):
-    """The cache layer constructor for `cfg.quant` on `model` (validated for the model's d_c, d_r): the plain
-    LatentCacheLayer when both paths are bf16, else the quantized format of mla_quant.quant.cache."""
-    from mla_quant.quant.cache import model_layer_factory
+    """The cache layer constructor for `cfg.quant` on `model` (validated for the model's d_c, d_r)."""
+    from mla_quant.models.absorbed import model_layer_factory
 
     quant = cfg.get("quant")
     return None if quant is None else model_layer_factory(model, quant)
+
+
+def trailing_padding_mask(inps: torch.Tensor, pad_id: int = 0) -> torch.Tensor | None:
+    """(B, T) attention mask that marks each row's trailing run of `pad_id` as padding: lm-eval right-pads the
+    batches it scores with zeros and passes no mask. The rule is per row (a row scored alone gets the same mask),
+    so a row's stored tokens, and so its protected region, do not depend on the batch. None when no row is padded."""
+    real = (inps != pad_id).long()
+    keep = real.flip(1).cummax(1).values.flip(1)  # 1 up to each row's last non-pad token
+    keep[:, 0] = 1  # an all-pad row still scores its first position
+    return None if bool(keep.all()) else keep
 
 
 def _make_hflm_class():
@@ -69,8 +78,9 @@ def _make_hflm_class():
 
         def _model_call(self, inps, attn_mask=None, labels=None):
             self._check_length(inps.shape[1], "an input")
+            mask = trailing_padding_mask(inps)
             with torch.no_grad():
-                return self.model(inps, use_cache=True, **cache_kwargs(self.fresh_cache())).logits
+                return self.model(inps, attention_mask=mask, use_cache=True, **cache_kwargs(self.fresh_cache())).logits
 
         def _model_generate(self, context, max_length, stop, **generation_kwargs):
             self._check_length(max_length, "a context plus generated tokens")

@@ -1,56 +1,70 @@
-"""Triton decode attention over the (quantized) latent cache: one query token per sequence, all heads per program.
+"""Triton decode attention over a (quantized) paged latent cache: one query token per sequence, all heads per program.
 
-    o_latent = latent_decode(q_latent, q_rope, layer, scale, bias)     # (B, H, d_c) float32
-    o_latent = latent_decode_reference(q_latent, q_rope, layer, scale, bias)   # same signature, plain PyTorch
+    o_latent = latent_decode(q_latent, q_rope, scale, segments)             # (B, H, d_c) float32
+    o_latent = latent_decode_reference(q_latent, q_rope, scale, segments)   # same signature, plain PyTorch
 
-`layer` is a `LatentCacheLayer` (every token BF16/float in layer.content, layer.rope) or a
-`QuantizedLatentCacheLayer`: its quantized tokens are read IN PLACE from the stored tensors documented in
-mla_quant/quant/cache.py (packed codes, scales, zeros per path) and dequantized in registers; its protected tokens
-(sinks and the recent window) are read from layer.content / layer.rope. Nothing is dequantized to memory.
+The kernel takes tensors only, in the spirit of FlashMLA's `flash_mla_with_kvcache(q, k_cache, block_table,
+cache_seqlens, ...)`, and knows nothing of cache objects. A `Segment` is a set of tokens per sequence: for each path
+(content latent, RoPE key) a `PagedPath` (a pool of blocks (num_blocks, block_size, *) holding packed integer codes
+with their scales and zeros, or float values), one block table (B, max_blocks) int32 shared by both paths, and the
+number of tokens of each sequence (B,). A dense (B, P, d) buffer is the segment whose block b is row b
+(`Segment.dense`). The cache passes its quantized blocks and its protected (sinks, recent) buffers as segments;
+one decode query attends to the union, so the order of segments does not matter (RoPE is already in the keys).
 
-Design (flash-decoding, split-KV): stage 1 runs one program per (sequence, split) over a segment of tokens (the
-quantized region and the protected region are separate launches of the same kernel, specialised per path format);
-each program holds all heads (BLOCK_H rows, so one dequantized tile serves every head, as in DESIGN.md's MQA view
-of absorbed MLA), walks its tokens in BLOCK_N tiles with an online softmax and writes a normalised partial output
-and its log-sum-exp. Stage 2 merges the partials with log-sum-exp weights (PyTorch).
+Design (flash-decoding, split-KV): stage 1 runs one program per (sequence, split) of a segment, specialised per path
+format; each program holds all heads (BLOCK_H rows: one dequantized tile serves every head, the MQA view of absorbed
+MLA, docs/method.md section 1), walks its tokens in BLOCK_N tiles through the block table with an online softmax,
+and writes a normalised partial output and its log-sum-exp. Stage 2 merges the partials (PyTorch).
 
-Supported per path: float values (bf16 / fp16 / fp32) or int with bits 2, 4, 8 (symmetric or asymmetric, group size
-a multiple of the codes per byte, scales fp16 / bf16 / fp32 / pow2). `check_triton_format` names anything else.
-On the CPU the kernel runs under TRITON_INTERPRET=1 (set before this module is imported); tests compare it with the
-reference there, and `python run.py experiment=bench_kernel` (mla_quant/stages/bench_kernel.py) measures it on a GPU.
+Per path: float values (bits=0) or int codes with bits 2, 4, 8, packed LSB-first (codes per byte = 8 // bits), with
+`group` values per scale (a multiple of the codes per byte), symmetric (x = (q - 2^(b-1)) s) or asymmetric
+(x = q s + z), scales float or pow2 (int8 exponents). Anything else is refused before launch, naming the argument.
+On the CPU the kernel runs under TRITON_INTERPRET=1 (set before this module is imported).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from mla_quant.models.latent_attention import latent_attention
-from mla_quant.models.latent_cache import LatentCacheLayer
-from mla_quant.quant.cache import QuantizedLatentCacheLayer
+from mla_quant.kernels.attention import latent_attention
 
-TRITON_INT_BITS = (2, 4, 8)
+KERNEL_BITS = (0, 2, 4, 8)  # 0 = float values
 
 
-def check_triton_format(fmt) -> None:
-    """Raise ValueError if the Triton decode kernel cannot read `fmt` (a CacheFormat)."""
-    for path in ("content", "rope"):
-        p = fmt.path(path)
-        if p.format == "bf16":
-            continue
-        if p.format != "int" or p.bits not in TRITON_INT_BITS:
-            what = f"format={p.format}" if p.format != "int" else f"bits={p.bits}"
-            raise ValueError(f"quant.{path}.{what}: quant.backend=triton reads bf16 or int with bits "
-                             f"{list(TRITON_INT_BITS)}; use quant.backend=torch for this format")
-        d = fmt.d_c if path == "content" else fmt.d_r
-        group = p.group_size or d
-        if group % (8 // p.bits):
-            raise ValueError(f"quant.{path}.group_size={group}: quant.backend=triton needs groups that are a "
-                             f"multiple of {8 // p.bits} (the codes in one byte at bits={p.bits})")
+@dataclass
+class PagedPath:
+    """One path's stored tensors, each a pool (num_blocks, block_size, *): `data` is uint8 packed codes
+    (.., ceil(d * bits / 8)) or float values (.., d); `scales`/`zeros` (.., d / group) for codes."""
+
+    data: torch.Tensor
+    scales: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
+    bits: int = 0
+    group: int = 1
+    symmetric: bool = True
+    pow2: bool = False
+
+
+@dataclass
+class Segment:
+    """Tokens of every sequence: both paths' pools, one block table (B, max_blocks) int32, lengths (B,)."""
+
+    content: PagedPath
+    rope: PagedPath
+    block_table: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def dense(cls, content: torch.Tensor, rope: torch.Tensor, lengths: torch.Tensor) -> "Segment":
+        """Float buffers (B, P, d) holding lengths[b] valid tokens in row b."""
+        table = torch.arange(content.shape[0], dtype=torch.int32, device=content.device)[:, None]
+        return cls(PagedPath(content), PagedPath(rope), table, lengths)
 
 
 def require_triton(what: str = "quant.backend=triton", hint: str = "") -> None:
@@ -60,46 +74,119 @@ def require_triton(what: str = "quant.backend=triton", hint: str = "") -> None:
                            f"kernel in Triton's CPU interpreter){hint}")
 
 
-def mask_to_bias(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
-    """An attention mask as transformers hands it for one query, (B, 1, 1, S) bool or additive -> (B, S) float32."""
-    if mask is None:
-        return None
-    m = mask[:, 0, -1, -length:].expand(batch, length)
-    if m.dtype == torch.bool:
-        return torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill(~m, float("-inf"))
-    return m.float()
+def _check_path(p: PagedPath, d: int, name: str, blocks: tuple[int, int]) -> None:
+    if p.bits not in KERNEL_BITS:
+        raise ValueError(f"{name}.bits={p.bits}; allowed: {list(KERNEL_BITS)} (0 = float values)")
+    if p.data.dim() != 3 or tuple(p.data.shape[:2]) != blocks:
+        raise ValueError(f"{name}.data must be (num_blocks, block_size, *) = {blocks + ('*',)}, "
+                         f"got {tuple(p.data.shape)}")
+    if p.data.stride(-1) != 1:
+        raise ValueError(f"{name}.data must be contiguous in its last dimension (stride {p.data.stride(-1)})")
+    if p.bits == 0:
+        if not p.data.is_floating_point() or p.data.shape[-1] != d:
+            raise ValueError(f"{name}.data: float values (.., {d}) expected for bits=0, got {p.data.dtype} "
+                             f"{tuple(p.data.shape)}")
+        return
+    per_byte = 8 // p.bits
+    if p.data.dtype != torch.uint8 or p.data.shape[-1] != math.ceil(d / per_byte):
+        raise ValueError(f"{name}.data: uint8 codes (.., {math.ceil(d / per_byte)}) expected for bits={p.bits}, "
+                         f"got {p.data.dtype} {tuple(p.data.shape)}")
+    if p.group <= 0 or d % p.group or p.group % per_byte:
+        raise ValueError(f"{name}.group={p.group}: must divide d={d} and be a multiple of {per_byte} "
+                         f"(codes per byte at bits={p.bits})")
+    groups = d // p.group
+    for part, t in (("scales", p.scales), ("zeros", None if p.symmetric else p.zeros)):
+        if t is None:
+            raise ValueError(f"{name}.{part} is missing (bits={p.bits}, symmetric={p.symmetric})")
+        if tuple(t.shape) != blocks + (groups,) or t.stride(-1) != 1:
+            raise ValueError(f"{name}.{part} must be contiguous (num_blocks, block_size, {groups}), got "
+                             f"{tuple(t.shape)}")
+    if p.pow2 != (p.scales.dtype == torch.int8):
+        raise ValueError(f"{name}.pow2={p.pow2} but scales are {p.scales.dtype} (pow2 scales are int8 exponents)")
+
+
+def check_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, segments) -> None:
+    """Shapes, dtypes and layouts of every argument, before any launch; errors name the argument."""
+    if q_latent.dim() != 3 or q_rope.dim() != 3 or q_latent.shape[:2] != q_rope.shape[:2]:
+        raise ValueError(f"q_latent (B, H, d_c) and q_rope (B, H, d_r) expected, got {tuple(q_latent.shape)} and "
+                         f"{tuple(q_rope.shape)}")
+    if not segments:
+        raise ValueError("segments is empty: nothing to attend to")
+    b, _, d_c = q_latent.shape
+    d_r = q_rope.shape[-1]
+    for i, seg in enumerate(segments):
+        blocks = tuple(seg.content.data.shape[:2])
+        _check_path(seg.content, d_c, f"segments[{i}].content", blocks)
+        _check_path(seg.rope, d_r, f"segments[{i}].rope", blocks)
+        if seg.block_table.dtype != torch.int32 or seg.block_table.dim() != 2 or seg.block_table.shape[0] != b:
+            raise ValueError(f"segments[{i}].block_table must be int32 (B={b}, max_blocks), got "
+                             f"{seg.block_table.dtype} {tuple(seg.block_table.shape)}")
+        if seg.lengths.shape != (b,):
+            raise ValueError(f"segments[{i}].lengths must be (B,) = ({b},), got {tuple(seg.lengths.shape)}")
 
 
 # --------------------------------------------------------------------------------------------------- reference
-def latent_decode_reference(q_latent: torch.Tensor, q_rope: torch.Tensor, layer, scale: float,
-                            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel's specification: dequantize every stored token to float32 (as the kernel does in registers), then
-    absorbed attention in float32. q_latent (B, H, d_c), q_rope (B, H, d_r), bias (B, S) additive or None ->
-    (B, H, d_c) float32."""
-    content, rope = layer.read_stored(torch.float32) if hasattr(layer, "read_stored") else layer.read()
-    mask = None if bias is None else bias[:, None, None, :]
-    if mask is None:  # one query at the last position: every token is visible
-        mask = torch.zeros(content.shape[0], 1, 1, content.shape[1], device=content.device)
-    out = latent_attention(q_latent.float()[:, :, None], q_rope.float()[:, :, None], content.float(), rope.float(),
-                           scale, mask)
-    return out[:, :, 0]
+def _unpack(codes: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+    """uint8 (..., ceil(d*bits/8)) LSB-first -> (..., d) float32 codes (the kernel's read, spelled out)."""
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.uint8) * bits
+    q = (codes[..., None] >> shifts) & ((1 << bits) - 1)  # (..., bytes, per_byte)
+    return q.reshape(*codes.shape[:-1], -1)[..., :d].float()
+
+
+def _gather_path(p: PagedPath, table: torch.Tensor, d: int) -> torch.Tensor:
+    """(B, max_blocks * block_size, d) float32 tokens of one path, read through the block table."""
+    idx = table.long()
+
+    def rows(t):
+        x = t[idx]  # (B, max_blocks, block_size, *)
+        return x.reshape(x.shape[0], -1, *t.shape[2:])
+
+    if p.bits == 0:
+        return rows(p.data).float()
+    q = _unpack(rows(p.data), p.bits, d)
+    s = rows(p.scales)
+    s = torch.exp2(s.float()) if p.pow2 else s.float()
+    s = s.repeat_interleave(p.group, dim=-1)
+    if p.symmetric:
+        return (q - (1 << (p.bits - 1))) * s
+    return q * s + rows(p.zeros).float().repeat_interleave(p.group, dim=-1)
+
+
+def latent_decode_reference(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments,
+                            **_launch) -> torch.Tensor:
+    """The kernel's specification: every segment's tokens dequantized to float32, then absorbed attention in
+    float32 over their union. q_latent (B, H, d_c), q_rope (B, H, d_r) -> (B, H, d_c) float32."""
+    check_inputs(q_latent, q_rope, segments)
+    d_c, d_r = q_latent.shape[-1], q_rope.shape[-1]
+    cs, rs, oks = [], [], []
+    for seg in segments:
+        c = _gather_path(seg.content, seg.block_table, d_c)
+        cs.append(c)
+        rs.append(_gather_path(seg.rope, seg.block_table, d_r))
+        oks.append(torch.arange(c.shape[1], device=c.device)[None, :] < seg.lengths.to(c.device)[:, None])
+    ok = torch.cat(oks, dim=1)
+    mask = torch.zeros(ok.shape, device=ok.device).masked_fill(~ok, float("-inf"))[:, None, None, :]
+    out = latent_attention(q_latent.float()[:, :, None], q_rope.float()[:, :, None], torch.cat(cs, 1),
+                           torch.cat(rs, 1), scale, mask)
+    return out[:, :, 0].nan_to_num(0.0)  # a sequence with no token at all attends to nothing
 
 
 # ------------------------------------------------------------------------------------------------------ kernel
 @triton.jit
-def _dequant_tile(base, tok_ok, d_offs, d_ok, stride_t, sc_base, sc_stride_t, z_base, z_stride_t, tok,
+def _dequant_tile(base, sb, st, sc_base, scb, sct, z_base, zb, zt, blk, slot, ok_t, d_offs, d_ok,
                   BITS: tl.constexpr, GROUP: tl.constexpr, SYM: tl.constexpr, POW2: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] float32 tile of one path for tokens `tok` (BITS=0: float values)."""
-    ok = tok_ok[:, None] & d_ok[None, :]
+    """[BLOCK_N, BLOCK_D] float32 tile of one path for the tokens at (blk, slot) (BITS=0: float values)."""
+    ok = ok_t[:, None] & d_ok[None, :]
     if BITS == 0:
-        x = tl.load(base + tok[:, None] * stride_t + d_offs[None, :], mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(base + (blk * sb + slot * st)[:, None] + d_offs[None, :], mask=ok, other=0.0).to(tl.float32)
     else:
         per_byte: tl.constexpr = 8 // BITS
-        byte = tl.load(base + tok[:, None] * stride_t + (d_offs // per_byte)[None, :], mask=ok, other=0)
+        byte = tl.load(base + (blk * sb + slot * st)[:, None] + (d_offs // per_byte)[None, :], mask=ok, other=0)
         shift = ((d_offs % per_byte) * BITS).to(tl.uint8)
         q = ((byte >> shift[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
         g = (d_offs // GROUP)[None, :]
-        s = tl.load(sc_base + tok[:, None] * sc_stride_t + g, mask=ok, other=0)
+        s = tl.load(sc_base + (blk * scb + slot * sct)[:, None] + g, mask=ok, other=0)
         if POW2:
             s = tl.exp2(s.to(tl.float32))
         else:
@@ -107,20 +194,21 @@ def _dequant_tile(base, tok_ok, d_offs, d_ok, stride_t, sc_base, sc_stride_t, z_
         if SYM:
             x = (q - (1 << (BITS - 1))) * s
         else:
-            z = tl.load(z_base + tok[:, None] * z_stride_t + g, mask=ok, other=0.0).to(tl.float32)
+            z = tl.load(z_base + (blk * zb + slot * zt)[:, None] + g, mask=ok, other=0.0).to(tl.float32)
             x = q * s + z
     return x
+
 
 @triton.jit
 def _stage1_kernel(
     Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh,
-    C, C_SC, C_Z, stride_cb, stride_ct, stride_cscb, stride_csct, stride_czb, stride_czt,
-    R, R_SC, R_Z, stride_rb, stride_rt, stride_rscb, stride_rsct, stride_rzb, stride_rzt,
-    BIAS, stride_biasb,
+    C, C_SC, C_Z, c_sb, c_st, c_scb, c_sct, c_zb, c_zt,
+    R, R_SC, R_Z, r_sb, r_st, r_scb, r_sct, r_zb, r_zt,
+    TABLE, stride_tb, LENS,
     O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-    n_tokens, tokens_per_split, split_base, pos_offset, gap_at, gap, scale, H,
+    tokens_per_split, split_base, scale, H,
     DC: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BS: tl.constexpr,
     C_BITS: tl.constexpr, C_GROUP: tl.constexpr, C_SYM: tl.constexpr, C_POW2: tl.constexpr,
     R_BITS: tl.constexpr, R_GROUP: tl.constexpr, R_SYM: tl.constexpr, R_POW2: tl.constexpr,
 ):
@@ -134,6 +222,7 @@ def _stage1_kernel(
                 mask=h_ok[:, None] & dc_ok[None, :], other=0.0).to(tl.float32)
     qr = tl.load(QR + b * stride_qrb + h[:, None] * stride_qrh + dr[None, :],
                  mask=h_ok[:, None] & dr_ok[None, :], other=0.0).to(tl.float32)
+    n_tokens = tl.load(LENS + b).to(tl.int32)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, n_tokens)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -142,14 +231,13 @@ def _stage1_kernel(
     for t0 in range(start, end, BLOCK_N):
         tok = t0 + tl.arange(0, BLOCK_N)
         tok_ok = tok < end
-        c = _dequant_tile(C + b * stride_cb, tok_ok, dc, dc_ok, stride_ct, C_SC + b * stride_cscb, stride_csct,
-                          C_Z + b * stride_czb, stride_czt, tok, C_BITS, C_GROUP, C_SYM, C_POW2)
-        r = _dequant_tile(R + b * stride_rb, tok_ok, dr, dr_ok, stride_rt, R_SC + b * stride_rscb, stride_rsct,
-                          R_Z + b * stride_rzb, stride_rzt, tok, R_BITS, R_GROUP, R_SYM, R_POW2)
+        blk = tl.load(TABLE + b * stride_tb + tok // BS, mask=tok_ok, other=0).to(tl.int64)
+        slot = (tok % BS).to(tl.int64)
+        c = _dequant_tile(C, c_sb, c_st, C_SC, c_scb, c_sct, C_Z, c_zb, c_zt, blk, slot, tok_ok, dc, dc_ok,
+                          C_BITS, C_GROUP, C_SYM, C_POW2)
+        r = _dequant_tile(R, r_sb, r_st, R_SC, r_scb, r_sct, R_Z, r_zb, r_zt, blk, slot, tok_ok, dr, dr_ok,
+                          R_BITS, R_GROUP, R_SYM, R_POW2)
         s = (tl.dot(q, tl.trans(c)) + tl.dot(qr, tl.trans(r))) * scale  # [BLOCK_H, BLOCK_N]
-        if HAS_BIAS:
-            pos = tok + pos_offset + tl.where(tok >= gap_at, gap, 0)
-            s += tl.load(BIAS + b * stride_biasb + pos, mask=tok_ok, other=0.0)[None, :]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row masked so far stays empty, not NaN
@@ -160,75 +248,56 @@ def _stage1_kernel(
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-    slot = split_base + split
-    tl.store(O_PART + b * stride_ob + slot * stride_os + h[:, None] * stride_oh + dc[None, :], out,
+    slot_out = split_base + split
+    tl.store(O_PART + b * stride_ob + slot_out * stride_os + h[:, None] * stride_oh + dc[None, :], out,
              mask=h_ok[:, None] & dc_ok[None, :])
-    tl.store(LSE_PART + b * stride_lb + slot * stride_ls + h, lse, mask=h_ok)
+    tl.store(LSE_PART + b * stride_lb + slot_out * stride_ls + h, lse, mask=h_ok)
 
 
 def _next_pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
-def _path_args(parts: dict, fmt, d: int, dummy: torch.Tensor) -> tuple[list, dict]:
-    """Pointer/stride arguments and constexprs of one path's stored tensors (fmt None or bf16: float values)."""
-    if fmt is None or fmt.format == "bf16":
-        v = parts["values"]
-        return [v, dummy, dummy, v.stride(0), v.stride(1), 0, 0, 0, 0], dict(BITS=0, GROUP=1, SYM=True, POW2=False)
-    codes, sc = parts["codes"], parts["scales"]
-    z = parts.get("zeros")
-    args = [codes, sc, dummy if z is None else z, codes.stride(0), codes.stride(1), sc.stride(0), sc.stride(1),
-            0 if z is None else z.stride(0), 0 if z is None else z.stride(1)]
-    return args, dict(BITS=fmt.bits, GROUP=fmt.group_size or d, SYM=z is None, POW2=sc.dtype == torch.int8)
+def _path_args(p: PagedPath, dummy: torch.Tensor) -> tuple[list, dict]:
+    """Pointer/stride arguments and constexprs of one path's pools."""
+    sc = dummy if p.scales is None else p.scales
+    z = dummy if p.zeros is None or p.symmetric else p.zeros
+    args = [p.data, sc, z, p.data.stride(0), p.data.stride(1),
+            0 if p.scales is None else sc.stride(0), 0 if p.scales is None else sc.stride(1),
+            0 if z is dummy else z.stride(0), 0 if z is dummy else z.stride(1)]
+    return args, dict(BITS=p.bits, GROUP=p.group if p.bits else 1, SYM=p.symmetric or p.bits == 0,
+                      POW2=p.pow2 and p.bits > 0)
 
 
-def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, layer, scale: float,
-                  bias: torch.Tensor | None = None, block_n: int = 32, split_tokens: int = 256) -> torch.Tensor:
-    """Triton decode attention (see the module docstring). q_latent (B, H, d_c), q_rope (B, H, d_r), bias (B, S)
-    additive (0 / -inf) or None -> o_latent (B, H, d_c) float32."""
+def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments, *, block_n: int = 32,
+                  split_tokens: int = 256) -> torch.Tensor:
+    """Triton decode attention (see the module docstring). q_latent (B, H, d_c), q_rope (B, H, d_r), segments
+    (a list of `Segment`) -> o_latent (B, H, d_c) float32."""
     require_triton()
+    check_inputs(q_latent, q_rope, segments)
     b, h, d_c = q_latent.shape
     d_r = q_rope.shape[-1]
-    fmt = getattr(layer, "fmt", None)
-    if fmt is not None:
-        check_triton_format(fmt)
-    n_q = layer.n_quantized if fmt is not None else 0
-    n_s = layer.n_sink_held if fmt is not None else 0
-    # protected tokens: the quantized layer's content/rope hold exactly them; a plain layer's buffers have spare room
-    prot_c, prot_r = (layer.content, layer.rope) if fmt is not None else layer.read()
-    n_p = prot_c.shape[1]
     dev = q_latent.device
     dummy = torch.zeros(1, device=dev)
-    # (n_tokens, content args, rope args, pos_offset, gap_at, gap): token i of a segment sits at cache position
-    # i + pos_offset + (gap if i >= gap_at), which indexes the bias
-    segments = []
-    if n_q:  # the quantized tokens follow the sinks
-        c_args, c_k = _path_args(layer.stored["content"].view(), fmt.content, d_c, dummy)
-        r_args, r_k = _path_args(layer.stored["rope"].view(), fmt.rope, d_r, dummy)
-        segments.append((n_q, c_args, c_k, r_args, r_k, n_s, n_q, 0))
-    if n_p:  # the protected tokens: sinks, then the recent window after the quantized ones
-        c_args, c_k = _path_args({"values": prot_c}, None, d_c, dummy)
-        r_args, r_k = _path_args({"values": prot_r}, None, d_r, dummy)
-        segments.append((n_p, c_args, c_k, r_args, r_k, 0, n_s, n_q))
-    if not segments:
-        raise RuntimeError("latent_decode on an empty cache layer")
-    splits = [math.ceil(n / split_tokens) for n, *_ in segments]
+    longest = [int(seg.lengths.max()) if b else 0 for seg in segments]
+    splits = [max(1, math.ceil(n / split_tokens)) for n in longest]
     o_part = torch.empty(b, sum(splits), h, d_c, device=dev, dtype=torch.float32)
     lse_part = torch.empty(b, sum(splits), h, device=dev, dtype=torch.float32)
     q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
-    if bias is not None:
-        bias = bias.float().contiguous()
-    kernel, base = _stage1_kernel, 0
-    for (n, c_args, c_k, r_args, r_k, pos_offset, gap_at, gap), n_split in zip(segments, splits):
-        kernel[(b, n_split)](
+    base = 0
+    for seg, n_split in zip(segments, splits):
+        c_args, c_k = _path_args(seg.content, dummy)
+        r_args, r_k = _path_args(seg.rope, dummy)
+        table = seg.block_table.contiguous()
+        _stage1_kernel[(b, n_split)](
             q_latent, q_rope, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
             *c_args, *r_args,
-            dummy if bias is None else bias, 0 if bias is None else bias.stride(0),
+            table, table.stride(0), seg.lengths.to(device=dev, dtype=torch.int32).contiguous(),
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
             lse_part.stride(1),
-            n, split_tokens, base, pos_offset, gap_at, gap, float(scale), h,
+            split_tokens, base, float(scale), h,
             DC=d_c, DR=d_r, BLOCK_H=_next_pow2(h), BLOCK_DC=_next_pow2(d_c), BLOCK_DR=_next_pow2(d_r),
-            BLOCK_N=block_n, HAS_BIAS=bias is not None,
+            BLOCK_N=block_n, BS=int(seg.content.data.shape[1]),
             C_BITS=c_k["BITS"], C_GROUP=c_k["GROUP"], C_SYM=c_k["SYM"], C_POW2=c_k["POW2"],
             R_BITS=r_k["BITS"], R_GROUP=r_k["GROUP"], R_SYM=r_k["SYM"], R_POW2=r_k["POW2"],
         )
@@ -236,28 +305,3 @@ def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, layer, scale: fl
     # stage 2: merge the splits with log-sum-exp weights
     weights = torch.softmax(lse_part, dim=1).nan_to_num(0.0)  # (B, splits, H); a split with no token weighs 0
     return (weights[..., None] * o_part).sum(dim=1)
-
-
-# ------------------------------------------------------------------------------------------------ cache layers
-class KernelDecode:
-    """Mixin for a latent cache layer: one-token decode steps attend through `latent_decode`, reading the stored
-    tensors in place; prefill and multi-token steps (and serving mode with no recent window, where the step must
-    see its own fresh latent) take the PyTorch path of the layer it is mixed into."""
-
-    def attend(self, q_latent, q_rope, content, rope, scale, mask):
-        fmt = getattr(self, "fmt", None)
-        fresh_needed = fmt is not None and fmt.mode == "serving" and fmt.recent == 0
-        if q_latent.shape[2] != 1 or fresh_needed or (mask is not None and mask.shape[1] != 1):
-            return super().attend(q_latent, q_rope, content, rope, scale, mask)
-        self.append(content, rope)
-        bias = mask_to_bias(mask, q_latent.shape[0], self.length)
-        out = latent_decode(q_latent[:, :, 0], q_rope[:, :, 0], self, scale, bias)
-        return out.to(q_latent.dtype)[:, :, None]
-
-
-class TritonLatentCacheLayer(KernelDecode, LatentCacheLayer):
-    """Plain (BF16 / float) latent cache whose decode steps run the Triton kernel."""
-
-
-class TritonQuantizedLatentCacheLayer(KernelDecode, QuantizedLatentCacheLayer):
-    """Quantized latent cache whose decode steps run the Triton kernel over the packed storage."""

@@ -1,12 +1,12 @@
 """Absorbed MLA attention, swapped into transformers' own attention modules.
 
-`absorb(model)` changes the class of every MLA module to a subclass whose forward is the absorbed form of
-DESIGN.md section 1: q_latent = W_UK^T q_nope, scores on the latent plus the RoPE part, output W_UV (P c), never
+`absorb(model)` changes the class of every MLA module to a subclass whose forward is the absorbed form
+(docs/method.md section 1): q_latent = W_UK^T q_nope, scores on the latent plus the RoPE part, output W_UV (P c), never
 expanding per-head K/V. Parameters, state-dict keys and isinstance checks stay as they were; the family adapter
 supplies the few pieces that differ between families.
 
     model = absorb(DeepseekV3ForCausalLM(config))
-    cache = LatentCache.for_model(model)
+    cache = new_cache(model)
     model.generate(ids, past_key_values=cache, max_new_tokens=8)
 """
 
@@ -18,9 +18,22 @@ import transformers
 from packaging.version import Version
 from torch import nn
 
+import torch
+
+from mla_quant.cache import LatentCache, layer_factory
+from mla_quant.kernels.attention import latent_attention
 from mla_quant.models.families import MLAFamily, family_for_config
-from mla_quant.models.latent_attention import latent_attention
-from mla_quant.models.latent_cache import LatentCache
+from mla_quant.quant.formats import cache_format
+
+
+def key_validity(mask: torch.Tensor | None, t: int) -> torch.Tensor | None:
+    """(B, T) bool: which of the T new slots hold real tokens (False = padding), read off the attention mask
+    transformers builds (B, 1, T, S): the last query sees every real key at or before it and no padding, for left
+    and right padding alike. None: no mask, every slot is real."""
+    if mask is None:
+        return None
+    row = mask[:, 0, -1, mask.shape[-1] - t :]
+    return row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
 
 
 class AbsorbedMLA:
@@ -37,6 +50,7 @@ class AbsorbedMLA:
         q_nope, q_rope, q_resid = family.query(self, hidden_states)  # (B, H, T, d_nope), (B, H, T, d_r)
         content, k_rope = family.latent(self, hidden_states)  # (B, T, d_c), (B, T, d_r)
         q_rope, k_rope = family.rotate(self, q_rope, k_rope, position_embeddings)
+        valid = key_validity(attention_mask, t)  # before a family narrows the mask (V3.2's sparse indexer)
         attention_mask = family.attention_mask(
             self,
             attention_mask,
@@ -52,7 +66,8 @@ class AbsorbedMLA:
         q_latent = q_nope @ w_uk  # (B, H, T, d_c)
 
         if isinstance(cache, LatentCache):
-            o_latent = cache.attend(self.layer_idx, q_latent, q_rope, content, k_rope, self.scaling, attention_mask)
+            o_latent = cache.attend(self.layer_idx, q_latent, q_rope, content, k_rope, self.scaling, attention_mask,
+                                    valid)
         else:
             if cache is not None:  # any other transformers Cache (e.g. the default DynamicCache) holds the same latents
                 content, k_rope = cache.update(content.unsqueeze(1), k_rope.unsqueeze(1), self.layer_idx)
@@ -87,9 +102,27 @@ def is_absorbed(model: nn.Module) -> bool:
     return any(isinstance(m, AbsorbedMLA) for m in model.modules())
 
 
-def new_cache(model: nn.Module, layer_factory=None) -> LatentCache:
-    """An empty latent cache sized for `model` (optionally with a quantized layer type)."""
-    return LatentCache.for_model(model) if layer_factory is None else LatentCache.for_model(model, layer_factory)
+def num_cache_layers(model: nn.Module) -> int:
+    # LongCat has two MLA blocks per decoder layer: its config's num_hidden_layers is 2 * num_layers.
+    return model.config.get_text_config(decoder=True).num_hidden_layers
+
+
+def new_cache(model: nn.Module, factory=None) -> LatentCache:
+    """An empty latent cache sized for `model`, with layers from `factory` (default: unquantized)."""
+    return LatentCache(num_cache_layers(model), factory or layer_factory(None))
+
+
+def model_layer_factory(model: nn.Module, quant_cfg):
+    """The cache layer constructor of `quant_cfg` validated for `model`: (d_c, d_r) from its MLA modules, the
+    context from its config."""
+    dims = latent_dims(model)
+    context = getattr(model.config, "max_position_embeddings", None)
+    return layer_factory(cache_format(quant_cfg, dims["d_c"], dims["d_r"], context))
+
+
+def quantized_cache(model: nn.Module, quant_cfg) -> LatentCache:
+    """An empty cache for `model` in the format of `quant_cfg` (the `quant` config group)."""
+    return new_cache(model, model_layer_factory(model, quant_cfg))
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:

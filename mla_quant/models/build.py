@@ -1,6 +1,6 @@
 """Build MLA models: tiny random ones from a family's own config class, or real checkpoints via from_pretrained.
 
-These are the `_target_`s of `conf/model/*.yaml`; `hydra.utils.instantiate(cfg.model)` returns the model.
+These are the `_target_`s of `conf/model/*.yaml`; `mla_quant.models.prepare.prepare_model(cfg)` builds the model through them.
 
     model = tiny_model("deepseek_v3", {"hidden_size": 64, ...})
     model = pretrained_model("deepseek_v2", hf_id="deepseek-ai/DeepSeek-V2-Lite", path="/data/ckpt/v2-lite")
@@ -68,7 +68,6 @@ def tiny_model(
     attn_implementation: str = "eager",
     absorbed: bool = True,
     device: str = "cpu",
-    **_ignored,
 ) -> nn.Module:
     """A small randomly initialised model of `family`, seeded (the same seed gives the same weights)."""
     cfg = tiny_config(family, config)
@@ -117,23 +116,10 @@ def _missing_checkpoint_error(hf_id: str, revision: str | None, path: str | None
     )
 
 
-def pretrained_model(
-    family: str,
-    hf_id: str,
-    revision: str | None = None,
-    path: str | None = None,
-    dtype: str = "bfloat16",
-    config: Mapping | None = None,
-    attn_implementation: str = "eager",
-    absorbed: bool = True,
-    device_map: str | None = None,
-    trust_remote_code: bool = False,
-    **_ignored,
-) -> nn.Module:
-    """A real checkpoint, loaded with the family's own transformers classes (no remote code needed).
-
-    `path` (a local folder) wins over `hf_id`; `config` overrides fields of the checkpoint's config.
-    """
+def pretrained_config(family: str, hf_id: str, revision: str | None = None, path: str | None = None,
+                      config: Mapping | None = None):
+    """The checkpoint's config (config.json only, no weights) as the family's config class, `config` overriding
+    fields. Refuses a checkpoint that is not MLA or whose model_type belongs to another family."""
     fam = get_family(family)
     source = path or hf_id
     if path is not None and not Path(path).is_dir():
@@ -149,10 +135,36 @@ def pretrained_model(
     if "kv_lora_rank" not in raw:
         arch = (raw.get("architectures") or [raw.get("model_type", "?")])[0]
         raise ValueError(f"not an MLA model: {arch} at {source!r} has no kv_lora_rank")
+    model_type = raw.get("model_type")
+    if model_type is not None and model_type not in fam.model_types:
+        raise ValueError(f"model.family={family!r} but the checkpoint at {source!r} has model_type {model_type!r}; "
+                         f"model types of {family!r}: {list(fam.model_types)}")
     # The family's own model_type (e.g. deepseek_v3 for Kimi-K2's "kimi_k2"): transformers picks its checkpoint
     # conversion (per-expert weights -> fused experts) by model_type, and a foreign one silently skips it.
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
-    hf_config = fam.config_class.from_dict({**fields, **_plain(config)})
+    return fam.config_class.from_dict({**fields, **_plain(config)})
+
+
+def pretrained_model(
+    family: str,
+    hf_id: str,
+    revision: str | None = None,
+    path: str | None = None,
+    dtype: str = "bfloat16",
+    config: Mapping | None = None,
+    attn_implementation: str = "eager",
+    absorbed: bool = True,
+    device_map: str | None = None,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """A real checkpoint, loaded with the family's own transformers classes (no remote code needed).
+
+    `path` (a local folder) wins over `hf_id`; `config` overrides fields of the checkpoint's config.
+    """
+    fam = get_family(family)
+    source = path or hf_id
+    kwargs = {} if path else {"revision": revision}
+    hf_config = pretrained_config(family, hf_id, revision, path, config)
     model, info = fam.model_class.from_pretrained(
         source,
         config=hf_config,

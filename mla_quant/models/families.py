@@ -22,7 +22,7 @@ from torch import nn
 
 @dataclass
 class MLAWeights:
-    """Views of one MLA block's weights (no copies), named as in DESIGN.md section 1.
+    """Views of one MLA block's weights (no copies), named as in docs/method.md section 1.
 
     kv_a: rows [:d_c] make the content latent x, rows [d_c:] the pre-RoPE key r; kv_norm: gamma of RMSNorm(x);
     kv_b: per head [W_UK (d_nope rows) | W_UV (d_v rows)]; q_out: the projection whose per-head rows are

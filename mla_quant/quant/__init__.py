@@ -1,5 +1,5 @@
-"""Cache quantization: quantizers (pure functions), bit packing, per-path cache formats, the quantized latent cache.
+"""Cache quantization: quantizers (pure functions), bit packing, and the format codecs of each path.
 
-    from mla_quant.quant.cache import quantized_cache
-    cache = quantized_cache(model, cfg.quant)
+    from mla_quant.quant.formats import cache_format
+    fmt = cache_format(cfg.quant, d_c=512, d_r=64)
 """

@@ -1,22 +1,23 @@
-"""Cache formats: what one path (content latent c, RoPE key k) is stored as, validated against its dimension.
+"""Cache formats: one registry of codecs, and the validated format of each path (content latent c, RoPE key k).
 
 `PathFormat` mirrors one path block of `conf/quant/*.yaml` (`quant.content`, `quant.rope`); `CacheFormat` the whole
 `quant` group. Both are built and validated from the config BEFORE any model work, so a bad value fails at once
-with the value and the allowed ones in the message. They also give the byte formulas the byte table checks
-against measured storage, and `encode_path` / `decode_path`, the per-path codec the quantized cache stores.
+with the value and the allowed ones in the message. Everything that depends on the storage format lives in the
+codec of that format (`CODECS`), in one place: allowed widths, the byte formula, encode/decode, and whether (and
+with which arguments) the Triton decode kernel reads it. Adding a format = one `Codec` subclass here.
 
     fmt = cache_format(cfg.quant, d_c=512, d_r=64)        # raises ValueError on bad bits / group sizes
     fmt.content.bytes_per_token(512)                       # 272 for INT4, group 128, fp16 scale + zero
-    cache_bytes_per_token(fmt, 512, 64, context=131072)    # includes the BF16 protected region
+    cache_bytes_per_token(fmt, 512, 64, context=131072)    # includes the protected region
     fq = fake_quantizer(cfg.quant.content, d=512, path="content")   # x -> stored-and-read-back x (noise studies)
 
-Path formats (`format`):
+Codecs (`format`), see docs/cache.md "Formats":
     bf16  kept unquantized, in the activation dtype (BF16 on real models; the formulas count 2 B/value)
     int   `bits` in {2,3,4,8}, per-token groups of `group_size` (null = whole vector), symmetric or scale + zero,
           codes packed (packing.py), scales/zeros in `scale_dtype` (fp16 | bf16 | fp32 | pow2 = int8 exponent)
     fp8   e4m3 (torch.float8_e4m3fn), bits 8; granularity "group": one scale per group_size values
-          (null = per token, 128 = FlashMLA tiles), or "tensor": one float32 scale for the whole layer,
-          the amax/448 of the first append (see cache.py), optionally shared by both paths (`shared_scale`)
+          (null = per token, 128 = FlashMLA tiles), or "tensor": one float32 scale per sequence and layer, the
+          amax/448 of that sequence's first append, optionally shared by both paths (`shared_scale`)
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ import torch
 
 from mla_quant.quant import packing, quantizers
 
-FORMATS = ("bf16", "int", "fp8")
 GRANULARITIES = ("group", "tensor")
 MODES = ("simulated", "serving")
 BACKENDS = ("torch", "triton")
 SCALE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "pow2": 1}
 ZERO_BYTES = {name: torch.empty(0, dtype=dt).element_size() for name, dt in quantizers.ZERO_DTYPES.items()}
-TENSOR_SCALE_BYTES = 4  # one float32 per tensor-granularity path (or one shared by both paths), per layer
+TENSOR_SCALE_BYTES = 4  # one float32 per tensor-granularity path (or one shared by both paths), per sequence and layer
+TRITON_INT_BITS = (2, 4, 8)  # what the decode kernel unpacks
 
 
 def _plain(cfg) -> dict:
@@ -56,6 +57,177 @@ def _check_keys(cfg: dict, allowed, where: str) -> None:
         raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
 
 
+# ---------------------------------------------------------------------------------------------- codecs
+class Codec:
+    """How one path is stored. Subclasses fill in the hooks; `PathFormat` delegates to its codec."""
+
+    name = "?"
+    widths: tuple[int, ...] = ()
+    granularities: tuple[str, ...] = ("group",)
+
+    def check(self, fmt: "PathFormat", where: str) -> None:
+        """Format-specific checks (widths, granularity, scale dtype), independent of the dimension."""
+        if fmt.bits not in self.widths:
+            raise ValueError(f"{where}.bits={fmt.bits!r} is not a width of format={self.name}; allowed: "
+                             f"{list(self.widths)} (formats and their widths: "
+                             f"{ {n: list(c.widths) for n, c in CODECS.items()} })")
+        if fmt.granularity not in self.granularities:
+            raise ValueError(f"{where}.granularity={fmt.granularity!r}: format={self.name} takes "
+                             f"{list(self.granularities)}")
+
+    def n_groups(self, fmt: "PathFormat", d: int) -> int:
+        return 0
+
+    def bytes_per_token(self, fmt: "PathFormat", d: int, act_bytes: int) -> float:
+        raise NotImplementedError
+
+    def encode(self, fmt: "PathFormat", x: torch.Tensor, tensor_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """x (N, d) -> the stored tensors of N tokens, each (N, *). `tensor_scale`: (N,) per-token view of the
+        per-sequence scale (fp8 tensor granularity) or None."""
+        raise NotImplementedError
+
+    def decode(self, fmt: "PathFormat", parts: Mapping[str, torch.Tensor], d: int, dtype: torch.dtype,
+               tensor_scale: torch.Tensor | None) -> torch.Tensor:
+        """The stored tensors (..., *) -> x_hat (..., d) in `dtype`; `tensor_scale` broadcast over (...)."""
+        raise NotImplementedError
+
+    def kernel_unsupported(self, fmt: "PathFormat", d: int) -> str | None:
+        """Why the Triton decode kernel cannot read this format, or None if it can."""
+        return f"format={self.name}"
+
+    def kernel_spec(self, fmt: "PathFormat", d: int) -> dict:
+        """The kernel's compile-time description of the stored tensors (see kernels/latent_decode.py)."""
+        raise NotImplementedError
+
+    def describe(self, fmt: "PathFormat") -> str:
+        return self.name
+
+    uses_tensor_scale = staticmethod(lambda fmt: False)
+
+
+class ValuesCodec(Codec):
+    """Unquantized: the values in the activation dtype."""
+
+    name = "bf16"
+    widths = (16,)
+
+    def bytes_per_token(self, fmt, d, act_bytes):
+        return d * act_bytes
+
+    def encode(self, fmt, x, tensor_scale):
+        return {"values": x}
+
+    def decode(self, fmt, parts, d, dtype, tensor_scale):
+        return parts["values"].to(dtype)
+
+    def kernel_unsupported(self, fmt, d):
+        return None
+
+    def kernel_spec(self, fmt, d):
+        return dict(bits=0, group=1, symmetric=True, pow2=False)
+
+
+class IntCodec(Codec):
+    """Integer codes per group, packed; scale (and zero) per group in `scale_dtype`."""
+
+    name = "int"
+    widths = quantizers.INT_BITS
+
+    def check(self, fmt, where):
+        super().check(fmt, where)
+        quantizers.check_scale_dtype(fmt.scale_dtype)
+
+    def n_groups(self, fmt, d):
+        return quantizers.n_groups(d, fmt.group_size)
+
+    def bytes_per_token(self, fmt, d, act_bytes):
+        zeros = 0 if fmt.symmetric else ZERO_BYTES[fmt.scale_dtype]
+        return packing.packed_dim(d, fmt.bits) + self.n_groups(fmt, d) * (SCALE_BYTES[fmt.scale_dtype] + zeros)
+
+    def encode(self, fmt, x, tensor_scale):
+        codes, scales, zeros = quantizers.group_quantize(x, fmt.bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype)
+        parts = {"codes": packing.pack(codes, fmt.bits, check=False), "scales": scales}
+        if zeros is not None:
+            parts["zeros"] = zeros
+        return parts
+
+    def decode(self, fmt, parts, d, dtype, tensor_scale):
+        codes = packing.unpack(parts["codes"], fmt.bits, d)
+        return quantizers.group_dequantize(codes, parts["scales"], parts.get("zeros"), fmt.bits, dtype)
+
+    def kernel_unsupported(self, fmt, d):
+        if fmt.bits not in TRITON_INT_BITS:
+            return f"bits={fmt.bits} (the kernel unpacks {list(TRITON_INT_BITS)})"
+        per_byte = 8 // fmt.bits
+        if (fmt.group_size or d) % per_byte:
+            return f"group_size={fmt.group_size or d} (a multiple of {per_byte}, the codes in one byte, is needed)"
+        return None
+
+    def kernel_spec(self, fmt, d):
+        return dict(bits=fmt.bits, group=fmt.group_size or d, symmetric=fmt.symmetric, pow2=fmt.scale_dtype == "pow2")
+
+    def describe(self, fmt):
+        group = "per-token" if fmt.group_size is None else f"g={fmt.group_size}"
+        return f"int{fmt.bits} {group} {'sym' if fmt.symmetric else 'asym'} {fmt.scale_dtype}"
+
+
+class Fp8Codec(Codec):
+    """e4m3 codes (stored as their uint8 bits); a scale per group/tile, or one per sequence (tensor granularity)."""
+
+    name = "fp8"
+    widths = (8,)
+    granularities = GRANULARITIES
+
+    def check(self, fmt, where):
+        super().check(fmt, where)
+        quantizers.check_scale_dtype(fmt.scale_dtype)
+
+    @staticmethod
+    def uses_tensor_scale(fmt):
+        return fmt.granularity == "tensor"
+
+    def n_groups(self, fmt, d):
+        return 0 if fmt.granularity == "tensor" else quantizers.n_groups(d, fmt.group_size)
+
+    def bytes_per_token(self, fmt, d, act_bytes):
+        return d + self.n_groups(fmt, d) * SCALE_BYTES[fmt.scale_dtype]
+
+    def encode(self, fmt, x, tensor_scale):
+        if fmt.granularity == "tensor":
+            s = tensor_scale.float().reshape(*x.shape[:-1], 1)  # (N, 1): the sequence's scale, per token
+            codes = (x.float() / s).clamp(-quantizers.FP8_MAX, quantizers.FP8_MAX).to(quantizers.FP8_DTYPE)
+            return {"codes": codes.view(torch.uint8)}
+        codes, scales, _ = quantizers.fp8_quantize(x, fmt.group_size, scale_dtype=fmt.scale_dtype)
+        return {"codes": codes.view(torch.uint8), "scales": scales}
+
+    def decode(self, fmt, parts, d, dtype, tensor_scale):
+        if fmt.granularity == "tensor":
+            x = parts["codes"].view(quantizers.FP8_DTYPE).float()
+            return (x * tensor_scale.float().reshape(*x.shape[:-1], 1)).to(dtype)
+        return quantizers.fp8_dequantize(parts["codes"], parts["scales"], dtype)
+
+    def describe(self, fmt):
+        if fmt.granularity == "tensor":
+            return "fp8 e4m3, per-sequence fp32 scale"
+        group = "per-token" if fmt.group_size is None else f"g={fmt.group_size}"
+        return f"fp8 {group} sym {fmt.scale_dtype}"
+
+
+CODECS: dict[str, Codec] = {c.name: c for c in (ValuesCodec(), IntCodec(), Fp8Codec())}
+FORMATS = tuple(CODECS)
+
+
+def check_finite(parts: Mapping[str, torch.Tensor], where: str) -> None:
+    """Refuse stored scales/zeros/values that overflowed their dtype (inf or NaN would decode to inf silently)."""
+    for name, t in parts.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            dtype = str(t.dtype).replace("torch.", "")
+            raise ValueError(f"{where}: the stored {name} ({dtype}) overflow to inf/NaN (the latent holds values "
+                             f"beyond the {dtype} range, or is itself not finite); use scale_dtype=fp32 for this "
+                             f"path, or find where the model overflows")
+
+
+# ---------------------------------------------------------------------------------------------- path format
 @dataclass(frozen=True)
 class PathFormat:
     """How one path is stored (the keys of `quant.content` / `quant.rope`)."""
@@ -78,27 +250,15 @@ class PathFormat:
         fmt.check(where=where)
         return fmt
 
+    @property
+    def codec(self) -> Codec:
+        return CODECS[self.format]
+
     def check(self, d: int | None = None, where: str = "quant.<path>") -> None:
         """Raise ValueError on a value this path cannot take (d: the path's dimension, d_c or d_r)."""
-        if self.format not in FORMATS:
-            raise ValueError(f"{where}.format={self.format!r} is unknown; allowed: {list(FORMATS)}")
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"{where}.granularity={self.granularity!r} is unknown; allowed: {list(GRANULARITIES)}")
-        if self.format == "bf16" and self.bits != 16:
-            raise ValueError(
-                f"{where}.bits={self.bits!r} but {where}.format=bf16 stores 16 bits; "
-                f"set {where}.format=int for bits in {list(quantizers.INT_BITS)} (or fp8 for bits 8)"
-            )
-        if self.format == "int":
-            if self.bits not in quantizers.INT_BITS:
-                raise ValueError(f"{where}.bits={self.bits!r} is not an integer cache width; "
-                                 f"allowed with format=int: {list(quantizers.INT_BITS)}")
-            if self.granularity != "group":
-                raise ValueError(f"{where}.granularity={self.granularity!r}: format=int takes only 'group'")
-        if self.format == "fp8" and self.bits != 8:
-            raise ValueError(f"{where}.bits={self.bits!r} but format=fp8 (e4m3) stores 8 bits; allowed: [8]")
-        if self.format != "bf16":
-            quantizers.check_scale_dtype(self.scale_dtype)
+        if self.format not in CODECS:
+            raise ValueError(f"{where}.format={self.format!r} is unknown; allowed: {list(CODECS)}")
+        self.codec.check(self, where)
         if self.group_size is not None and (
             isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0
         ):
@@ -111,36 +271,40 @@ class PathFormat:
                     f"allowed: null (whole vector) or one of {divisors}"
                 )
 
-    # ------------------------------------------------------------------ shape and bytes
     @property
     def quantized(self) -> bool:
         return self.format != "bf16"
 
+    @property
+    def tensor_scaled(self) -> bool:
+        return self.codec.uses_tensor_scale(self)
+
     def n_groups(self, d: int) -> int:
         """Scales (and zeros) per token; 0 for bf16 and per-tensor fp8."""
-        if not self.quantized or self.granularity == "tensor":
-            return 0
-        return quantizers.n_groups(d, self.group_size)
+        return self.codec.n_groups(self, d)
 
     def bytes_per_token(self, d: int, act_bytes: int = 2) -> float:
         """Bytes one token of this path takes in the quantized region (codes + scales + zeros), from the format."""
-        if self.format == "bf16":
-            return d * act_bytes
-        if self.format == "fp8":
-            return d + self.n_groups(d) * SCALE_BYTES[self.scale_dtype]
-        zeros = 0 if self.symmetric else ZERO_BYTES[self.scale_dtype]
-        return packing.packed_dim(d, self.bits) + self.n_groups(d) * (SCALE_BYTES[self.scale_dtype] + zeros)
+        return self.codec.bytes_per_token(self, d, act_bytes)
+
+    def encode(self, x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        return self.codec.encode(self, x, tensor_scale)
+
+    def decode(self, parts: Mapping[str, torch.Tensor], d: int, dtype: torch.dtype,
+               tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
+        return self.codec.decode(self, parts, d, dtype, tensor_scale)
+
+    def kernel_unsupported(self, d: int) -> str | None:
+        return self.codec.kernel_unsupported(self, d)
+
+    def kernel_spec(self, d: int) -> dict:
+        return self.codec.kernel_spec(self, d)
 
     def describe(self) -> str:
-        if self.format == "bf16":
-            return "bf16"
-        if self.format == "fp8" and self.granularity == "tensor":
-            return "fp8 e4m3, per-tensor fp32 scale"
-        group = "per-token" if self.group_size is None else f"g={self.group_size}"
-        kind = "sym" if self.symmetric or self.format == "fp8" else "asym"
-        return f"{self.format}{self.bits if self.format == 'int' else ''} {group} {kind} {self.scale_dtype}"
+        return self.codec.describe(self)
 
 
+# ---------------------------------------------------------------------------------------------- the quant group
 @dataclass(frozen=True)
 class CacheFormat:
     """The whole `quant` group, validated against (d_c, d_r)."""
@@ -150,6 +314,7 @@ class CacheFormat:
     backend: str
     n_sink: int
     recent: int
+    block_size: int
     content: PathFormat
     rope: PathFormat
     shared_scale: bool
@@ -163,20 +328,37 @@ class CacheFormat:
     def path(self, name: str) -> PathFormat:
         return {"content": self.content, "rope": self.rope}[name]
 
+    def dim(self, name: str) -> int:
+        return {"content": self.d_c, "rope": self.d_r}[name]
+
     def tensor_scale_bytes(self) -> int:
-        """Per-layer constant bytes: float32 per-tensor fp8 scales (one if shared)."""
-        n = sum(p.format == "fp8" and p.granularity == "tensor" for p in (self.content, self.rope))
+        """Per sequence and layer constant bytes: float32 per-tensor fp8 scales (one if shared)."""
+        n = sum(p.tensor_scaled for p in (self.content, self.rope))
         return TENSOR_SCALE_BYTES * (min(n, 1) if self.shared_scale else n)
 
+    def kernel_unsupported(self) -> str | None:
+        """Why the Triton decode kernel cannot read this format (naming the setting), or None."""
+        for path in ("content", "rope"):
+            why = self.path(path).kernel_unsupported(self.dim(path))
+            if why is not None:
+                return f"quant.{path}.{why}"
+        return None
 
-TOP_KEYS = ("name", "mode", "backend", "protected", "content", "rope", "shared_scale")
+
+TOP_KEYS = ("name", "mode", "backend", "protected", "content", "rope", "shared_scale", "block_size")
+
+
+def _nonneg_int(value, where: str, least: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{where}={value!r}; allowed: an integer >= {least}")
+    return value
 
 
 def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None) -> CacheFormat:
     """Build and validate the format of a `quant` config for a model with latent dims (d_c, d_r).
 
     With `context` (the longest sequence the run will hold), a quantized format whose protected region covers the
-    whole context is refused: nothing would ever be quantized.
+    whole context is refused: nothing would ever be quantized. A backend that cannot read the format is refused.
     """
     cfg = _plain(quant_cfg)
     _check_keys(cfg, TOP_KEYS, "quant")
@@ -187,10 +369,9 @@ def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None) -> C
         raise ValueError(f"quant.backend={backend!r} is unknown; allowed: {list(BACKENDS)}")
     protected = _plain(cfg.get("protected", {}))
     _check_keys(protected, ("n_sink", "recent"), "quant.protected")
-    n_sink, recent = protected.get("n_sink", 4), protected.get("recent", 128)
-    for key, value in (("n_sink", n_sink), ("recent", recent)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"quant.protected.{key}={value!r}; allowed: an integer >= 0")
+    n_sink = _nonneg_int(protected.get("n_sink", 4), "quant.protected.n_sink")
+    recent = _nonneg_int(protected.get("recent", 128), "quant.protected.recent")
+    block_size = _nonneg_int(cfg.get("block_size", 64), "quant.block_size", least=1)
     content = PathFormat.from_cfg(cfg.get("content", {}), "quant.content")
     rope = PathFormat.from_cfg(cfg.get("rope", {}), "quant.rope")
     content.check(d_c, "quant.content")
@@ -202,59 +383,44 @@ def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None) -> C
             "(lower quant.protected.recent or use longer sequences)"
         )
     shared = bool(cfg.get("shared_scale", False))
-    if shared and not all(p.format == "fp8" and p.granularity == "tensor" for p in (content, rope)):
+    if shared and not (content.tensor_scaled and rope.tensor_scaled):
         raise ValueError(
             "quant.shared_scale=true needs both paths in format=fp8 with granularity=tensor (vLLM's flat FP8 "
             f"layout); got content {content.describe()!r}, rope {rope.describe()!r}"
         )
-    return CacheFormat(cfg.get("name", "?"), mode, backend, n_sink, recent, content, rope, shared, d_c, d_r)
+    fmt = CacheFormat(cfg.get("name", "?"), mode, backend, n_sink, recent, block_size, content, rope, shared, d_c, d_r)
+    if backend == "triton":
+        why = fmt.kernel_unsupported()
+        if why is not None:
+            raise ValueError(f"{why}: quant.backend=triton cannot read it (it reads bf16 paths, or int with bits "
+                             f"{list(TRITON_INT_BITS)}); use quant.backend=torch for this format")
+    return fmt
 
 
 def cache_bytes_per_token(fmt: CacheFormat, d_c: int, d_r: int, context: int, batch: int = 1,
                           act_bytes: int = 2) -> float:
-    """Formula: bytes per token per layer of a cache holding `context` tokens (per sequence), protected region
-    (n_sink + recent tokens, in the activation dtype) and per-tensor scales included."""
+    """Formula: bytes per token per layer of a cache holding `context` tokens per sequence, protected region
+    (n_sink + recent tokens, in the activation dtype) and per-sequence tensor scales included."""
     if context <= 0:
         raise ValueError(f"context={context}: need at least one token")
     if not fmt.quantized:
         return float((d_c + d_r) * act_bytes)
     protected = min(context, fmt.n_sink + fmt.recent)
     per_quantized = fmt.content.bytes_per_token(d_c, act_bytes) + fmt.rope.bytes_per_token(d_r, act_bytes)
-    total = batch * (protected * (d_c + d_r) * act_bytes + (context - protected) * per_quantized)
-    total += fmt.tensor_scale_bytes()  # set at the first append, held from then on
-    return total / (batch * context)
+    per_sequence = protected * (d_c + d_r) * act_bytes + (context - protected) * per_quantized
+    return (per_sequence + fmt.tensor_scale_bytes()) / context
 
 
-# ---------------------------------------------------------------------------------------------- per-path codec
+# ---------------------------------------------------------------------------------------------- helpers
 def encode_path(fmt: PathFormat, x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """x (B, L, d) -> the stored tensors of this path for L tokens, each (B, L, *):
-    bf16: values (B, L, d) act dtype | int: codes (B, L, packed_dim) uint8, scales (B, L, G), zeros (B, L, G)
-    fp8: codes (B, L, d) uint8 (e4m3 bits), scales (B, L, G) (absent for per-tensor: `tensor_scale`, 0-d fp32)."""
-    if fmt.format == "bf16":
-        return {"values": x}
-    if fmt.format == "int":
-        codes, scales, zeros = quantizers.group_quantize(x, fmt.bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype)
-        parts = {"codes": packing.pack(codes, fmt.bits, check=False), "scales": scales}
-        if zeros is not None:
-            parts["zeros"] = zeros
-        return parts
-    if fmt.granularity == "tensor":
-        codes, _, _ = quantizers.fp8_quantize(x, per_tensor=True, scale=tensor_scale)
-        return {"codes": codes.view(torch.uint8)}
-    codes, scales, _ = quantizers.fp8_quantize(x, fmt.group_size, scale_dtype=fmt.scale_dtype)
-    return {"codes": codes.view(torch.uint8), "scales": scales}
+    """x (..., d) -> the stored tensors of this path (see the codec)."""
+    return fmt.encode(x, tensor_scale)
 
 
 def decode_path(fmt: PathFormat, parts: Mapping[str, torch.Tensor], d: int, dtype: torch.dtype,
                 tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The stored tensors of `encode_path` -> x_hat (B, L, d) in `dtype`."""
-    if fmt.format == "bf16":
-        return parts["values"].to(dtype)
-    if fmt.format == "int":
-        codes = packing.unpack(parts["codes"], fmt.bits, d)
-        return quantizers.group_dequantize(codes, parts["scales"], parts.get("zeros"), fmt.bits, dtype)
-    scales = tensor_scale if fmt.granularity == "tensor" else parts["scales"]
-    return quantizers.fp8_dequantize(parts["codes"], scales, dtype)
+    """The stored tensors of `encode_path` -> x_hat (..., d) in `dtype`."""
+    return fmt.decode(parts, d, dtype, tensor_scale)
 
 
 def fake_quantizer(path_cfg, d: int, path: str = "<path>") -> Callable[[torch.Tensor], torch.Tensor]:
@@ -267,8 +433,8 @@ def fake_quantizer(path_cfg, d: int, path: str = "<path>") -> Callable[[torch.Te
     def quantize(x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != d:
             raise ValueError(f"quant.{path}: validated for dimension {d}, got x of shape {tuple(x.shape)}")
-        scale = tensor_scale_for(x) if fmt.format == "fp8" and fmt.granularity == "tensor" else None
-        return decode_path(fmt, encode_path(fmt, x, scale), d, x.dtype, scale)
+        scale = tensor_scale_for(x).expand(x.shape[:-1]) if fmt.tensor_scaled else None
+        return fmt.decode(fmt.encode(x, scale), d, x.dtype, scale)
 
     return quantize
 

@@ -1,4 +1,4 @@
-"""Fixed-NMSE error injection into one path of the latent cache (DESIGN.md section 2).
+"""Fixed-NMSE error injection into one path of the latent cache (docs/method.md section 2).
 
     eps = fixed_nmse_noise(x, 0.01, torch.randn_like(x))        # ||eps||^2 / ||x||^2 == 0.01 exactly
     cache = LatentCache(n_layers, injection_factory(InjectionSpec(path="rope", nmse=0.01, layers={3})))
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mla_quant.cache import LatentCacheLayer
+from mla_quant.kernels.attention import latent_attention
 from mla_quant.models.families import rope_pair
-from mla_quant.models.latent_attention import latent_attention
-from mla_quant.models.latent_cache import LatentCacheLayer
 
 PATHS = ("content", "rope")
 SIDES = ("both", "score", "value")
@@ -122,16 +122,16 @@ class InjectedLatentLayer(LatentCacheLayer):
         self.spec = spec
         self.clean = LatentCacheLayer()
 
-    def append(self, content: torch.Tensor, rope: torch.Tensor) -> None:
-        self.clean.append(content, rope)
+    def append(self, content: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        self.clean.append(content, rope, valid)
         if self.spec.path == "content":
             content = self.spec.perturb(self.layer_idx, content)
         else:
             rope = self.spec.perturb(self.layer_idx, rope)
-        super().append(content, rope)
+        super().append(content, rope, valid)
 
-    def attend(self, q_latent, q_rope, content, rope, scale, mask):
-        self.append(content, rope)
+    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None):
+        self.append(content, rope, valid)
         noisy_c, noisy_k = self.read()
         clean_c, _ = self.clean.read()
         side = self.spec.side

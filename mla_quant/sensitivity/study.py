@@ -1,4 +1,4 @@
-"""Measuring how a cache error in one path reaches the output, and the analytical predictor (DESIGN.md section 2).
+"""Measuring how a cache error in one path reaches the output, and the analytical predictor (docs/method.md section 2).
 
     probe = probe_ids(task.probe, model)
     clean = capture(model, probe, new_cache(model, RecordingLatentLayer))      # reference outputs + query energies
@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from mla_quant.models.absorbed import cache_kwargs
-from mla_quant.models.latent_cache import LatentCacheLayer
+from mla_quant.cache import LatentCacheLayer
 from mla_quant.sensitivity.injection import nmse
 
 
@@ -32,11 +32,11 @@ class RecordingLatentLayer(LatentCacheLayer):
         self.q_latent_energy: torch.Tensor | None = None  # (d_c,)
         self.q_rope_energy: torch.Tensor | None = None  # (d_r,)
 
-    def attend(self, q_latent, q_rope, content, rope, scale, mask):
+    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None):
         d_c, d_r = q_latent.shape[-1], q_rope.shape[-1]
         self.q_latent_energy = (q_latent.double() * scale).pow(2).reshape(-1, d_c).mean(0).cpu()
         self.q_rope_energy = (q_rope.double() * scale).pow(2).reshape(-1, d_r).mean(0).cpu()
-        return super().attend(q_latent, q_rope, content, rope, scale, mask)
+        return super().attend(q_latent, q_rope, content, rope, scale, mask, valid)
 
 
 @dataclass

@@ -1,0 +1,58 @@
+"""Stages: one per experiment (conf/experiment/*.yaml names its stage in `task._target_`).
+
+A stage is `run(cfg, run_dir) -> StageResult`; it prepares its model with `mla_quant.models.prepare.prepare_model`
+and reads its options from `cfg.task`. `task.uses` lists the config groups the stage reads; an override of any
+other group on the command line is refused by name (no setting does nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+GROUPS = ("model", "quant", "transform", "objective", "eval")
+
+
+@dataclass
+class StageResult:
+    metrics: dict[str, Any] = field(default_factory=dict)
+    ok: bool = True
+    message: str = ""
+
+
+class StageFailed(RuntimeError):
+    """A stage ran to the end but its checks failed (the record is written first)."""
+
+
+def user_overrides() -> list[str]:
+    """The command line's overrides of this run (empty outside a Hydra run)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return list(HydraConfig.get().overrides.task)
+
+
+def override_group(override: str) -> str:
+    """'quant.content.bits=3' -> 'quant'; '+model.config.x=1' -> 'model'; 'hydra/launcher=slurm' -> 'hydra'."""
+    key = override.split("=", 1)[0].lstrip("+~")
+    return key.split(".", 1)[0].split("/", 1)[0].split("@", 1)[0]
+
+
+def refuse_overrides(groups, why: str, overrides: list[str] | None = None) -> None:
+    """Raise ValueError naming every override of one of `groups` (they would do nothing in this run)."""
+    overrides = user_overrides() if overrides is None else overrides
+    bad = [o for o in overrides if override_group(o) in groups]
+    if bad:
+        raise ValueError(f"{bad}: {why}; drop {'it' if len(bad) == 1 else 'them'}")
+
+
+def refuse_unused_groups(task_cfg, overrides: list[str] | None = None) -> None:
+    """Refuse overrides of config groups the experiment does not read (its `task.uses`)."""
+    uses = list(task_cfg.get("uses") or [])
+    unknown = sorted(set(uses) - set(GROUPS))
+    if unknown:
+        raise ValueError(f"task.uses has unknown groups {unknown}; allowed: {list(GROUPS)}")
+    unused = [g for g in GROUPS if g not in uses]
+    refuse_overrides(unused, f"experiment={task_cfg.name} does not read the config group(s) {unused} (it reads "
+                             f"{uses or 'none of them'}), so these settings would do nothing", overrides)

@@ -1,10 +1,12 @@
 """Decode benchmark: the absorbed latent path against the untouched transformers model, on one model, in one run.
 
     python run.py experiment=bench_decode                      # tiny model with DeepSeek-V2-Lite's attention dims
+    python run.py experiment=bench_decode quant=int4_joint     # + the absorbed path over the INT4 cache
     python run.py experiment=bench_decode 'task.contexts=[1024,4096,16384]' device=cuda model.dtype=bfloat16
 
-For each context length: prefill a random prompt (both models), then time `task.decode_steps` single-token decode
-steps fed the same tokens. Reports decode tokens/s of both and their ratio, and the cache bytes per token per
+For each context length: prefill a random prompt (every path), then time `task.decode_steps` single-token decode
+steps fed the same tokens. Paths: transformers (its own cache), the absorbed latent path over an unquantized cache,
+and, when `quant` quantizes, the absorbed path over the configured cache format (named by the quant option). Reports decode tokens/s of both and their ratio, and the cache bytes per token per
 layer each one holds, measured from the cache tensors. transformers 5.24 also caches only the latent, but re-expands
 per-head K and V from the whole cached latent at every step: that transient is reported too (values per token per
 layer materialised per step). One tidy row per (context, path) goes to bench_decode.csv.
@@ -19,14 +21,14 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from hydra.utils import instantiate
-from transformers import DynamicCache
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from mla_quant.models.absorbed import absorb, cache_kwargs, latent_dims, new_cache
 from mla_quant.models.build import resolve_device
-from mla_quant.pipeline import StageResult
+from mla_quant.models.prepare import prepare_model
+from mla_quant.stages import StageResult
 from mla_quant.record import write_text_atomic
 
 
@@ -64,9 +66,11 @@ def time_decode(model, prompt, steps: int, warmup: int, cache, device: str) -> t
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
     device = resolve_device(cfg.device)
-    reference = instantiate(cfg.model, absorbed=False, attn_implementation=task.reference_attention)
-    reference.to(device)
+    prep = prepare_model(cfg, tokenizer=False, absorbed=False, attn_implementation=task.reference_attention)
+    reference = prep.model.to(device)
     absorbed = absorb(copy.deepcopy(reference))
+    quantized = prep.fmt is not None and prep.fmt.quantized
+    factory = prep.layer_factory() if quantized else None
     dims = latent_dims(absorbed)
     attn = absorbed.mla_family.attention_modules(absorbed)[0]
     expanded_values = attn.num_heads * (attn.qk_head_dim + attn.v_head_dim)
@@ -79,6 +83,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         per_path = {}
         paths = {"transformers": (reference, DynamicCache(config=reference.config)),
                  "absorbed_latent": (absorbed, new_cache(absorbed))}
+        if quantized:
+            paths[f"absorbed_{prep.fmt.name}"] = (absorbed, new_cache(absorbed, factory))
         for path, (model, cache) in paths.items():
             seconds, n_bytes = time_decode(model, prompt, task.decode_steps, task.warmup_steps, cache, device)
             per_path[path] = dict(
@@ -96,6 +102,12 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
             metrics[f"bench/decode/ctx{ctx}/{path}/cache_bytes_per_token_per_layer"] = row[
                 "cache_bytes_per_token_per_layer"]
         metrics[f"bench/decode/ctx{ctx}/speedup_absorbed_vs_transformers"] = speedup
+        if quantized:
+            q = per_path[f"absorbed_{prep.fmt.name}"]
+            metrics[f"bench/decode/ctx{ctx}/speed_{prep.fmt.name}_vs_absorbed"] = (
+                q["tokens_per_s"] / per_path["absorbed_latent"]["tokens_per_s"])
+            metrics[f"bench/decode/ctx{ctx}/cache_bytes_ratio_{prep.fmt.name}_vs_absorbed"] = (
+                q["cache_bytes_per_token_per_layer"] / per_path["absorbed_latent"]["cache_bytes_per_token_per_layer"])
         metrics[f"bench/decode/ctx{ctx}/cache_bytes_ratio_absorbed_vs_transformers"] = byte_ratio
 
     metrics["bench/decode/latent_values_per_token_per_layer"] = dims["d_c"] + dims["d_r"]
@@ -105,6 +117,11 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
           f"heads={attn.num_heads}, dtype={cfg.model.dtype}, device={device}, reference={task.reference_attention}")
     print(table.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     for ctx in task.contexts:
+        if quantized:
+            print(f"context {ctx}: {prep.fmt.name} cache: decode speed "
+                  f"{metrics[f'bench/decode/ctx{ctx}/speed_{prep.fmt.name}_vs_absorbed']:.2f}x the unquantized "
+                  f"absorbed path, cache bytes ratio "
+                  f"{metrics[f'bench/decode/ctx{ctx}/cache_bytes_ratio_{prep.fmt.name}_vs_absorbed']:.3f}")
         print(f"context {ctx}: absorbed latent decode {metrics[f'bench/decode/ctx{ctx}/speedup_absorbed_vs_transformers']:.2f}x "
               f"the transformers tokens/s; cache bytes ratio "
               f"{metrics[f'bench/decode/ctx{ctx}/cache_bytes_ratio_absorbed_vs_transformers']:.3f}")

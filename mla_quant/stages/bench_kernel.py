@@ -21,11 +21,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from mla_quant.cache.bytes import load_quant_option
+from mla_quant.cache.factory import cache_layer_factory
+from mla_quant.cache.triton import kernel_segments
 from mla_quant.kernels.latent_decode import latent_decode, latent_decode_reference, require_triton
 from mla_quant.models.build import resolve_device
-from mla_quant.pipeline import StageResult
-from mla_quant.quant.cache import cache_layer_factory, load_quant_option
 from mla_quant.record import write_text_atomic
+from mla_quant.stages import StageResult
 
 
 def _timed(fn, device: str, iters: int, warmup: int) -> float:
@@ -61,9 +63,10 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         q = torch.randn(task.batch_size, task.heads, task.d_c, generator=g).to(device, dtype)
         qr = torch.randn(task.batch_size, task.heads, task.d_r, generator=g).to(device, dtype)
         scale = (task.d_c + task.d_r) ** -0.5
-        kernel_s = _timed(lambda: latent_decode(q, qr, layer, scale), device, task.iters, task.warmup)
-        torch_s = _timed(lambda: latent_decode_reference(q, qr, layer, scale), device, task.iters, task.warmup)
-        err = (latent_decode(q, qr, layer, scale) - latent_decode_reference(q, qr, layer, scale)).abs().max().item()
+        segments = kernel_segments(layer)
+        kernel_s = _timed(lambda: latent_decode(q, qr, scale, segments), device, task.iters, task.warmup)
+        torch_s = _timed(lambda: latent_decode_reference(q, qr, scale, segments), device, task.iters, task.warmup)
+        err = (latent_decode(q, qr, scale, segments) - latent_decode_reference(q, qr, scale, segments)).abs().max().item()
         nbytes = layer.nbytes()
         rows.append({"context": ctx, "format": option, "kernel_us": kernel_s * 1e6, "torch_us": torch_s * 1e6,
                      "bytes": nbytes, "kernel_GBps": nbytes / kernel_s / 1e9, "max_abs_err": err})

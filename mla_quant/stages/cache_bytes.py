@@ -4,7 +4,8 @@
     python run.py experiment=cache_bytes 'task.contexts=[4096]' 'task.options=[int4_joint]'
 
 Each option's cache layer is filled with a synthetic latent (the bytes a format takes do not depend on the values),
-its stored tensors are measured (codes, scales, zeros, the BF16 protected region) and compared with the formula.
+its stored tensors are measured (codes, scales, zeros, the BF16 protected region) and compared with the formula:
+used bytes (the valid tokens) and held bytes (whole blocks of `task.block_size` tokens, the protected buffers).
 """
 
 from __future__ import annotations
@@ -13,24 +14,29 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mla_quant.pipeline import StageResult
-from mla_quant.quant.cache import byte_table, format_byte_table
+from mla_quant.stages import StageResult
+from mla_quant.cache.bytes import byte_table, format_byte_table
 from mla_quant.record import write_text_atomic
 
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
     rows = byte_table(list(task.options), list(task.contexts), d_c=task.d_c, d_r=task.d_r, batch=task.batch_size,
-                      chunk=task.chunk)
+                      chunk=task.chunk, block_size=task.block_size)
     metrics = {}
     for r in rows:
         key = f"bytes/{r['option']}/ctx{r['context']}"
-        metrics[f"{key}/measured_bytes_per_token_per_layer"] = r["measured_B_per_token"]
+        metrics[f"{key}/used_bytes_per_token_per_layer"] = r["used_B_per_token"]
+        metrics[f"{key}/held_bytes_per_token_per_layer"] = r["held_B_per_token"]
         metrics[f"{key}/formula_bytes_per_token_per_layer"] = r["formula_B_per_token"]
+        metrics[f"{key}/held_over_used"] = r["held_over_used"]
         metrics[f"{key}/pct_of_bf16"] = r["pct_of_bf16"]
     table = format_byte_table(rows)
-    write_text_atomic(run_dir / "cache_bytes.md", f"d_c={task.d_c}, d_r={task.d_r}, batch {task.batch_size}\n\n{table}\n")
+    head = (f"d_c={task.d_c}, d_r={task.d_r}, batch {task.batch_size}, blocks of {task.block_size} tokens, stored "
+            f"dtype bfloat16 (protected and unquantized tokens)")
+    write_text_atomic(run_dir / "cache_bytes.md", f"{head}\n\n{table}\n")
+    print(head)
     print(table)
-    mismatched = [r for r in rows if abs(r["measured_B_per_token"] - r["formula_B_per_token"]) > 1e-9]
+    mismatched = [r for r in rows if abs(r["used_B_per_token"] - r["formula_B_per_token"]) > 1e-9]
     message = f"measured bytes differ from the formula for {[(r['option'], r['context']) for r in mismatched]}"
     return StageResult(metrics=metrics, ok=not mismatched, message=message if mismatched else "")

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from hydra.utils import instantiate
+
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from mla_quant.models.absorbed import absorb, cache_kwargs, latent_dims, new_cache
-from mla_quant.pipeline import StageResult
+from mla_quant.models.prepare import build_model
+from mla_quant.stages import StageResult
 from mla_quant.record import write_text_atomic
 
 
@@ -75,7 +76,7 @@ def check_model(model_cfg: DictConfig, *, prefill_tokens: int, decode_steps: int
     """All variants for one model config: {"<rope>/<padding>": metrics}."""
     results = {}
     for rope_name, cfg in rope_variants(model_cfg).items():
-        reference = instantiate(cfg, absorbed=False, attn_implementation="eager", dtype="float32")
+        reference = build_model(cfg, absorbed=False, attn_implementation="eager", dtype="float32")
         absorbed = absorb(copy.deepcopy(reference))
         vocab = reference.config.vocab_size
         for pad_name, pad in (("no_padding", 0), ("left_padding", left_pad)):

@@ -20,28 +20,17 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from mla_quant.eval.harness import (ContextTooLong, LatentCacheHFLM, cache_layer_factory, evaluate_tasks,
-                                   rope_zeroed)
+from mla_quant.eval.harness import ContextTooLong, LatentCacheHFLM, evaluate_tasks, rope_zeroed
 from mla_quant.eval.task_files import CODE_TASKS, TOY_TASKS, write_task_files
 from mla_quant.eval.task_utils import ALLOW_ENV, OPT_IN_HINT
-from mla_quant.models.build import load_tokenizer
-from mla_quant.pipeline import StageResult
+from mla_quant.models.prepare import prepare_model
+from mla_quant.stages import StageResult
 from mla_quant.record import write_json_atomic, write_text_atomic
 
 STOCK_NIAH = "niah_single_1"
 FILTER_NAMES = {"none": "", "strict-match": ""}  # the filter whose score is reported under the bare metric name
-
-
-def load_model_and_tokenizer(model_cfg: DictConfig):
-    """(model, tokenizer) from the model config's `tokenizer` node (toy model, real checkpoints)."""
-    tokenizer = load_tokenizer(model_cfg)
-    if tokenizer is None:
-        raise ValueError(f"model {model_cfg.get('_target_')} has no tokenizer (a random tiny model?); "
-                         f"evaluate needs a trained model, e.g. model=toy_mla")
-    return instantiate(model_cfg), tokenizer
 
 
 def flat_metrics(results: dict, prefix: str) -> dict[str, float]:
@@ -90,20 +79,24 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     if not tasks:
         raise ValueError("eval.tasks is empty (after refusing code execution); nothing to evaluate")
 
-    model, tokenizer = load_model_and_tokenizer(cfg.model)
+    if cfg.model.get("tokenizer") is None:
+        raise ValueError(f"model {cfg.model.get('_target_')} has no tokenizer (a random tiny model?); "
+                         f"evaluate needs a trained model, e.g. model=toy_mla")
+    prep = prepare_model(cfg)  # validates quant/transform/objective against the model before loading weights
+    model, tokenizer = prep.model, prep.tokenizer
     limit = int(model.config.max_position_embeddings)
     too_long = [n for n in ev.data.niah_lengths if n > limit]
     if too_long:
         raise ContextTooLong(f"eval.data.niah_lengths {too_long} exceed the model's limit of {limit} positions "
                              f"(config.max_position_embeddings)")
     folder = write_task_files(run_dir / "lm_eval_tasks", tokenizer, **OmegaConf.to_container(ev.data, resolve=True))
-    lm = LatentCacheHFLM(model, tokenizer, layer_factory=cache_layer_factory(cfg, model),
+    lm = LatentCacheHFLM(model, tokenizer, layer_factory=prep.layer_factory(),
                          batch_size=int(ev.batch_size))
     gen_kwargs = OmegaConf.to_container(ev.gen_kwargs, resolve=True) if ev.get("gen_kwargs") else None
     if allow:
         os.environ[ALLOW_ENV] = "1"  # read by mla_quant.eval.task_utils.run_program
 
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float | str] = dict(prep.cache_metrics())
     raw: dict = {}
     toy = [t for t in tasks if t != STOCK_NIAH]
     start = time.perf_counter()

@@ -4,7 +4,7 @@
     python run.py experiment=sensitivity model=tiny_minicpm3 task.nmse=0.02 task.seeds=5
     python run.py experiment=sensitivity task.noise=quantizer quant=int4_joint    # real INT4 error, rescaled
 
-Parts (DESIGN.md section 2): (1) inject into the content latent or the RoPE key, all layers at once and one layer at
+Parts (docs/method.md section 2): (1) inject into the content latent or the RoPE key, all layers at once and one layer at
 a time, rescaled to the target cache NMSE exactly; (2) output NMSE at the attention output, the layer output and
 the logits, next-token KL, and the amplification A = NMSE_out(RoPE) / NMSE_out(content), mean and spread over seeds;
 (3) the content mechanism split (score side = match, value side = aggregation, both; coupling = both - match -
@@ -22,13 +22,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
-from hydra.utils import instantiate  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from mla_quant.models.absorbed import latent_dims, new_cache  # noqa: E402
-from mla_quant.models.build import configured_latent_dims, load_tokenizer  # noqa: E402
-from mla_quant.pipeline import StageResult  # noqa: E402
+from mla_quant.models.absorbed import new_cache  # noqa: E402
+from mla_quant.models.prepare import model_dims, prepare_model  # noqa: E402
+from mla_quant.stages import StageResult, refuse_overrides  # noqa: E402
 from mla_quant.record import atomic_path, write_text_atomic  # noqa: E402
 from mla_quant.sensitivity.injection import InjectionSpec, check_nmse_target, injection_factory  # noqa: E402
 from mla_quant.sensitivity.study import (  # noqa: E402
@@ -61,9 +60,12 @@ def validate(cfg: DictConfig) -> list[float]:
         raise ValueError(f"task.seeds={task.seeds}; need at least 1")
     if task.noise not in ("gaussian", "quantizer"):
         raise ValueError(f"task.noise={task.noise!r}; allowed: gaussian, quantizer")
-    dims = configured_latent_dims(cfg.model)
-    if task.noise == "quantizer" and dims is not None:
-        noise_quantizers(cfg, dims)
+    if task.noise == "gaussian":
+        refuse_overrides(["quant"], "task.noise=gaussian injects Gaussian noise and reads no quant setting (use "
+                                    "task.noise=quantizer to inject the error of quant.<path>)")
+    else:
+        dims = model_dims(cfg.model)
+        noise_quantizers(cfg, {"content": dims["d_c"], "rope": dims["d_r"]})
     return targets
 
 
@@ -78,13 +80,12 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
     targets = validate(cfg)  # bad targets and formats fail here, before any model work
     headline = float(task.nmse)
-    model = instantiate(cfg.model)
-    latent = latent_dims(model)
-    n_layers = latent["layers"]
-    dims = {"content": latent["d_c"], "rope": latent["d_r"]}
+    prep = prepare_model(cfg, quant=task.noise == "quantizer", tokenizer=task.probe.source != "random")
+    model, tokenizer = prep.model, prep.tokenizer
+    n_layers = prep.dims["layers"]
+    dims = {"content": prep.dims["d_c"], "rope": prep.dims["d_r"]}
     quantizers = noise_quantizers(cfg, dims) if task.noise == "quantizer" else {}
     layout = model.mla_family.cached_rope_layout(model.config)
-    tokenizer = load_tokenizer(cfg.model) if task.probe.source != "random" else None
     probe = task.probe
     if probe.source == "auto":
         probe = OmegaConf.merge(probe, {"source": "tasks" if tokenizer is not None else "random"})

@@ -19,7 +19,7 @@ import torch
 import transformers
 from omegaconf import DictConfig, OmegaConf
 
-from mla_quant.pipeline import StageResult
+from mla_quant.stages import StageResult
 from mla_quant.record import write_text_atomic
 from mla_quant.toy.model import ASSETS, new_toy_model, save_toy_checkpoint, toy_config
 from mla_quant.toy.tokenizer import build_tokenizer

@@ -117,10 +117,24 @@ def load_toy_state(folder: str | Path | None = None):
     return config, state, record
 
 
+def load_toy_config(folder: str | Path | None = None):
+    """The toy checkpoint's config (config.json only, no weights)."""
+    from transformers import DeepseekV2Config
+
+    config_file = _require((Path(folder) if folder else ASSETS) / CONFIG)
+    try:
+        return DeepseekV2Config.from_json_file(str(config_file))
+    except (ValueError, json.JSONDecodeError) as err:
+        raise ToyCheckpointError(f"toy checkpoint file corrupted: {config_file} ({err})") from err
+
+
 def load_toy_model(path: str | Path | None = None, dtype: str = "float32", attn_implementation: str = "eager",
-                   absorbed: bool = True, device: str = "cpu", **_ignored) -> nn.Module:
+                   absorbed: bool = True, device: str = "cpu", family: str = "deepseek_v2") -> nn.Module:
     """The trained toy model (from mla_quant/toy/assets/ unless `path` is given), absorbed like every builder's."""
     from transformers import DeepseekV2ForCausalLM
+
+    if family != "deepseek_v2":
+        raise ValueError(f"model.family={family!r}: the toy model is a DeepSeek-V2 (family deepseek_v2)")
 
     from mla_quant.models.absorbed import absorb
     from mla_quant.models.build import resolve_device, torch_dtype

@@ -3,8 +3,8 @@
 Every step's batch is a pure function of (seed, step): rows of `row_length` tokens packed with whole documents
 (prompt + answer + EOS) drawn from the task mix, so a resumed run sees exactly the data an uninterrupted one would.
 Curriculum: the row length (and with it the needle documents' length) grows through `curriculum`.
-AdamW with linear warm-up, cosine decay and gradient clipping (see /work/shared/TOY-NOTES.md: without warm-up and
-clipping the retrieval circuit does not form or collapses).
+AdamW with linear warm-up, cosine decay and gradient clipping (without warm-up and clipping the retrieval circuit
+of a model this small does not form, or forms and collapses).
 
     python run.py experiment=train_toy                          # via mla_quant.stages.train_toy
     python run.py experiment=train_toy task.resume=outputs/train_toy/<run>   # continue an interrupted run

@@ -2,7 +2,7 @@
 
 score(t, s) = scale * (q_latent_t . c_s + q_rope_t . k_s),   o_latent_t = sum_s softmax_s(score) c_s
 
-with q_latent = W_UK^T q_nope per head (DESIGN.md section 1). All heads share the single latent "head", so this is
+with q_latent = W_UK^T q_nope per head (docs/method.md section 1). All heads share the single latent "head", so this is
 multi-query attention with key [c ; k] (d_c + d_r) and value c (d_c); per-head K and V are never formed.
 """
 

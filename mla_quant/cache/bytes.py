@@ -1,0 +1,93 @@
+"""Exact bytes per token per layer of every quant option, used and held, measured from filled caches.
+
+    python -m mla_quant.cache.bytes               # the table at real dims (d_c 512, d_r 64), 4K / 32K / 128K
+    rows = byte_table(["int4_joint"], [4096])     # one row per (option, context)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from mla_quant.cache.factory import layer_factory
+from mla_quant.quant.formats import cache_bytes_per_token, cache_format
+
+QUANT_DIR = Path(__file__).resolve().parents[2] / "conf" / "quant"
+BYTE_TABLE_OPTIONS = ("bf16", "fp8_flat", "fp8_ds_mla", "int8_joint", "int4_content", "int4_joint",
+                      "int2_content_int4_rope")
+# Content group sizes of the release options at real dims (the model YAMLs' quant_group_size for d_c = 512).
+REAL_GROUPS = {"wide": 128, "narrow": 64}
+
+
+def load_quant_option(name: str, conf_dir: Path | str | None = None, groups: dict | None = None):
+    """conf/quant/<name>.yaml as a DictConfig, its `${model.quant_group_size.*}` resolved from `groups`."""
+    from omegaconf import OmegaConf
+
+    conf_dir = Path(conf_dir) if conf_dir is not None else QUANT_DIR
+    path = conf_dir / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown quant option {name!r}; allowed: {sorted(p.stem for p in conf_dir.glob('*.yaml'))}")
+    root = OmegaConf.create({"model": {"quant_group_size": dict(groups or REAL_GROUPS)}, "quant": OmegaConf.load(path)})
+    return OmegaConf.create(OmegaConf.to_container(root.quant, resolve=True))
+
+
+def measure_bytes(fmt, contexts: Iterable[int], batch: int = 1, chunk: int = 4096,
+                  dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict[int, tuple[int, int]]:
+    """Fill one layer of format `fmt` with a synthetic latent in chunks; {context: (used bytes, held bytes)}.
+    One random chunk is appended repeatedly: the bytes a format takes do not depend on the values."""
+    layer = layer_factory(fmt)()
+    gen = torch.Generator().manual_seed(seed)
+    block_c = torch.randn(batch, chunk, fmt.d_c, generator=gen).to(dtype)  # (B, chunk, d_c)
+    block_r = torch.randn(batch, chunk, fmt.d_r, generator=gen).to(dtype)  # (B, chunk, d_r)
+    filled, out = 0, {}
+    for ctx in sorted(contexts):
+        while filled < ctx:
+            t = min(chunk, ctx - filled)
+            layer.append(block_c[:, :t], block_r[:, :t])
+            filled += t
+        out[ctx] = (layer.nbytes(), layer.held_bytes())
+    return out
+
+
+def byte_table(options: Sequence[str] = BYTE_TABLE_OPTIONS, contexts: Sequence[int] = (4096, 32768, 131072),
+               d_c: int = 512, d_r: int = 64, batch: int = 1, chunk: int = 4096, block_size: int | None = None,
+               conf_dir=None) -> list[dict]:
+    """Bytes per token per layer for every quant option and context: used and held, measured from a filled cache,
+    and the formula (protected region included), with % of BF16 ((d_c + d_r) * 2 bytes). One row per
+    (option, context); the stored dtype is bfloat16, as on real checkpoints."""
+    bf16 = (d_c + d_r) * 2
+    rows = []
+    for name in options:
+        cfg = load_quant_option(name, conf_dir)
+        if block_size is not None:
+            cfg.block_size = block_size
+        fmt = cache_format(cfg, d_c, d_r)
+        measured = measure_bytes(fmt, contexts, batch, chunk)
+        for ctx in contexts:
+            used, held = (m / (batch * ctx) for m in measured[ctx])
+            rows.append({
+                "option": name, "content": fmt.content.describe(), "rope": fmt.rope.describe(),
+                "protected": f"{fmt.n_sink}+{fmt.recent}" if fmt.quantized else "none", "block": fmt.block_size,
+                "context": ctx, "used_B_per_token": used, "held_B_per_token": held,
+                "formula_B_per_token": cache_bytes_per_token(fmt, d_c, d_r, ctx), "held_over_used": held / used,
+                "pct_of_bf16": 100.0 * used / bf16,
+            })
+    return rows
+
+
+def format_byte_table(rows: Sequence[dict]) -> str:
+    """Markdown table of `byte_table` rows."""
+    head = ("| option | content | rope | protected | context | used B/tok/layer | held | held/used | formula | "
+            "% of BF16 |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        lines.append(f"| {r['option']} | {r['content']} | {r['rope']} | {r['protected']} | {r['context']} | "
+                     f"{r['used_B_per_token']:.3f} | {r['held_B_per_token']:.3f} | {r['held_over_used']:.4f} | "
+                     f"{r['formula_B_per_token']:.3f} | {r['pct_of_bf16']:.2f}% |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(format_byte_table(byte_table()))

@@ -1,0 +1,33 @@
+"""One factory for latent cache layers: a validated `CacheFormat` (or a `quant` config) -> a layer constructor.
+
+    fmt = cache_format(cfg.quant, d_c=512, d_r=64)          # mla_quant.quant.formats; validates first
+    factory = layer_factory(fmt)                           # zero-argument constructor of one layer
+    cache = LatentCache(num_layers, factory)               # a transformers Cache (models.absorbed.new_cache)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from mla_quant.cache.layer import LatentCacheLayer
+from mla_quant.quant.formats import CacheFormat, cache_format
+
+
+def layer_factory(fmt: CacheFormat | None) -> Callable[[], LatentCacheLayer]:
+    """A zero-argument layer constructor for `fmt` (None: unquantized, torch backend)."""
+    if fmt is None:
+        return LatentCacheLayer
+    if fmt.backend == "triton":
+        from mla_quant.cache.triton import TritonLatentCacheLayer
+        from mla_quant.kernels.latent_decode import require_triton
+
+        require_triton(hint="; or use quant.backend=torch")
+        return functools.partial(TritonLatentCacheLayer, fmt)
+    return functools.partial(LatentCacheLayer, fmt)
+
+
+def cache_layer_factory(quant_cfg, d_c: int, d_r: int, context: int | None = None) -> Callable[[], LatentCacheLayer]:
+    """`layer_factory` for a `quant` config validated against (d_c, d_r) (and, with `context`, that the protected
+    region leaves something to quantize)."""
+    return layer_factory(cache_format(quant_cfg, d_c, d_r, context))

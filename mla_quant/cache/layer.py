@@ -1,0 +1,427 @@
+"""The latent KV cache of MLA: per layer, the content latent c (d_c values) and the RoPE key k (d_r values) of every
+real token of every sequence, each path in its own format (docs/cache.md).
+
+The cache is a `transformers.Cache`, so `model(...)`, `model.generate(...)` and masking work unchanged. Per layer:
+
+    layer.append(content, rope, valid)    # content (B, T, d_c), rope (B, T, d_r), valid (B, T) bool (None = all real)
+    content, rope = layer.read()          # (B, S, d_c), (B, S, d_r) slot-aligned: what attention sees
+    layer.length                          # S slots (padding included, as transformers counts positions)
+    layer.nbytes(), layer.held_bytes()    # bytes of the valid tokens / bytes allocated
+    layer.attend(q_latent, q_rope, content_new, rope_new, scale, mask, valid) -> o_latent
+
+Storage per sequence (padding slots are never stored; `slot_valid` remembers which slots were real):
+    sinks    (B, <=n_sink, d) its first n_sink real tokens, activation dtype, `n_sinks` (B,) held
+    store    PagedStore      the real tokens that left the recent window, encoded by the path's codec, in blocks
+    recent   (B, R, d)       its latest <= `recent` real tokens, oldest first, activation dtype, `n_recent` (B,)
+A real token is quantized exactly once, when it leaves its sequence's recent window, and never changes after that.
+With both paths bf16 there is nothing to protect: every token goes to the store, exactly as given.
+
+Semantics (`quant.mode`, docs/method.md section 3): "simulated": every read sees the stored values outside the
+protected region, the appending step included. "serving": the step that appends tokens sees its own fresh latents.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from mla_quant.cache.paged import PagedStore
+from mla_quant.kernels.attention import latent_attention
+from mla_quant.quant.formats import PathFormat, cache_format, check_finite
+from mla_quant.quant.quantizers import FP8_MAX
+
+PATHS = ("content", "rope")
+
+
+def check_latents(content: torch.Tensor, rope: torch.Tensor) -> None:
+    """content (B, T, d_c) and rope (B, T, d_r) with the same B and T."""
+    if content.dim() != 3 or rope.dim() != 3 or content.shape[:2] != rope.shape[:2]:
+        raise ValueError(
+            f"append expects content (B, T, d_c) and rope (B, T, d_r) with the same B, T; "
+            f"got {tuple(content.shape)} and {tuple(rope.shape)}"
+        )
+
+
+def _scatter_rows(dest: torch.Tensor, index: torch.Tensor, ok: torch.Tensor, src: torch.Tensor) -> None:
+    """dest[b, index[b, j]] = src[b, j] where ok[b, j]. dest (B, L, d), index/ok (B, J), src (B, J, d)."""
+    b, j = ok.nonzero(as_tuple=True)
+    dest[b, index[b, j]] = src[b, j].to(dest.dtype)
+
+
+class LatentCacheLayer(CacheLayerMixin):
+    """One attention layer's latent cache in the format `fmt` (a `CacheFormat`; None = both paths unquantized)."""
+
+    is_sliding = False
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(self, fmt=None, layer_idx: int | None = None, **kwargs):
+        super().__init__()
+        self.fmt = fmt
+        self.layer_idx = layer_idx
+        self.block_size = 64 if fmt is None else fmt.block_size
+        self._clear()
+
+    def _clear(self) -> None:
+        self.length = 0
+        self.slot_valid: torch.Tensor | None = None  # (B, S) bool
+        self.store: PagedStore | None = None
+        self.sinks: dict[str, torch.Tensor] = {}  # path -> (B, n_sink, d)
+        self.recent: dict[str, torch.Tensor] = {}  # path -> (B, R, d), R <= fmt.recent
+        self.n_sinks = self.n_recent = None  # (B,) long
+        self.tensor_scales: dict[str, torch.Tensor | None] = {p: None for p in PATHS}  # (B,) float32 per sequence
+        # DeepSeek-V3.2's sparse-attention indexer keeps its own key cache next to the latent (B, S, d_index).
+        self.indexer_keys: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ format
+    @property
+    def quantized(self) -> bool:
+        return self.fmt is not None and self.fmt.quantized
+
+    def path_format(self, path: str) -> PathFormat:
+        return PathFormat() if self.fmt is None else self.fmt.path(path)
+
+    @property
+    def where(self) -> str:
+        return f"cache layer {self.layer_idx if self.layer_idx is not None else '?'}"
+
+    @property
+    def n_quantized(self) -> int:
+        """Tokens in the paged store of the longest sequence (per sequence: `store.lengths`); all real tokens
+        when nothing is quantized."""
+        return int(self.store.lengths.max()) if self.store is not None and self.store.batch else 0
+
+    def stored_parts(self, path: str) -> dict[str, torch.Tensor]:
+        """The stored tensors of `path` per sequence, left-aligned: {part: (B, L, *)} (L = n_quantized)."""
+        dense, _ = self.store.dense()
+        return {k.split("/", 1)[1]: v for k, v in dense.items() if k.startswith(path + "/")}
+
+    # ------------------------------------------------------------------ writing
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        dims = (key_states.shape[-1], value_states.shape[-1])
+        if self.fmt is not None and dims != (self.fmt.d_c, self.fmt.d_r):
+            raise ValueError(f"quant format {self.fmt.name!r} was validated for (d_c, d_r) = "
+                             f"{(self.fmt.d_c, self.fmt.d_r)}, got latents with {dims}")
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self._dims = {"content": dims[0], "rope": dims[1]}
+        b = key_states.shape[0]
+        self.slot_valid = torch.zeros(b, 0, dtype=torch.bool, device=self.device)
+        self.store = PagedStore(b, self.block_size, self.device)
+        self.n_sinks = torch.zeros(b, dtype=torch.long, device=self.device)
+        self.n_recent = torch.zeros(b, dtype=torch.long, device=self.device)
+        if self.quantized:
+            for path, x in (("content", key_states), ("rope", value_states)):
+                self.sinks[path] = x.new_zeros(b, 0, x.shape[-1])  # grows to n_sink as sinks arrive
+                self.recent[path] = x.new_zeros(b, 0, x.shape[-1])
+        self.is_initialized = True
+
+    def append(self, content: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Store new tokens. content (B, T, d_c), rope (B, T, d_r), valid (B, T) bool: False marks padding."""
+        check_latents(content, rope)
+        if not self.is_initialized:
+            self.lazy_initialization(content, rope)
+        b, t = content.shape[:2]
+        valid = torch.ones(b, t, dtype=torch.bool, device=content.device) if valid is None else valid.bool()
+        if valid.shape != (b, t):
+            raise ValueError(f"valid must be (B, T) = {(b, t)}, got {tuple(valid.shape)}")
+        self.slot_valid = torch.cat([self.slot_valid, valid], dim=1)
+        self.length += t
+        if t == 0:
+            return
+        new = {"content": content.to(self.dtype), "rope": rope.to(self.dtype)}
+        if not self.quantized:
+            rows = valid.nonzero(as_tuple=True)[0]
+            self._store(rows, {p: x[valid] for p, x in new.items()})
+            return
+        self._set_tensor_scales(new, valid)
+        # Each sequence's real tokens in order: [its recent window | its new tokens], then split into
+        # [to sinks | leaving the window (quantized now) | the new recent window].
+        window = self.recent["content"].shape[1]
+        held = torch.arange(window, device=self.device)[None, :] < self.n_recent[:, None]
+        ok = torch.cat([held, valid], dim=1)  # (B, R + T)
+        seq = {p: torch.cat([self.recent[p], new[p]], dim=1) for p in PATHS}  # (B, R + T, d)
+        rank = ok.long().cumsum(1) - 1  # (B, R + T) index among the sequence's real tokens here
+        total = ok.sum(1)
+        to_sink = torch.clamp(self.fmt.n_sink - self.n_sinks, min=0).minimum(total)  # (B,)
+        leave = torch.clamp(total - to_sink - self.fmt.recent, min=0)
+        keep = total - to_sink - leave
+        sink_ok = ok & (rank < to_sink[:, None])
+        store_ok = ok & (rank >= to_sink[:, None]) & (rank < (to_sink + leave)[:, None])
+        recent_ok = ok & (rank >= (to_sink + leave)[:, None])
+        grow = int((self.n_sinks + to_sink).max()) - self.sinks["content"].shape[1]
+        for p in PATHS:
+            if grow > 0:
+                pad = self.sinks[p].new_zeros(b, grow, self.sinks[p].shape[-1])
+                self.sinks[p] = torch.cat([self.sinks[p], pad], dim=1)
+            _scatter_rows(self.sinks[p], rank + self.n_sinks[:, None], sink_ok, seq[p])
+        self.n_sinks = self.n_sinks + to_sink
+        rows = store_ok.nonzero(as_tuple=True)[0]
+        self._store(rows, {p: seq[p][store_ok] for p in PATHS})
+        width = max(window, int(keep.max()))
+        for p in PATHS:
+            fresh = seq[p].new_zeros(b, width, seq[p].shape[-1])
+            _scatter_rows(fresh, rank - (to_sink + leave)[:, None], recent_ok, seq[p])
+            self.recent[p] = fresh
+        self.n_recent = keep
+
+    def _store(self, rows: torch.Tensor, tokens: dict[str, torch.Tensor]) -> None:
+        """Encode tokens (N, d) per path, belonging to sequences `rows` (N,), and append them to the paged store."""
+        if rows.numel() == 0:
+            return
+        parts = {}
+        for p in PATHS:
+            fmt = self.path_format(p)
+            scale = None if self.tensor_scales[p] is None else self.tensor_scales[p][rows]
+            encoded = fmt.encode(tokens[p], scale)
+            if fmt.quantized:
+                check_finite(encoded, f"{self.where}, quant.{p} ({fmt.describe()})")
+            parts.update({f"{p}/{k}": v for k, v in encoded.items()})
+        self.store.append(rows, parts)
+
+    def _set_tensor_scales(self, new: dict[str, torch.Tensor], valid: torch.Tensor) -> None:
+        """Per-sequence fp8 scales (granularity=tensor): amax/448 of the sequence's first append of real tokens."""
+        paths = [p for p in PATHS if self.path_format(p).tensor_scaled]
+        if not paths:
+            return
+        b = valid.shape[0]
+        for p in paths:
+            if self.tensor_scales[p] is None:
+                self.tensor_scales[p] = torch.zeros(b, dtype=torch.float32, device=self.device)
+        unset = (self.tensor_scales[paths[0]] == 0) & valid.any(1)  # (B,)
+        if not bool(unset.any()):
+            return
+        groups = [paths] if self.fmt.shared_scale else [[p] for p in paths]
+        for group in groups:
+            amax = torch.stack([(new[p].float().abs() * valid[..., None]).amax(dim=(1, 2)) for p in group]).amax(0)
+            scale = amax / FP8_MAX  # (B,)
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            merged = torch.where(unset, scale, self.tensor_scales[group[0]])
+            for p in group:  # one tensor for a shared scale (its bytes count once)
+                self.tensor_scales[p] = merged
+
+    # ------------------------------------------------------------------ reading
+    def read_compact(self, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Each sequence's real tokens as stored, in order, left-aligned: {path: (B, L, d)}, lengths (B,).
+        Quantized tokens are decoded to `dtype` (default: the activation dtype)."""
+        dtype = dtype or self.dtype
+        dense, n_store = self.store.dense()
+        pieces = {p: [] for p in PATHS}
+        for p in PATHS:
+            d = self._dim(p)
+            if dense:
+                parts = {k.split("/", 1)[1]: v for k, v in dense.items() if k.startswith(p + "/")}
+                scale = self.tensor_scales[p]
+                scale = None if scale is None else scale[:, None].expand(-1, parts["codes"].shape[1])
+                stored = self.path_format(p).decode(parts, d, dtype, scale)
+            else:
+                stored = torch.zeros(self.slot_valid.shape[0], 0, d, dtype=dtype, device=self.device)
+            if self.quantized:
+                pieces[p] = [(self.sinks[p], self.n_sinks), (stored, n_store), (self.recent[p], self.n_recent)]
+            else:
+                pieces[p] = [(stored, n_store)]
+        lengths = sum(n for _, n in pieces["content"])
+        if len(pieces["content"]) == 1:
+            return {p: pieces[p][0][0].to(dtype) for p in PATHS}, lengths
+        longest = int(lengths.max())
+        out = {}
+        for p in PATHS:
+            full = torch.zeros(lengths.shape[0], longest + 1, self._dim(p), dtype=dtype, device=self.device)
+            offset = torch.zeros_like(lengths)
+            for x, n in pieces[p]:
+                j = torch.arange(x.shape[1], device=self.device)[None, :]
+                _scatter_rows(full, offset[:, None] + j, j < n[:, None], x)
+                offset = offset + n
+            out[p] = full[:, :longest]
+        return out, lengths
+
+    def _dim(self, path: str) -> int:
+        return self._dims[path]
+
+    def read_stored(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot as stored, slot-aligned: (B, S, d_c), (B, S, d_r). Padding slots hold arbitrary values
+        (attention masks them)."""
+        if not self.is_initialized:
+            raise RuntimeError("read() on an empty latent cache layer")
+        compact, lengths = self.read_compact(dtype)
+        b, s = self.slot_valid.shape
+        if compact["content"].shape[1] == s and bool(self.slot_valid.all()):
+            return compact["content"], compact["rope"]
+        if compact["content"].shape[1] == 0:
+            return tuple(compact[p].new_zeros(b, s, compact[p].shape[-1]) for p in PATHS)
+        index = (self.slot_valid.long().cumsum(1) - 1).clamp(min=0)  # (B, S) the real token each slot shows
+        return tuple(compact[p].gather(1, index[..., None].expand(-1, -1, compact[p].shape[-1])) for p in PATHS)
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.read_stored()
+
+    def update_and_read(self, content, rope, valid=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append, then what this step's attention sees: in serving mode its own tokens fresh, in simulated stored."""
+        t = content.shape[1]
+        self.append(content, rope, valid)
+        all_c, all_r = self.read()
+        if self.quantized and self.fmt.mode == "serving" and t > 0:
+            all_c = torch.cat([all_c[:, :-t], content.to(all_c.dtype)], dim=1)
+            all_r = torch.cat([all_r[:, :-t], rope.to(all_r.dtype)], dim=1)
+        return all_c, all_r
+
+    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None) -> torch.Tensor:
+        """Append this step's latents and attend over the whole cache. Returns o_latent (B, H, T, d_c)."""
+        all_content, all_rope = self.update_and_read(content, rope, valid)
+        return latent_attention(q_latent, q_rope, all_content, all_rope, scale, mask)
+
+    # ------------------------------------------------------------------ bytes
+    def real_tokens(self) -> int:
+        return 0 if self.slot_valid is None else int(self.slot_valid.sum())
+
+    def _protected_bytes(self, held: bool) -> int:
+        total = 0
+        for p in self.sinks:
+            per_token = self.sinks[p].shape[-1] * self.sinks[p].element_size()
+            if held:
+                total += (self.sinks[p].shape[1] + self.recent[p].shape[1]) * self.sinks[p].shape[0] * per_token
+            else:
+                total += int(self.n_sinks.sum() + self.n_recent.sum()) * per_token
+        scales = {id(s): s for s in self.tensor_scales.values() if s is not None}
+        for s in scales.values():
+            total += (s.numel() if held else int((s > 0).sum())) * s.element_size()
+        return total
+
+    def nbytes(self) -> int:
+        """Bytes used by the real tokens, measured from the stored tensors: protected tokens, codes, scales, zeros,
+        per-sequence tensor scales."""
+        if not self.is_initialized:
+            return 0
+        return self.store.used_bytes() + self._protected_bytes(held=False)
+
+    def held_bytes(self) -> int:
+        """Bytes allocated: whole blocks of the paged store plus the protected buffers."""
+        if not self.is_initialized:
+            return 0
+        return self.store.held_bytes() + self._protected_bytes(held=True)
+
+    # ------------------------------------------------------------------ transformers' CacheLayerMixin contract
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """transformers' MLA classes call update(c_kv (B,1,T,d_c), k_pe (B,1,T,d_r)); same data, 4-D views."""
+        content, rope = self.update_and_read(key_states[:, 0], value_states[:, 0])
+        return content.unsqueeze(1), rope.unsqueeze(1)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._clear()
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last -tokens_to_remove slots: per sequence its latest real tokens, recent window first, then
+        the store, then sinks. Stored tokens that end up inside the recent window stay quantized."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        if not self.is_initialized:
+            return
+        k = min(-tokens_to_remove, self.length)
+        if k == 0:
+            return
+        drop = self.slot_valid[:, self.length - k :].sum(1)  # (B,) real tokens removed per sequence
+        if self.quantized:
+            from_recent = torch.minimum(drop, self.n_recent)
+            self.n_recent = self.n_recent - from_recent
+            drop = drop - from_recent
+        from_store = torch.minimum(drop, self.store.lengths)
+        self.store.truncate(self.store.lengths - from_store)
+        self.n_sinks = self.n_sinks - (drop - from_store)
+        self.slot_valid = self.slot_valid[:, : self.length - k]
+        self.length -= k
+        if self.indexer_keys is not None:
+            self.indexer_keys = self.indexer_keys[:, : self.length]
+
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        self.slot_valid = fn(self.slot_valid).contiguous()
+        self.store = self.store.rebuilt(fn)
+        self.n_sinks, self.n_recent = fn(self.n_sinks), fn(self.n_recent)
+        self.sinks = {p: fn(v).contiguous() for p, v in self.sinks.items()}
+        self.recent = {p: fn(v).contiguous() for p, v in self.recent.items()}
+        self.tensor_scales = self._shared_map(fn)
+        if self.indexer_keys is not None:
+            self.indexer_keys = fn(self.indexer_keys)
+
+    def _shared_map(self, fn) -> dict:
+        """Apply fn to the tensor scales, keeping one tensor where both paths share it."""
+        mapped = {id(s): fn(s) for s in self.tensor_scales.values() if s is not None}
+        return {p: None if s is None else mapped[id(s)] for p, s in self.tensor_scales.items()}
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def _move(self, device) -> None:
+        if not self.is_initialized:
+            return
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        self.store.to(device)
+        self.slot_valid, self.n_sinks, self.n_recent = move(self.slot_valid), move(self.n_sinks), move(self.n_recent)
+        self.sinks = {p: move(v) for p, v in self.sinks.items()}
+        self.recent = {p: move(v) for p, v in self.recent.items()}
+        self.tensor_scales = self._shared_map(move)
+        if self.indexer_keys is not None:
+            self.indexer_keys = move(self.indexer_keys)
+
+    def offload(self) -> None:
+        self._move("cpu")
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self.store.device != self.device:
+            self._move(self.device)
+
+    # ------------------------------------------------------------------ DSA indexer keys (DeepSeek-V3.2)
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        if self.indexer_keys is None:
+            self.indexer_keys = indexer_key_states
+        else:
+            self.indexer_keys = torch.cat([self.indexer_keys, indexer_key_states], dim=1)
+        return self.indexer_keys
+
+
+class LatentCache(Cache):
+    """A `transformers.Cache` with one `LatentCacheLayer` (or a subclass) per MLA attention module."""
+
+    def __init__(self, num_layers: int, layer_factory=LatentCacheLayer):
+        layers = [layer_factory() for _ in range(num_layers)]
+        for idx, layer in enumerate(layers):
+            layer.layer_idx = idx
+        super().__init__(layers=layers)
+
+    def attend(self, layer_idx: int, q_latent, q_rope, content, rope, scale, mask, valid=None) -> torch.Tensor:
+        return self.layers[layer_idx].attend(q_latent, q_rope, content, rope, scale, mask, valid)
+
+    def nbytes(self) -> int:
+        """Bytes used by all layers (valid tokens only), measured from the stored tensors."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def held_bytes(self) -> int:
+        """Bytes allocated by all layers (whole blocks, protected buffers)."""
+        return sum(layer.held_bytes() for layer in self.layers)
+
+    def bytes_per_token_per_layer(self, held: bool = False) -> float:
+        tokens = self.layers[0].real_tokens()
+        if tokens == 0:
+            raise ValueError("the cache is empty: no bytes per token to report")
+        return (self.held_bytes() if held else self.nbytes()) / (tokens * len(self.layers))
+
+
+def unquantized_format(d_c: int, d_r: int, block_size: int = 64):
+    """The all-bf16 CacheFormat for latents (d_c, d_r): every token stored as given (activation dtype)."""
+    return cache_format({"name": "bf16", "block_size": block_size}, d_c, d_r)

@@ -1,0 +1,170 @@
+"""The one preparation step every stage uses: config -> validated settings -> model, tokenizer, dims, cache format.
+
+    prep = prepare_model(cfg)                  # cfg: the run's config (model, quant, transform, objective groups)
+    prep.model, prep.tokenizer, prep.dims      # absorbed model on its device; {"d_c", "d_r", "layers", "context"}
+    cache = prep.new_cache()                   # a fresh latent cache in the configured format
+
+Order (docs/layering.md): (1) read the latent dims from the model YAML or the checkpoint's config.json, without
+any weight; (2) validate quant, transform and objective against them, so a bad setting fails in seconds even for a
+671B checkpoint; (3) load the weights; (4) apply the configured transform (the hook calibration fills in; `none`
+today); (5) absorb; (6) place on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hydra.utils import get_method
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from mla_quant.models.absorbed import absorb, latent_dims, model_layer_factory, new_cache
+from mla_quant.models.build import load_tokenizer, pretrained_config, tiny_config
+from mla_quant.models.families import family_for_config
+from mla_quant.quant.formats import CacheFormat, cache_format
+
+# Keys of a model YAML that describe the model for other config groups, not arguments of its builder.
+MODEL_METADATA_KEYS = ("tokenizer", "quant_group_size")
+TRANSFORM_KINDS = ("none",)  # calibrated transforms arrive with calibration (docs/method.md section 4)
+OBJECTIVE_KINDS = ("none",)
+
+
+def _toy_config(node: Mapping):
+    from mla_quant.toy.model import load_toy_config
+
+    return load_toy_config(node.get("path"))
+
+
+def _tiny_config(node: Mapping):
+    return tiny_config(node["family"], node.get("config"))
+
+
+def _pretrained_config(node: Mapping):
+    return pretrained_config(node["family"], node["hf_id"], node.get("revision"), node.get("path"),
+                             node.get("config"))
+
+
+# How each model builder's config is read without its weights (the `_target_` of conf/model/*.yaml).
+CONFIG_READERS = {
+    "mla_quant.models.build.tiny_model": _tiny_config,
+    "mla_quant.models.build.pretrained_model": _pretrained_config,
+    "mla_quant.toy.model.load_toy_model": _toy_config,
+}
+
+
+def _plain(node) -> dict:
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+
+
+def model_config(model_cfg) -> Any:
+    """The transformers config a model YAML describes, read without loading any weight."""
+    target = model_cfg.get("_target_")
+    reader = CONFIG_READERS.get(target)
+    if reader is None:
+        raise ValueError(f"model._target_={target!r} has no config reader; allowed: {sorted(CONFIG_READERS)}")
+    config = reader({k: v for k, v in _plain(model_cfg).items() if k not in MODEL_METADATA_KEYS})
+    family = family_for_config(config)
+    if model_cfg.get("family") is not None and family.name != model_cfg.family:
+        raise ValueError(f"model.family={model_cfg.family!r} but the model's model_type {config.model_type!r} belongs "
+                         f"to family {family.name!r}; set model.family={family.name}")
+    return config
+
+
+def model_dims(model_cfg) -> dict[str, int]:
+    """{"d_c", "d_r", "layers", "context"} of a model YAML, without loading any weight."""
+    config = model_config(model_cfg)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return {"d_c": int(text.kv_lora_rank), "d_r": int(text.qk_rope_head_dim), "layers": int(text.num_hidden_layers),
+            "context": int(text.max_position_embeddings)}
+
+
+def check_kinds(group_cfg, group: str, allowed: tuple[str, ...]) -> None:
+    """transform.<path>.kind / objective.<path>.kind: refuse kinds that do not exist (yet), by name."""
+    if group_cfg is None:
+        return
+    known = {"name", "content", "rope"}
+    unknown = sorted(set(group_cfg) - known)
+    if unknown:
+        raise ValueError(f"{group}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+    for path in ("content", "rope"):
+        node = group_cfg.get(path) or {}
+        extra = sorted(set(node) - {"kind"})
+        if extra:
+            raise ValueError(f"{group}.{path}: unknown key(s) {extra}; allowed: ['kind']")
+        kind = node.get("kind", "none")
+        if kind not in allowed:
+            raise ValueError(f"{group}.{path}.kind={kind!r} is not available; allowed: {list(allowed)} "
+                             f"(calibrated transforms and objectives are not implemented yet)")
+
+
+def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True) -> CacheFormat | None:
+    """Check the quant, transform and objective groups against the model's dims; the validated cache format."""
+    check_kinds(cfg.get("transform"), "transform", TRANSFORM_KINDS)
+    check_kinds(cfg.get("objective"), "objective", OBJECTIVE_KINDS)
+    if not quant or cfg.get("quant") is None:
+        return None
+    return cache_format(cfg.quant, dims["d_c"], dims["d_r"], context=dims["context"])
+
+
+def apply_transform(model: nn.Module, transform_cfg) -> nn.Module:
+    """Fold the configured transform into the model's weights (calibration fills this in; `none` is the identity)."""
+    check_kinds(transform_cfg, "transform", TRANSFORM_KINDS)
+    return model
+
+
+def build_model(model_cfg, **overrides) -> nn.Module:
+    """Call the model YAML's builder with its arguments (metadata keys left out) and `overrides`."""
+    node = {k: v for k, v in _plain(model_cfg).items() if k not in MODEL_METADATA_KEYS and k != "_recursive_"}
+    builder = get_method(node.pop("_target_"))
+    try:
+        return builder(**{**node, **overrides})
+    except TypeError as err:
+        if "unexpected keyword" in str(err):
+            raise ValueError(f"model config: {err} (builder {builder.__module__}.{builder.__name__})") from err
+        raise
+
+
+@dataclass
+class Prepared:
+    model: nn.Module
+    tokenizer: Any
+    dims: dict[str, int]
+    fmt: CacheFormat | None
+    quant_cfg: Any
+
+    def layer_factory(self):
+        return None if self.quant_cfg is None else model_layer_factory(self.model, self.quant_cfg)
+
+    def new_cache(self):
+        return new_cache(self.model, self.layer_factory())
+
+    def cache_metrics(self) -> dict[str, str]:
+        """What the cache stores per path, with the dtype actually stored (the toy runs in float32, so its
+        unquantized tokens are float32, not bf16)."""
+        dtype = str(next(self.model.parameters()).dtype).replace("torch.", "")
+        if self.fmt is None or not self.fmt.quantized:
+            return {"cache/content": f"{dtype} values", "cache/rope": f"{dtype} values", "cache/protected": "none"}
+        out = {f"cache/{p}": (self.fmt.path(p).describe() if self.fmt.path(p).quantized else f"{dtype} values")
+               for p in ("content", "rope")}
+        out["cache/protected"] = f"{self.fmt.n_sink} sinks + {self.fmt.recent} recent per sequence, {dtype}"
+        return out
+
+
+def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, absorbed: bool = True,
+                  **build_overrides) -> Prepared:
+    """Validate, then load, transform, absorb and place the model of `cfg.model` (see the module docstring).
+    quant=False: the stage does not use the quant group. tokenizer=False: do not load one."""
+    dims = model_dims(cfg.model)
+    fmt = validate(cfg, dims, quant=quant)
+    model = build_model(cfg.model, absorbed=False, **build_overrides)
+    model = apply_transform(model, cfg.get("transform"))
+    if absorbed:
+        model = absorb(model)
+    measured = latent_dims(model) if absorbed else None
+    if measured is not None and (measured["d_c"], measured["d_r"]) != (dims["d_c"], dims["d_r"]):
+        raise RuntimeError(f"the loaded model has (d_c, d_r) = {(measured['d_c'], measured['d_r'])}, its config "
+                           f"said {(dims['d_c'], dims['d_r'])}")
+    tok = load_tokenizer(cfg.model) if tokenizer else None
+    return Prepared(model, tok, dims, fmt, cfg.quant if quant and fmt is not None else None)
