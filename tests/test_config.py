@@ -7,6 +7,8 @@ import pytest
 from conftest import CONF, REPO, compose, options
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.utils import instantiate
+
+from mla_quant.models.prepare import build_model
 from omegaconf import OmegaConf
 
 GROUPS = ["model", "quant", "transform", "objective", "eval", "experiment", "logger"]
@@ -27,7 +29,7 @@ def test_every_option_composes(group):
 @pytest.mark.parametrize("option", [o for o in options("model") if o.startswith("tiny_")])
 def test_tiny_models_instantiate_with_cli_overrides(option):
     cfg = compose([f"model={option}", "model.config.kv_lora_rank=40"])
-    model = instantiate(cfg.model)
+    model = build_model(cfg.model)
     attn = model.mla_family.attention_modules(model)[0]
     assert attn.kv_lora_rank == 40
     assert type(attn).__name__.startswith("Absorbed")
@@ -42,7 +44,7 @@ def test_real_checkpoints_fail_offline_naming_id_and_path(option, tmp_path, monk
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache: nothing to find offline
     cfg = compose([f"model={option}"])
     with pytest.raises(Exception) as err:  # hydra wraps the OSError in an InstantiationException
-        instantiate(cfg.model)
+        build_model(cfg.model)
     msg = str(err.value)
     assert cfg.model.hf_id in msg and "model.path" in msg, msg
 

@@ -7,6 +7,8 @@ import torch
 from conftest import compose, options
 from hydra.utils import instantiate
 
+from mla_quant.models.prepare import build_model
+
 from mla_quant.models.absorbed import absorb, cache_kwargs, new_cache
 from mla_quant.models.families import FAMILIES
 from mla_quant.stages.equivalence import check_model, make_batch
@@ -34,7 +36,7 @@ def test_absorbed_matches_transformers(name):
 
 
 def _reference_and_absorbed(name):
-    reference = instantiate(compose([f"model={name}"]).model, absorbed=False)
+    reference = build_model(compose([f"model={name}"]).model, absorbed=False)
     return reference, absorb(copy.deepcopy(reference))
 
 

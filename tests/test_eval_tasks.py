@@ -124,10 +124,10 @@ def test_cache_layer_factory_hook(model):
 
     with hydra.initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = hydra.compose("config", overrides=["experiment=evaluate", "logger=none"])
-        assert cfg.quant.name == "bf16" and cache_layer_factory(cfg, model) is LatentCacheLayer  # plain, exact
-        # groups must divide the toy's d_c = 96 (the release models' 128 does not)
-        cfg = hydra.compose("config", overrides=["experiment=evaluate", "logger=none", "quant=int4_joint",
-                                                 "quant.content.group_size=32"])
+        layer = cache_layer_factory(cfg, model)()
+        assert cfg.quant.name == "bf16" and type(layer) is LatentCacheLayer and not layer.quantized  # exact
+        # the release option as written: its content groups come from the toy's quant_group_size (32 | d_c = 96)
+        cfg = hydra.compose("config", overrides=["experiment=evaluate", "logger=none", "quant=int4_joint"])
         factory = cache_layer_factory(cfg, model)
         assert factory is not None and callable(factory)
         from mla_quant.models.absorbed import cache_kwargs, new_cache

@@ -7,24 +7,44 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mla_quant.kernels.latent_decode import latent_decode, latent_decode_reference, mask_to_bias
-from mla_quant.models.absorbed import cache_kwargs
-from mla_quant.quant.cache import cache_layer_factory, load_quant_option, quantized_cache
+from dataclasses import replace
+
+from mla_quant.cache import cache_layer_factory
+from mla_quant.cache.bytes import load_quant_option
+from mla_quant.cache.triton import kernel_segments
+from mla_quant.kernels.latent_decode import latent_decode, latent_decode_reference
+from mla_quant.models.absorbed import cache_kwargs, quantized_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def filled_layer(quant: dict, d_c: int, d_r: int, batch: int, tokens: int, dtype=torch.float32, seed: int = 0):
+def filled_layer(quant: dict, d_c: int, d_r: int, batch: int, tokens: int, dtype=torch.float32, seed: int = 0,
+                 pads: tuple[int, ...] = ()):
+    """One cache layer after a prefill and single-token decode appends; sequence i left-padded by pads[i] slots,
+    so sequences hold different numbers of sinks, quantized and recent tokens."""
     cfg = OmegaConf.merge(load_quant_option(quant.pop("option", "int4_joint")), quant)
     layer = cache_layer_factory(cfg, d_c, d_r, context=4096)()
     g = torch.Generator().manual_seed(seed)
     c = torch.randn(batch, tokens, d_c, generator=g).to(DEVICE, dtype)
     r = (3 * torch.randn(batch, tokens, d_r, generator=g)).to(DEVICE, dtype)
+    valid = torch.ones(batch, tokens, dtype=torch.bool, device=DEVICE)
+    for i, pad in enumerate(pads):
+        valid[i, :pad] = False
     first = tokens * 2 // 3
-    layer.append(c[:, :first], r[:, :first])  # a prefill, then single-token decode appends
+    layer.append(c[:, :first], r[:, :first], valid[:, :first])  # a prefill, then single-token decode appends
     for i in range(first, tokens):
-        layer.append(c[:, i : i + 1], r[:, i : i + 1])
+        layer.append(c[:, i : i + 1], r[:, i : i + 1], valid[:, i : i + 1])
     return layer
+
+
+def dense_attention(layer, q_latent, q_rope, scale):
+    """Independent of the kernel's inputs: the layer's own decoded tokens per sequence, attended in float64."""
+    compact, lengths = layer.read_compact(torch.float64)
+    s = torch.einsum("bhd,bsd->bhs", q_latent.double(), compact["content"])
+    s = (s + torch.einsum("bhd,bsd->bhs", q_rope.double(), compact["rope"])) * scale
+    ok = torch.arange(s.shape[-1], device=s.device)[None, :] < lengths[:, None]
+    p = torch.softmax(s.masked_fill(~ok[:, None, :], float("-inf")), dim=-1)
+    return torch.einsum("bhs,bsd->bhd", p, compact["content"]).float()
 
 
 FORMATS = {
@@ -41,57 +61,83 @@ FORMATS = {
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-@pytest.mark.parametrize("heads", [4, 20])
+@pytest.mark.parametrize("heads", [1, 4, 20])
 def test_kernel_matches_reference(name, heads):
-    layer = filled_layer(dict(FORMATS[name]), d_c=96, d_r=16, batch=2, tokens=190)
+    layer = filled_layer(dict(FORMATS[name]), d_c=96, d_r=16, batch=3, tokens=190, pads=(0, 9, 77))
     if name != "bf16 (plain layer)":
         assert layer.n_quantized > 0
+    segments = kernel_segments(layer)
     g = torch.Generator().manual_seed(1)
-    q_latent = torch.randn(2, heads, 96, generator=g).to(DEVICE)
-    q_rope = torch.randn(2, heads, 16, generator=g).to(DEVICE)
-    bias = torch.zeros(2, 190, device=DEVICE)
-    bias[1, :9] = float("-inf")  # left padding of the second sequence
-    for b in (None, bias):
-        out = latent_decode(q_latent, q_rope, layer, 0.12, b, block_n=16, split_tokens=48)  # several splits
-        ref = latent_decode_reference(q_latent, q_rope, layer, 0.12, b)
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    q_latent = torch.randn(3, heads, 96, generator=g).to(DEVICE)
+    q_rope = torch.randn(3, heads, 16, generator=g).to(DEVICE)
+    out = latent_decode(q_latent, q_rope, 0.12, segments, block_n=16, split_tokens=48)  # several splits
+    ref = latent_decode_reference(q_latent, q_rope, 0.12, segments)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}, {heads} heads: {m}")
+    torch.testing.assert_close(ref, dense_attention(layer, q_latent, q_rope, 0.12), rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_with_128_heads_small_dims():
+    """DeepSeek-V3's 128 heads per program, with small latent dims so the interpreter stays quick."""
+    layer = filled_layer({"content": {"group_size": 16}, "rope": {"bits": 4}}, d_c=32, d_r=8, batch=2, tokens=150,
+                         pads=(3,))
+    g = torch.Generator().manual_seed(2)
+    q_latent, q_rope = torch.randn(2, 128, 32, generator=g).to(DEVICE), torch.randn(2, 128, 8, generator=g).to(DEVICE)
+    segments = kernel_segments(layer)
+    out = latent_decode(q_latent, q_rope, 0.2, segments, block_n=16, split_tokens=64)
+    torch.testing.assert_close(out, dense_attention(layer, q_latent, q_rope, 0.2), rtol=1e-4, atol=1e-5)
 
 
 def test_kernel_reads_the_stored_codes_in_place():
     """Flipping one stored code moves the kernel's output exactly as it moves the reference's."""
     layer = filled_layer({"content": {"group_size": 32}}, d_c=64, d_r=16, batch=1, tokens=160)
     q_latent, q_rope = torch.randn(1, 4, 64, device=DEVICE), torch.randn(1, 4, 16, device=DEVICE)
-    before = latent_decode(q_latent, q_rope, layer, 0.2)
-    codes = layer.stored["content"].parts["codes"]
-    codes[0, 3] ^= 0xFF  # every nibble of token 3's first bytes changes
-    after = latent_decode(q_latent, q_rope, layer, 0.2)
+    before = latent_decode(q_latent, q_rope, 0.2, kernel_segments(layer))
+    codes = layer.store.pool["content/codes"]
+    block = int(layer.store.block_table()[0, 0])
+    codes[block, 3] ^= 0xFF  # every nibble of token 3's first bytes changes
+    segments = kernel_segments(layer)
+    after = latent_decode(q_latent, q_rope, 0.2, segments)
     assert (after - before).abs().max() > 1e-4
-    torch.testing.assert_close(after, latent_decode_reference(q_latent, q_rope, layer, 0.2), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(after, latent_decode_reference(q_latent, q_rope, 0.2, segments), rtol=1e-4, atol=1e-5)
 
 
 def test_bf16_activations():
     layer = filled_layer({"content": {"group_size": 32}}, d_c=64, d_r=16, batch=1, tokens=150, dtype=torch.bfloat16)
     q_latent = torch.randn(1, 4, 64, device=DEVICE, dtype=torch.bfloat16)
     q_rope = torch.randn(1, 4, 16, device=DEVICE, dtype=torch.bfloat16)
-    out = latent_decode(q_latent, q_rope, layer, 0.2)
-    torch.testing.assert_close(out, latent_decode_reference(q_latent, q_rope, layer, 0.2), rtol=1e-3, atol=1e-4)
+    segments = kernel_segments(layer)
+    out = latent_decode(q_latent, q_rope, 0.2, segments)
+    torch.testing.assert_close(out, latent_decode_reference(q_latent, q_rope, 0.2, segments), rtol=1e-3, atol=1e-4)
 
 
-def test_mask_to_bias():
-    mask = torch.tensor([[[[True, False, True]]]])
-    assert mask_to_bias(mask, 2, 2).tolist() == [[float("-inf"), 0.0]] * 2
-    additive = torch.tensor([[[[0.0, -1e9]]]])
-    assert mask_to_bias(additive, 1, 2).tolist() == [[0.0, -1e9]]
+def test_bad_kernel_inputs_are_named_before_launch():
+    layer = filled_layer({"content": {"group_size": 32}}, d_c=64, d_r=16, batch=2, tokens=150)
+    q_latent, q_rope = torch.randn(2, 4, 64, device=DEVICE), torch.randn(2, 4, 16, device=DEVICE)
+    good = kernel_segments(layer)[0]
+    cases = [
+        (replace(good, block_table=good.block_table.long()), r"segments\[0\].block_table must be int32"),
+        (replace(good, lengths=good.lengths[:1]), r"segments\[0\].lengths must be \(B,\)"),
+        (replace(good, content=replace(good.content, bits=3)), r"segments\[0\].content.bits=3; allowed: \[0, 2, 4, 8\]"),
+        (replace(good, content=replace(good.content, group=12)), r"segments\[0\].content.group=12: must divide d=64"),
+        (replace(good, content=replace(good.content, scales=good.content.scales.transpose(0, 1))),
+         r"segments\[0\].content.scales must be contiguous"),
+        (replace(good, rope=replace(good.rope, data=good.rope.data.float())), r"segments\[0\].rope.data: uint8 codes"),
+    ]
+    for seg, match in cases:
+        with pytest.raises(ValueError, match=match):
+            latent_decode(q_latent, q_rope, 0.2, [seg])
+    with pytest.raises(ValueError, match=r"q_latent \(B, H, d_c\) and q_rope"):
+        latent_decode(q_latent[0], q_rope, 0.2, [good])
 
 
 @pytest.mark.parametrize("option, override, match", [
-    ("int4_joint", {"content": {"bits": 3, "group_size": 32}}, r"quant.content.bits=3.*bits \[2, 4, 8\]"),
-    ("fp8_ds_mla", {}, r"quant.content.format=fp8.*quant.backend=torch"),
+    ("int4_joint", {"content": {"bits": 3, "group_size": 32}}, r"quant.content.bits=3.*\[2, 4, 8\].*backend=torch"),
+    ("fp8_ds_mla", {"content": {"group_size": 32}}, r"quant.content.format=fp8.*quant.backend=torch"),
 ])
 def test_formats_the_kernel_cannot_read_are_named(option, override, match):
     cfg = OmegaConf.merge(load_quant_option(option), override, {"backend": "triton"})
     with pytest.raises(ValueError, match=match):
-        cache_layer_factory(cfg, 96 if option != "fp8_ds_mla" else 512, 16 if option != "fp8_ds_mla" else 64)
+        cache_layer_factory(cfg, 96, 16)
 
 
 def test_no_gpu_and_no_interpreter_is_a_clear_error(monkeypatch):

@@ -7,6 +7,8 @@ import torch
 from conftest import compose, options
 from hydra.utils import instantiate
 
+from mla_quant.models.prepare import build_model
+
 from mla_quant.models.absorbed import is_absorbed
 
 TINY = [o for o in options("model") if o.startswith("tiny_") and "dims" not in o]
@@ -14,14 +16,14 @@ TINY = [o for o in options("model") if o.startswith("tiny_") and "dims" not in o
 
 @pytest.mark.parametrize("name", TINY)
 def test_saved_checkpoint_loads_from_model_path(name, tmp_path):
-    original = instantiate(compose([f"model={name}"]).model, absorbed=False)
+    original = build_model(compose([f"model={name}"]).model, absorbed=False)
     original.save_pretrained(tmp_path)
     family = compose([f"model={name}"]).model.family
     real = [o for o in options("model") if not o.startswith("tiny_")
             and compose([f"model={o}"]).model.get("family") == family
             and "pretrained_model" in compose([f"model={o}"]).model._target_][0]
     cfg = compose([f"model={real}", f"model.path={tmp_path}", "model.dtype=float32", "model.device_map=null"])
-    loaded = instantiate(cfg.model)
+    loaded = build_model(cfg.model)
     assert is_absorbed(loaded)
     ids = torch.randint(3, original.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -31,14 +33,14 @@ def test_saved_checkpoint_loads_from_model_path(name, tmp_path):
 
 def test_kimi_k2_config_loads_as_deepseek_v3(tmp_path):
     """Kimi-K2's config.json says model_type kimi_k2 (remote code); the V3 classes load it natively."""
-    original = instantiate(compose(["model=tiny_kimi_k2"]).model, absorbed=False)
+    original = build_model(compose(["model=tiny_kimi_k2"]).model, absorbed=False)
     original.save_pretrained(tmp_path)
     cfg_path = tmp_path / "config.json"
     raw = json.loads(cfg_path.read_text())
     raw["model_type"] = "kimi_k2"
     raw["architectures"] = ["DeepseekV3ForCausalLM"]
     cfg_path.write_text(json.dumps(raw))
-    loaded = instantiate(compose(["model=kimi_k2", f"model.path={tmp_path}", "model.dtype=float32",
+    loaded = build_model(compose(["model=kimi_k2", f"model.path={tmp_path}", "model.dtype=float32",
                                   "model.device_map=null"]).model)
     ids = torch.randint(3, original.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -47,8 +49,8 @@ def test_kimi_k2_config_loads_as_deepseek_v3(tmp_path):
 
 def test_checkpoint_that_does_not_fit_is_refused(tmp_path):
     """Weights the checkpoint lacks would be random: refused, naming the missing weights."""
-    instantiate(compose(["model=tiny_deepseek_v2"]).model, absorbed=False).save_pretrained(tmp_path)
+    build_model(compose(["model=tiny_deepseek_v2"]).model, absorbed=False).save_pretrained(tmp_path)
     cfg = compose(["model=deepseek_v2_lite", f"model.path={tmp_path}", "model.dtype=float32", "model.device_map=null",
                    "+model.config.q_lora_rank=16"])
     with pytest.raises(Exception, match="weights missing.*q_a_proj"):
-        instantiate(cfg.model)
+        build_model(cfg.model)

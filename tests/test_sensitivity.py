@@ -6,6 +6,8 @@ import pytest
 import torch
 from conftest import compose, options
 from hydra.utils import instantiate
+
+from mla_quant.models.prepare import build_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -46,13 +48,13 @@ def test_nmse_target_outside_unit_interval_is_refused(bad):
 
 def test_bad_target_fails_before_any_model_work(monkeypatch, tmp_path):
     cfg = compose(["model=tiny_deepseek_v3", "experiment=sensitivity", "task.nmse=1.5"])
-    monkeypatch.setattr(sensitivity, "instantiate", lambda *a, **k: pytest.fail("model built before validation"))
+    monkeypatch.setattr(sensitivity, "prepare_model", lambda *a, **k: pytest.fail("model built before validation"))
     with pytest.raises(ValueError, match="1.5"):
         sensitivity.run(cfg, tmp_path)
 
 
 def _model(name="tiny_deepseek_v3"):
-    return instantiate(compose([f"model={name}"]).model)
+    return build_model(compose([f"model={name}"]).model)
 
 
 def _ids(model, t=48):
@@ -176,11 +178,11 @@ def test_quantizer_noise_uses_the_real_quantization_error(tmp_path):
 
 @pytest.mark.parametrize("overrides,match", [
     (["quant=bf16"], "keeps the content path in bf16"),
-    (["quant=int4_joint"], "group_size=128 does not divide the path dimension 32"),
+    (["quant=int4_joint", "quant.content.group_size=128"], "group_size=128 does not divide the path dimension 32"),
 ])
 def test_quantizer_noise_bad_formats_fail_before_model_work(overrides, match, monkeypatch, tmp_path):
     cfg = compose(["model=tiny_deepseek_v3", "experiment=sensitivity", "task.noise=quantizer", *overrides])
-    monkeypatch.setattr(sensitivity, "instantiate", lambda *a, **k: pytest.fail("model built before validation"))
+    monkeypatch.setattr(sensitivity, "prepare_model", lambda *a, **k: pytest.fail("model built before validation"))
     with pytest.raises(ValueError, match=match):
         sensitivity.run(cfg, tmp_path)
 

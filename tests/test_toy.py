@@ -155,10 +155,12 @@ def test_hydra_configs_compose_and_instantiate():
     import hydra
     from hydra.utils import instantiate
 
+    from mla_quant.models.prepare import build_model
+
     with hydra.initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = hydra.compose("config", overrides=["experiment=evaluate", "logger=none"])
         assert cfg.model._target_ == "mla_quant.toy.model.load_toy_model" and cfg.eval.name == "toy"
-        model = instantiate(cfg.model, tokenizer=None)
+        model = build_model(cfg.model)
         tok = instantiate(cfg.model.tokenizer)
         assert is_absorbed(model) and tok.eos_token_id == model.config.eos_token_id
         cfg = hydra.compose("config", overrides=["experiment=train_toy", "logger=none"])

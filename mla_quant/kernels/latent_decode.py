@@ -95,7 +95,7 @@ def _check_path(p: PagedPath, d: int, name: str, blocks: tuple[int, int]) -> Non
         raise ValueError(f"{name}.group={p.group}: must divide d={d} and be a multiple of {per_byte} "
                          f"(codes per byte at bits={p.bits})")
     groups = d // p.group
-    for part, t in (("scales", p.scales), ("zeros", None if p.symmetric else p.zeros)):
+    for part, t in [("scales", p.scales)] + ([] if p.symmetric else [("zeros", p.zeros)]):
         if t is None:
             raise ValueError(f"{name}.{part} is missing (bits={p.bits}, symmetric={p.symmetric})")
         if tuple(t.shape) != blocks + (groups,) or t.stride(-1) != 1:

@@ -1,0 +1,78 @@
+"""Every `python run.py ...` line of README.md and experiments/README.md composes as written, reads only config
+groups its experiment uses, and validates against its model; the cheap ones run."""
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import compose
+
+from mla_quant.models.prepare import model_dims, validate
+from mla_quant.stages import refuse_unused_groups
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", REPO / "experiments" / "README.md"]
+REAL = {"deepseek_v2_lite", "deepseek_v2_lite_chat", "deepseek_v3", "kimi_k2", "deepseek_v32", "glm4_7_flash",
+        "longcat_flash", "minicpm3_4b"}
+
+
+def documented_commands() -> list[str]:
+    cmds = []
+    for doc in DOCS:
+        for m in re.finditer(r"python run\.py[^`\n#]*", doc.read_text()):
+            cmd = m.group(0).strip()
+            if "<" not in cmd:  # placeholders like model=<model> are templates, not commands
+                cmds.append(cmd)
+    return sorted(set(cmds))
+
+
+def overrides_of(cmd: str) -> list[list[str]]:
+    """The override lists one command runs: a --multirun sweep expands its comma lists (first and last value)."""
+    args = [a for a in shlex.split(cmd)[2:] if a not in ("--multirun", "-m", "--help")]
+    args = [a for a in args if not a.startswith("hydra")]
+    runs = [[]]
+    for a in args:
+        key, _, value = a.partition("=")
+        if "," in value and not value.startswith("["):
+            values = value.split(",")
+            runs = [r + [f"{key}={v}"] for r in runs for v in (values[0], values[-1])]
+        else:
+            runs = [r + [a] for r in runs]
+    return runs
+
+
+COMMANDS = documented_commands()
+
+
+def test_the_docs_have_commands():
+    assert len(COMMANDS) >= 15, COMMANDS
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_documented_command_composes_and_validates(cmd):
+    if cmd.endswith("--help"):
+        return
+    for overrides in overrides_of(cmd):
+        cfg = compose(overrides)
+        refuse_unused_groups(cfg.task, overrides)
+        model = next((o.split("=", 1)[1] for o in overrides if o.startswith("model=")), None)
+        uses = set(cfg.task.get("uses") or [])
+        if "model" in uses and model not in REAL:
+            validate(cfg, model_dims(cfg.model), quant="quant" in uses)
+
+
+@pytest.mark.parametrize("cmd", ["python run.py experiment=cache_bytes", "python run.py quant=int4_joint"])
+def test_cheap_documented_commands_run(cmd, tmp_path):
+    assert cmd in COMMANDS or any(c.startswith(cmd + " ") for c in COMMANDS), f"{cmd!r} is not documented"
+    extra = ["logger=none", f"hydra.run.dir={tmp_path}"]
+    if "quant=" in cmd:  # the evaluation, kept small
+        extra += ["eval.limit=2", "eval.control_no_rope.enabled=false", "eval.data.niah_lengths=[256]"]
+    else:
+        extra += ["task.contexts=[4096]"]
+    run = subprocess.run([sys.executable, "run.py", *shlex.split(cmd)[2:], *extra], cwd=REPO, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert (tmp_path / "record.json").is_file()
