@@ -63,19 +63,23 @@ def test_prompt_alone_equals_prompt_in_padded_batches(toy, option):
         assert float((exact - alone).abs().max()) > 1e-4
 
 
-@pytest.mark.parametrize("option", ["int4_joint", "int2_content_int4_rope", "fp8_flat"])
-def test_greedy_decode_alone_equals_left_padded_batch(toy, option):
-    cfg = quant(option)
+@pytest.mark.parametrize("option, extra, steps", [
+    ("int4_joint", {}, 40), ("int2_content_int4_rope", {}, 40), ("fp8_flat", {}, 40),
+    ("int4_joint", {"mode": "serving"}, 40),
+    ("int4_joint", {"backend": "triton", "protected": {"recent": 4}}, 8),  # decode steps through the kernel
+])
+def test_greedy_decode_alone_equals_left_padded_batch(toy, option, extra, steps):
+    cfg = quant(option, **extra)
     prompt, (ids, mask, _), _ = batches()
     runs = []
     for x, m in ((prompt, torch.ones_like(prompt)), (ids, mask)):
-        out = toy.generate(x, attention_mask=m, max_new_tokens=40, do_sample=False, output_scores=True,
+        out = toy.generate(x, attention_mask=m, max_new_tokens=steps, do_sample=False, output_scores=True,
                            return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
                            **cache_kwargs(quantized_cache(toy, cfg)))
         runs.append((out.sequences[0, x.shape[1]:], torch.stack(out.scores)[:, 0]))
     assert torch.equal(runs[0][0], runs[1][0]), f"{option}: greedy tokens depend on the padding"
     diff = float((runs[0][1] - runs[1][1]).abs().max())
-    assert diff <= 1e-4, f"{option}: decode logits differ by {diff:.3g} (40 steps: tokens leave the window)"
+    assert diff <= 1e-4, f"{option} {extra}: decode logits differ by {diff:.3g} (tokens leave the window)"
 
 
 def test_regions_are_per_sequence():
