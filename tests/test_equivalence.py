@@ -5,7 +5,6 @@ import copy
 import pytest
 import torch
 from conftest import compose, options
-from hydra.utils import instantiate
 
 from mla_quant.models.prepare import build_model
 

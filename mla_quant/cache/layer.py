@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from mla_quant.cache.paged import PagedStore
 from mla_quant.kernels.attention import latent_attention
-from mla_quant.quant.formats import PathFormat, cache_format, check_finite
+from mla_quant.quant.formats import PathFormat, check_finite
 from mla_quant.quant.quantizers import FP8_MAX
 
 PATHS = ("content", "rope")
@@ -421,7 +421,3 @@ class LatentCache(Cache):
             raise ValueError("the cache is empty: no bytes per token to report")
         return (self.held_bytes() if held else self.nbytes()) / (tokens * len(self.layers))
 
-
-def unquantized_format(d_c: int, d_r: int, block_size: int = 64):
-    """The all-bf16 CacheFormat for latents (d_c, d_r): every token stored as given (activation dtype)."""
-    return cache_format({"name": "bf16", "block_size": block_size}, d_c, d_r)

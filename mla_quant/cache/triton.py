@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from mla_quant.cache.layer import PATHS, LatentCacheLayer
+from mla_quant.kernels.attention import visible
 from mla_quant.kernels.latent_decode import PagedPath, Segment, latent_decode
 
 
@@ -49,12 +50,11 @@ class KernelDecode:
         """True when the one query's mask hides padding slots and nothing else (the kernel never sees padding)."""
         if mask is None:
             return True
-        row = mask[:, 0, -1, :]  # (B, S + 1)
-        visible = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
-        slots = self.slot_valid if self.slot_valid is not None else visible.new_zeros(visible.shape[0], 0)
-        new = torch.ones_like(visible[:, -1:]) if valid is None else valid.bool()
+        seen = visible(mask[:, 0, -1, :])  # (B, S + 1)
+        slots = self.slot_valid if self.slot_valid is not None else seen.new_zeros(seen.shape[0], 0)
+        new = torch.ones_like(seen[:, -1:]) if valid is None else valid.bool()
         expected = torch.cat([slots, new], dim=1)
-        return expected.shape == visible.shape and bool((visible == expected).all())
+        return expected.shape == seen.shape and bool((seen == expected).all())
 
 
 class TritonLatentCacheLayer(KernelDecode, LatentCacheLayer):

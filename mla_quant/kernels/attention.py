@@ -32,6 +32,11 @@ def apply_attention_mask(scores: torch.Tensor, mask: torch.Tensor | None) -> tor
     return scores + mask[..., -s:].to(scores.dtype)
 
 
+def visible(mask: torch.Tensor) -> torch.Tensor:
+    """A bool or additive attention mask (any shape) -> bool, True where a key is visible."""
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
 def latent_attention(
     q_latent: torch.Tensor,
     q_rope: torch.Tensor,

@@ -21,7 +21,7 @@ from torch import nn
 import torch
 
 from mla_quant.cache import LatentCache, layer_factory
-from mla_quant.kernels.attention import latent_attention
+from mla_quant.kernels.attention import latent_attention, visible
 from mla_quant.models.families import MLAFamily, family_for_config
 from mla_quant.quant.formats import cache_format
 
@@ -32,8 +32,7 @@ def key_validity(mask: torch.Tensor | None, t: int) -> torch.Tensor | None:
     and right padding alike. None: no mask, every slot is real."""
     if mask is None:
         return None
-    row = mask[:, 0, -1, mask.shape[-1] - t :]
-    return row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
+    return visible(mask[:, 0, -1, mask.shape[-1] - t :])
 
 
 class AbsorbedMLA:

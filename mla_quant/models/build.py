@@ -98,15 +98,6 @@ def load_tokenizer(model_cfg):
     return None if node is None else instantiate(node)
 
 
-def configured_latent_dims(model_cfg) -> dict[str, int] | None:
-    """{"content": d_c, "rope": d_r} from a model config node, without building the model, where the node says
-    (tiny models; real checkpoints override them in `config`); None when only the checkpoint knows."""
-    config = model_cfg.get("config") or {}
-    if "kv_lora_rank" in config and "qk_rope_head_dim" in config:
-        return {"content": int(config["kv_lora_rank"]), "rope": int(config["qk_rope_head_dim"])}
-    return None
-
-
 def _missing_checkpoint_error(hf_id: str, revision: str | None, path: str | None, cause: Exception) -> OSError:
     where = f"model.path={path!r}" if path else "model.path is not set"
     return OSError(

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hydra.utils import get_method
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
-from mla_quant.models.absorbed import absorb, latent_dims, model_layer_factory, new_cache
-from mla_quant.models.build import load_tokenizer, pretrained_config, tiny_config
+from mla_quant.cache import layer_factory
+from mla_quant.models.absorbed import absorb, latent_dims, new_cache
+from mla_quant.models.build import _plain, load_tokenizer, pretrained_config, tiny_config
 from mla_quant.models.families import family_for_config
 from mla_quant.quant.formats import CacheFormat, cache_format
 
@@ -52,10 +53,6 @@ CONFIG_READERS = {
     "mla_quant.models.build.pretrained_model": _pretrained_config,
     "mla_quant.toy.model.load_toy_model": _toy_config,
 }
-
-
-def _plain(node) -> dict:
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
 
 
 def model_config(model_cfg) -> Any:
@@ -131,11 +128,10 @@ class Prepared:
     model: nn.Module
     tokenizer: Any
     dims: dict[str, int]
-    fmt: CacheFormat | None
-    quant_cfg: Any
+    fmt: CacheFormat | None  # validated against the model's dims (None: the stage does not use quant)
 
     def layer_factory(self):
-        return None if self.quant_cfg is None else model_layer_factory(self.model, self.quant_cfg)
+        return None if self.fmt is None else layer_factory(self.fmt)
 
     def new_cache(self):
         return new_cache(self.model, self.layer_factory())
@@ -167,4 +163,4 @@ def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True
         raise RuntimeError(f"the loaded model has (d_c, d_r) = {(measured['d_c'], measured['d_r'])}, its config "
                            f"said {(dims['d_c'], dims['d_r'])}")
     tok = load_tokenizer(cfg.model) if tokenizer else None
-    return Prepared(model, tok, dims, fmt, cfg.quant if quant and fmt is not None else None)
+    return Prepared(model, tok, dims, fmt)
