@@ -1,5 +1,6 @@
 """The Triton decode kernel against its PyTorch reference (Triton's CPU interpreter here, set in conftest.py; on a GPU
-box run with TRITON_INTERPRET=0), reading the quantized cache's stored tensors in place."""
+box run with TRITON_INTERPRET=0: the tests then run on CUDA, and those marked `gpu` run only there), reading the
+quantized cache's stored tensors in place."""
 
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def test_bf16_activations():
     q_latent = torch.randn(1, 4, 64, device=DEVICE, dtype=torch.bfloat16)
     q_rope = torch.randn(1, 4, 16, device=DEVICE, dtype=torch.bfloat16)
     segments = kernel_segments(layer)
-    out = latent_decode(q_latent, q_rope, 0.2, segments)
+    out = latent_decode(q_latent, q_rope, 0.2, segments, dot="ieee")
     torch.testing.assert_close(out, latent_decode_reference(q_latent, q_rope, 0.2, segments), rtol=1e-3, atol=1e-4)
 
 
@@ -122,12 +123,31 @@ def test_bad_kernel_inputs_are_named_before_launch():
         (replace(good, content=replace(good.content, scales=good.content.scales.transpose(0, 1))),
          r"segments\[0\].content.scales must be contiguous"),
         (replace(good, rope=replace(good.rope, data=good.rope.data.float())), r"segments\[0\].rope.data: uint8 codes"),
+        (replace(good, content=replace(good.content, data=torch.cat([good.content.data] * 2, -1)[..., :32])),
+         r"segments\[0\].content.data must be contiguous"),
+        (replace(good, content=replace(good.content, data=good.content.data.transpose(0, 1).contiguous()
+                                       .transpose(0, 1))), r"segments\[0\].content.data must be contiguous"),
+        (replace(good, content=replace(good.content, scales=good.content.scales.to(torch.int32))),
+         r"segments\[0\].content.scales: torch.int32; allowed"),
+        (replace(good, block_table=torch.cat([good.block_table] * 2, 1)[:, :1]), r"segments\[0\].block_table must be int32, "
+                                                                           r"contiguous"),
+        (replace(good, lengths=good.lengths.float()), r"segments\[0\].lengths must be \(B,\) = \(2,\) integers"),
     ]
     for seg, match in cases:
         with pytest.raises(ValueError, match=match):
             latent_decode(q_latent, q_rope, 0.2, [seg])
     with pytest.raises(ValueError, match=r"q_latent \(B, H, d_c\) and q_rope"):
         latent_decode(q_latent[0], q_rope, 0.2, [good])
+    with pytest.raises(ValueError, match=r"q_latent and q_rope must share one dtype"):
+        latent_decode(q_latent, q_rope.double(), 0.2, [good])
+    with pytest.raises(ValueError, match=r"q_latent must be contiguous in its last dimension"):
+        latent_decode(q_latent.transpose(1, 2).contiguous().transpose(1, 2), q_rope, 0.2, [good])
+    with pytest.raises(ValueError, match=r"dot='tf32'; allowed"):
+        latent_decode(q_latent, q_rope, 0.2, [good], dot="tf32")
+    with pytest.raises(ValueError, match=r"block_n=24; allowed: a power of two"):
+        latent_decode(q_latent, q_rope, 0.2, [good], block_n=24)
+    with pytest.raises(ValueError, match=r"segments is empty"):
+        latent_decode(q_latent, q_rope, 0.2, [])
 
 
 @pytest.mark.parametrize("option, override, match", [
@@ -182,9 +202,15 @@ def test_bench_kernel_stage_smoke(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: tmp_path)
     pipeline.main(compose(["experiment=bench_kernel", "logger=none", "task.contexts=[200]", "task.iters=1",
-                           "task.warmup=0", "task.batch_size=1", "task.heads=4", "task.d_c=64", "task.d_r=16",
-                           "task.formats=[bf16,int4_joint]", "+task.quant_overrides.content.group_size=32"]))
+                           "task.warmup=0", "task.throughput_tokens=400", "task.heads=[4]", "task.d_c=64",
+                           "task.d_r=16", "task.formats=[bf16,int4_joint]", "task.tune=[]",
+                           "+task.quant_overrides.content.group_size=32"]))
     metrics = json.loads((tmp_path / "record.json").read_text())["metrics"]
-    assert metrics["bench_kernel/int4_joint/ctx200/max_abs_err"] < 1e-2
-    assert metrics["bench_kernel/int4_joint/ctx200/bytes"] < metrics["bench_kernel/bf16/ctx200/bytes"]
-    assert (tmp_path / "bench_kernel.md").is_file()
+    for mode in ("throughput", "latency"):
+        case = f"bench_kernel/{mode}/h4/ctx200"
+        assert metrics[f"{case}/int4_joint/max_rel_err"] < 1e-4
+        assert metrics[f"{case}/int4_joint/bytes_read"] < metrics[f"{case}/bf16/bytes_read"]
+        assert metrics[f"{case}/bf16/speedup_vs_bf16_kernel"] == 1.0
+    rows = (tmp_path / "bench_kernel.csv").read_text().splitlines()
+    assert len(rows) == 1 + 4 and "peak_share" in rows[0]
+    assert (tmp_path / "bench_kernel.md").is_file() and (tmp_path / "bench_kernel.png").is_file()

@@ -27,7 +27,8 @@ def kernel_segments(layer: LatentCacheLayer) -> list[Segment]:
             data = pool["values"] if spec["bits"] == 0 else pool["codes"]
             paths[p] = PagedPath(data, pool.get("scales"), pool.get("zeros"), spec["bits"], spec["group"],
                                  spec["symmetric"], spec["pow2"])
-        segments.append(Segment(paths["content"], paths["rope"], store.block_table(), store.lengths))
+        longest = max(len(t) for t in store.tables) * store.block_size  # host-side bound: no device sync
+        segments.append(Segment(paths["content"], paths["rope"], store.block_table(), store.lengths, longest))
     if layer.quantized:
         for buffers, lengths in ((layer.sinks, layer.n_sinks), (layer.recent, layer.n_recent)):
             if buffers["content"].shape[1] and int(lengths.max()) > 0:

@@ -1,4 +1,4 @@
-"""Triton decode attention over a (quantized) paged latent cache: one query token per sequence, all heads per program.
+"""Triton decode attention over a (quantized) paged latent cache: one query token per sequence, every head.
 
     o_latent = latent_decode(q_latent, q_rope, scale, segments)             # (B, H, d_c) float32
     o_latent = latent_decode_reference(q_latent, q_rope, scale, segments)   # same signature, plain PyTorch
@@ -11,14 +11,20 @@ number of tokens of each sequence (B,). A dense (B, P, d) buffer is the segment 
 (`Segment.dense`). The cache passes its quantized blocks and its protected (sinks, recent) buffers as segments;
 one decode query attends to the union, so the order of segments does not matter (RoPE is already in the keys).
 
-Design (flash-decoding, split-KV): stage 1 runs one program per (sequence, split) of a segment, specialised per path
-format; each program holds all heads (BLOCK_H rows: one dequantized tile serves every head, the MQA view of absorbed
-MLA, docs/method.md section 1), walks its tokens in BLOCK_N tiles through the block table with an online softmax,
-and writes a normalised partial output and its log-sum-exp. Stage 2 merges the partials (PyTorch).
+Design (flash-decoding, split-KV, docs/kernel.md): two launches per call whatever the number of segments (up to
+`MAX_SEGMENTS` per stage-1 launch). Stage 1 is one grid (head blocks, sequences, splits of every segment): a program
+finds its segment from its split index, walks that split's tokens in BLOCK_N tiles through the segment's block
+table, dequantizes each tile once for its BLOCK_H heads (the MQA view of absorbed MLA, docs/method.md section 1),
+keeps an online softmax and writes a normalised partial output and its log-sum-exp. Each path's format is
+compile-time, per segment. Stage 2 (Triton) merges every split of every segment with log-sum-exp weights.
+The split count follows FlashMLA's get_mla_metadata: enough programs to fill the GPU's SMs about twice, never
+splits shorter than a few tiles (`split_plan`).
 
 Per path: float values (bits=0) or int codes with bits 2, 4, 8, packed LSB-first (codes per byte = 8 // bits), with
 `group` values per scale (a multiple of the codes per byte), symmetric (x = (q - 2^(b-1)) s) or asymmetric
-(x = q s + z), scales float or pow2 (int8 exponents). Anything else is refused before launch, naming the argument.
+(x = q s + z), scales float or pow2 (int8 exponents). Stored tensors must be contiguous. Anything else is refused
+before launch, naming the argument and what is allowed. Products run in float32 (`dot="ieee"`) or with bfloat16
+operands and float32 accumulation (`dot="bf16"`, the default for bfloat16 queries on a GPU, as FlashMLA does).
 On the CPU the kernel runs under TRITON_INTERPRET=1 (set before this module is imported).
 """
 
@@ -35,11 +41,14 @@ import triton.language as tl
 from mla_quant.kernels.attention import latent_attention
 
 KERNEL_BITS = (0, 2, 4, 8)  # 0 = float values
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_SEGMENTS = 3  # segments one stage-1 launch reads (the paged store, the sinks, the recent window)
+DOTS = ("auto", "ieee", "bf16")
 
 
 @dataclass
 class PagedPath:
-    """One path's stored tensors, each a pool (num_blocks, block_size, *): `data` is uint8 packed codes
+    """One path's stored tensors, each a contiguous pool (num_blocks, block_size, *): `data` is uint8 packed codes
     (.., ceil(d * bits / 8)) or float values (.., d); `scales`/`zeros` (.., d / group) for codes."""
 
     data: torch.Tensor
@@ -53,18 +62,25 @@ class PagedPath:
 
 @dataclass
 class Segment:
-    """Tokens of every sequence: both paths' pools, one block table (B, max_blocks) int32, lengths (B,)."""
+    """Tokens of every sequence: both paths' pools, one block table (B, max_blocks) int32, lengths (B,).
+    `max_len`: a host-side upper bound of the lengths (spares the launch a device sync); None reads the lengths."""
 
     content: PagedPath
     rope: PagedPath
     block_table: torch.Tensor
     lengths: torch.Tensor
+    max_len: int | None = None
 
     @classmethod
     def dense(cls, content: torch.Tensor, rope: torch.Tensor, lengths: torch.Tensor) -> "Segment":
         """Float buffers (B, P, d) holding lengths[b] valid tokens in row b."""
         table = torch.arange(content.shape[0], dtype=torch.int32, device=content.device)[:, None]
-        return cls(PagedPath(content), PagedPath(rope), table, lengths)
+        return cls(PagedPath(content), PagedPath(rope), table, lengths, max_len=int(content.shape[1]))
+
+    def longest(self) -> int:
+        if self.max_len is not None:
+            return self.max_len
+        return int(self.lengths.max()) if self.lengths.numel() else 0
 
 
 def require_triton(what: str = "quant.backend=triton", hint: str = "") -> None:
@@ -74,35 +90,48 @@ def require_triton(what: str = "quant.backend=triton", hint: str = "") -> None:
                            f"kernel in Triton's CPU interpreter){hint}")
 
 
-def _check_path(p: PagedPath, d: int, name: str, blocks: tuple[int, int]) -> None:
+def _check_path(p: PagedPath, d: int, name: str, blocks: tuple[int, int], device: torch.device) -> None:
     if p.bits not in KERNEL_BITS:
         raise ValueError(f"{name}.bits={p.bits}; allowed: {list(KERNEL_BITS)} (0 = float values)")
     if p.data.dim() != 3 or tuple(p.data.shape[:2]) != blocks:
         raise ValueError(f"{name}.data must be (num_blocks, block_size, *) = {blocks + ('*',)}, "
                          f"got {tuple(p.data.shape)}")
-    if p.data.stride(-1) != 1:
-        raise ValueError(f"{name}.data must be contiguous in its last dimension (stride {p.data.stride(-1)})")
     if p.bits == 0:
-        if not p.data.is_floating_point() or p.data.shape[-1] != d:
-            raise ValueError(f"{name}.data: float values (.., {d}) expected for bits=0, got {p.data.dtype} "
-                             f"{tuple(p.data.shape)}")
-        return
-    per_byte = 8 // p.bits
-    if p.data.dtype != torch.uint8 or p.data.shape[-1] != math.ceil(d / per_byte):
-        raise ValueError(f"{name}.data: uint8 codes (.., {math.ceil(d / per_byte)}) expected for bits={p.bits}, "
-                         f"got {p.data.dtype} {tuple(p.data.shape)}")
-    if p.group <= 0 or d % p.group or p.group % per_byte:
-        raise ValueError(f"{name}.group={p.group}: must divide d={d} and be a multiple of {per_byte} "
-                         f"(codes per byte at bits={p.bits})")
-    groups = d // p.group
-    for part, t in [("scales", p.scales)] + ([] if p.symmetric else [("zeros", p.zeros)]):
-        if t is None:
-            raise ValueError(f"{name}.{part} is missing (bits={p.bits}, symmetric={p.symmetric})")
-        if tuple(t.shape) != blocks + (groups,) or t.stride(-1) != 1:
-            raise ValueError(f"{name}.{part} must be contiguous (num_blocks, block_size, {groups}), got "
-                             f"{tuple(t.shape)}")
-    if p.pow2 != (p.scales.dtype == torch.int8):
-        raise ValueError(f"{name}.pow2={p.pow2} but scales are {p.scales.dtype} (pow2 scales are int8 exponents)")
+        if p.data.dtype not in FLOAT_DTYPES or p.data.shape[-1] != d:
+            raise ValueError(f"{name}.data: float values (.., {d}) in one of {[str(t) for t in FLOAT_DTYPES]} "
+                             f"expected for bits=0, got {p.data.dtype} {tuple(p.data.shape)}")
+        parts = [("data", p.data)]
+    else:
+        per_byte = 8 // p.bits
+        if p.data.dtype != torch.uint8 or p.data.shape[-1] != math.ceil(d / per_byte):
+            raise ValueError(f"{name}.data: uint8 codes (.., {math.ceil(d / per_byte)}) expected for bits={p.bits}, "
+                             f"got {p.data.dtype} {tuple(p.data.shape)}")
+        if p.group <= 0 or d % p.group or p.group % per_byte:
+            raise ValueError(f"{name}.group={p.group}: must divide d={d} and be a multiple of {per_byte} "
+                             f"(codes per byte at bits={p.bits})")
+        groups = d // p.group
+        parts = [("data", p.data)]
+        for part, t in [("scales", p.scales)] + ([] if p.symmetric else [("zeros", p.zeros)]):
+            if t is None:
+                raise ValueError(f"{name}.{part} is missing (bits={p.bits}, symmetric={p.symmetric})")
+            if tuple(t.shape) != blocks + (groups,):
+                raise ValueError(f"{name}.{part} must be contiguous (num_blocks, block_size, {groups}), got "
+                                 f"{tuple(t.shape)}")
+            parts.append((part, t))
+        if p.pow2 != (p.scales.dtype == torch.int8):
+            raise ValueError(f"{name}.pow2={p.pow2} but scales are {p.scales.dtype} (pow2 scales are int8 "
+                             f"exponents)")
+        if not p.pow2 and p.scales.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name}.scales: {p.scales.dtype}; allowed: {[str(t) for t in FLOAT_DTYPES]} "
+                             f"(or int8 with pow2=True)")
+        if not p.symmetric and p.zeros.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name}.zeros: {p.zeros.dtype}; allowed: {[str(t) for t in FLOAT_DTYPES]}")
+    for part, t in parts:
+        if not t.is_contiguous():
+            raise ValueError(f"{name}.{part} must be contiguous (num_blocks, block_size, *), got strides "
+                             f"{tuple(t.stride())}")
+        if t.device != device:
+            raise ValueError(f"{name}.{part} is on {t.device}; the queries are on {device}")
 
 
 def check_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, segments) -> None:
@@ -110,19 +139,46 @@ def check_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, segments) -> None
     if q_latent.dim() != 3 or q_rope.dim() != 3 or q_latent.shape[:2] != q_rope.shape[:2]:
         raise ValueError(f"q_latent (B, H, d_c) and q_rope (B, H, d_r) expected, got {tuple(q_latent.shape)} and "
                          f"{tuple(q_rope.shape)}")
+    if q_latent.dtype not in FLOAT_DTYPES or q_rope.dtype != q_latent.dtype:
+        raise ValueError(f"q_latent and q_rope must share one dtype of {[str(t) for t in FLOAT_DTYPES]}, got "
+                         f"{q_latent.dtype} and {q_rope.dtype}")
+    for name, q in (("q_latent", q_latent), ("q_rope", q_rope)):
+        if q.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(q.stride())}")
+    if q_rope.device != q_latent.device:
+        raise ValueError(f"q_rope is on {q_rope.device}, q_latent on {q_latent.device}")
     if not segments:
         raise ValueError("segments is empty: nothing to attend to")
     b, _, d_c = q_latent.shape
     d_r = q_rope.shape[-1]
     for i, seg in enumerate(segments):
         blocks = tuple(seg.content.data.shape[:2])
-        _check_path(seg.content, d_c, f"segments[{i}].content", blocks)
-        _check_path(seg.rope, d_r, f"segments[{i}].rope", blocks)
-        if seg.block_table.dtype != torch.int32 or seg.block_table.dim() != 2 or seg.block_table.shape[0] != b:
-            raise ValueError(f"segments[{i}].block_table must be int32 (B={b}, max_blocks), got "
-                             f"{seg.block_table.dtype} {tuple(seg.block_table.shape)}")
-        if seg.lengths.shape != (b,):
-            raise ValueError(f"segments[{i}].lengths must be (B,) = ({b},), got {tuple(seg.lengths.shape)}")
+        _check_path(seg.content, d_c, f"segments[{i}].content", blocks, q_latent.device)
+        _check_path(seg.rope, d_r, f"segments[{i}].rope", blocks, q_latent.device)
+        table = seg.block_table
+        if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != b or not table.is_contiguous():
+            raise ValueError(f"segments[{i}].block_table must be int32, contiguous, (B={b}, max_blocks), got "
+                             f"{table.dtype} {tuple(table.shape)} strides {tuple(table.stride())}")
+        if seg.lengths.shape != (b,) or seg.lengths.is_floating_point():
+            raise ValueError(f"segments[{i}].lengths must be (B,) = ({b},) integers, got {seg.lengths.dtype} "
+                             f"{tuple(seg.lengths.shape)}")
+        if table.device != q_latent.device or seg.lengths.device != q_latent.device:
+            raise ValueError(f"segments[{i}].block_table and .lengths must be on {q_latent.device}")
+
+
+def bytes_read(q_latent: torch.Tensor, q_rope: torch.Tensor, segments) -> int:
+    """Bytes one call reads, measured from the tensors: every valid token's stored bytes (both paths, codes, scales,
+    zeros), the block table rows, the lengths and the queries. (Partials are written and re-read on chip-near L2.)"""
+    total = q_latent.numel() * q_latent.element_size() + q_rope.numel() * q_rope.element_size()
+    for seg in segments:
+        per_token = 0
+        for p in (seg.content, seg.rope):
+            stored = [p.data] + ([] if p.bits == 0 else [p.scales] + ([] if p.symmetric else [p.zeros]))
+            per_token += sum(t[0, 0].numel() * t.element_size() for t in stored)
+        tokens = int(seg.lengths.sum())
+        blocks = -(-seg.lengths.long() // max(1, seg.content.data.shape[1]))
+        total += tokens * per_token + int(blocks.sum()) * 4 + seg.lengths.numel() * seg.lengths.element_size()
+    return total
 
 
 # --------------------------------------------------------------------------------------------------- reference
@@ -174,19 +230,22 @@ def latent_decode_reference(q_latent: torch.Tensor, q_rope: torch.Tensor, scale:
 
 # ------------------------------------------------------------------------------------------------------ kernel
 @triton.jit
-def _dequant_tile(base, sb, st, sc_base, scb, sct, z_base, zb, zt, blk, slot, ok_t, d_offs, d_ok,
+def _dequant_tile(base, sc_base, z_base, row, ok_t, d_offs, d_ok, D: tl.constexpr,
                   BITS: tl.constexpr, GROUP: tl.constexpr, SYM: tl.constexpr, POW2: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] float32 tile of one path for the tokens at (blk, slot) (BITS=0: float values)."""
+    """[BLOCK_N, BLOCK_D] float32 tile of one path for the tokens at pool rows `row` (block * block_size + slot);
+    the pools are contiguous, so a row's offset follows from D and the format (BITS=0: float values)."""
     ok = ok_t[:, None] & d_ok[None, :]
     if BITS == 0:
-        x = tl.load(base + (blk * sb + slot * st)[:, None] + d_offs[None, :], mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(base + (row * D)[:, None] + d_offs[None, :], mask=ok, other=0.0).to(tl.float32)
     else:
         per_byte: tl.constexpr = 8 // BITS
-        byte = tl.load(base + (blk * sb + slot * st)[:, None] + (d_offs // per_byte)[None, :], mask=ok, other=0)
+        row_bytes: tl.constexpr = D // per_byte
+        groups: tl.constexpr = D // GROUP
+        byte = tl.load(base + (row * row_bytes)[:, None] + (d_offs // per_byte)[None, :], mask=ok, other=0)
         shift = ((d_offs % per_byte) * BITS).to(tl.uint8)
         q = ((byte >> shift[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-        g = (d_offs // GROUP)[None, :]
-        s = tl.load(sc_base + (blk * scb + slot * sct)[:, None] + g, mask=ok, other=0)
+        g = (row * groups)[:, None] + (d_offs // GROUP)[None, :]
+        s = tl.load(sc_base + g, mask=ok, other=0)
         if POW2:
             s = tl.exp2(s.to(tl.float32))
         else:
@@ -194,114 +253,232 @@ def _dequant_tile(base, sb, st, sc_base, scb, sct, z_base, zb, zt, blk, slot, ok
         if SYM:
             x = (q - (1 << (BITS - 1))) * s
         else:
-            z = tl.load(z_base + (blk * zb + slot * zt)[:, None] + g, mask=ok, other=0.0).to(tl.float32)
-            x = q * s + z
+            x = q * s + tl.load(z_base + g, mask=ok, other=0.0).to(tl.float32)
     return x
 
 
 @triton.jit
-def _stage1_kernel(
-    Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh,
-    C, C_SC, C_Z, c_sb, c_st, c_scb, c_sct, c_zb, c_zt,
-    R, R_SC, R_Z, r_sb, r_st, r_scb, r_sct, r_zb, r_zt,
-    TABLE, stride_tb, LENS,
-    O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-    tokens_per_split, split_base, scale, H,
-    DC: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
-    BLOCK_N: tl.constexpr, BS: tl.constexpr,
-    C_BITS: tl.constexpr, C_GROUP: tl.constexpr, C_SYM: tl.constexpr, C_POW2: tl.constexpr,
-    R_BITS: tl.constexpr, R_GROUP: tl.constexpr, R_SYM: tl.constexpr, R_POW2: tl.constexpr,
-):
-    b = tl.program_id(0)
-    split = tl.program_id(1)
-    h = tl.arange(0, BLOCK_H)
-    dc = tl.arange(0, BLOCK_DC)
-    dr = tl.arange(0, BLOCK_DR)
-    h_ok, dc_ok, dr_ok = h < H, dc < DC, dr < DR
-    q = tl.load(Q + b * stride_qb + h[:, None] * stride_qh + dc[None, :],
-                mask=h_ok[:, None] & dc_ok[None, :], other=0.0).to(tl.float32)
-    qr = tl.load(QR + b * stride_qrb + h[:, None] * stride_qrh + dr[None, :],
-                 mask=h_ok[:, None] & dr_ok[None, :], other=0.0).to(tl.float32)
+def _dot(a, b, BF16: tl.constexpr):
+    """a @ b in float32: bfloat16 operands on tensor cores (BF16) or exact float32 products."""
+    if BF16:
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        out = tl.dot(a, b, input_precision="ieee")
+    return out
+
+
+@triton.jit
+def _split_partial(q, qr, b, h, h_ok, dc, dc_ok, dr, dr_ok, out_slot, local_split, scale,
+                   O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                   C, C_SC, C_Z, R, R_SC, R_Z, TABLE, TABLE_W, LENS, BS, TPS,
+                   DC: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr,
+                   C_BITS: tl.constexpr, C_GROUP: tl.constexpr, C_SYM: tl.constexpr, C_POW2: tl.constexpr,
+                   R_BITS: tl.constexpr, R_GROUP: tl.constexpr, R_SYM: tl.constexpr, R_POW2: tl.constexpr):
+    """Attend the heads `h` of sequence b over one split of one segment; store its partial output and LSE."""
     n_tokens = tl.load(LENS + b).to(tl.int32)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, n_tokens)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
+    start = local_split * TPS
+    end = tl.minimum(start + TPS, n_tokens)
+    m_i = tl.zeros_like(h).to(tl.float32) + float("-inf")
+    l_i = tl.zeros_like(m_i)
+    acc = tl.zeros_like(q)
     for t0 in range(start, end, BLOCK_N):
         tok = t0 + tl.arange(0, BLOCK_N)
         tok_ok = tok < end
-        blk = tl.load(TABLE + b * stride_tb + tok // BS, mask=tok_ok, other=0).to(tl.int64)
-        slot = (tok % BS).to(tl.int64)
-        c = _dequant_tile(C, c_sb, c_st, C_SC, c_scb, c_sct, C_Z, c_zb, c_zt, blk, slot, tok_ok, dc, dc_ok,
-                          C_BITS, C_GROUP, C_SYM, C_POW2)
-        r = _dequant_tile(R, r_sb, r_st, R_SC, r_scb, r_sct, R_Z, r_zb, r_zt, blk, slot, tok_ok, dr, dr_ok,
-                          R_BITS, R_GROUP, R_SYM, R_POW2)
-        s = (tl.dot(q, tl.trans(c)) + tl.dot(qr, tl.trans(r))) * scale  # [BLOCK_H, BLOCK_N]
+        blk = tl.load(TABLE + b.to(tl.int64) * TABLE_W + tok // BS, mask=tok_ok, other=0).to(tl.int64)
+        row = blk * BS + (tok % BS)
+        c = _dequant_tile(C, C_SC, C_Z, row, tok_ok, dc, dc_ok, DC, C_BITS, C_GROUP, C_SYM, C_POW2)
+        r = _dequant_tile(R, R_SC, R_Z, row, tok_ok, dr, dr_ok, DR, R_BITS, R_GROUP, R_SYM, R_POW2)
+        s = (_dot(q, tl.trans(c), DOT_BF16) + _dot(qr, tl.trans(r), DOT_BF16)) * scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row masked so far stays empty, not NaN
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, c)
+        acc = acc * alpha[:, None] + _dot(p, c, DOT_BF16)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-    slot_out = split_base + split
-    tl.store(O_PART + b * stride_ob + slot_out * stride_os + h[:, None] * stride_oh + dc[None, :], out,
-             mask=h_ok[:, None] & dc_ok[None, :])
-    tl.store(LSE_PART + b * stride_lb + slot_out * stride_ls + h, lse, mask=h_ok)
+    o_base = O_PART + b.to(tl.int64) * stride_ob + out_slot * stride_os
+    tl.store(o_base + h[:, None] * stride_oh + dc[None, :], out, mask=h_ok[:, None] & dc_ok[None, :])
+    tl.store(LSE_PART + b.to(tl.int64) * stride_lb + out_slot * stride_ls + h, lse, mask=h_ok)
+
+
+@triton.jit
+def _stage1_kernel(
+    Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh,
+    O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, split_base, scale, H,
+    # segment 0, 1, 2: pools (content data, scales, zeros; rope ...), table, its width, lengths, block size,
+    # tokens per split, splits
+    C0, C0_SC, C0_Z, R0, R0_SC, R0_Z, T0, T0_W, L0, BS0, TPS0, NS0,
+    C1, C1_SC, C1_Z, R1, R1_SC, R1_Z, T1, T1_W, L1, BS1, TPS1, NS1,
+    C2, C2_SC, C2_Z, R2, R2_SC, R2_Z, T2, T2_W, L2, BS2, TPS2, NS2,
+    NSEG: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DC: tl.constexpr,
+    BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr,
+    F0_CB: tl.constexpr, F0_CG: tl.constexpr, F0_CS: tl.constexpr, F0_CP: tl.constexpr,
+    F0_RB: tl.constexpr, F0_RG: tl.constexpr, F0_RS: tl.constexpr, F0_RP: tl.constexpr,
+    F1_CB: tl.constexpr, F1_CG: tl.constexpr, F1_CS: tl.constexpr, F1_CP: tl.constexpr,
+    F1_RB: tl.constexpr, F1_RG: tl.constexpr, F1_RS: tl.constexpr, F1_RP: tl.constexpr,
+    F2_CB: tl.constexpr, F2_CG: tl.constexpr, F2_CS: tl.constexpr, F2_CP: tl.constexpr,
+    F2_RB: tl.constexpr, F2_RG: tl.constexpr, F2_RS: tl.constexpr, F2_RP: tl.constexpr,
+):
+    hb = tl.program_id(0)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    dc = tl.arange(0, BLOCK_DC)
+    dr = tl.arange(0, BLOCK_DR)
+    h_ok, dc_ok, dr_ok = h < H, dc < DC, dr < DR
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + dc[None, :],
+                mask=h_ok[:, None] & dc_ok[None, :], other=0.0).to(tl.float32)
+    qr = tl.load(QR + b.to(tl.int64) * stride_qrb + h[:, None] * stride_qrh + dr[None, :],
+                 mask=h_ok[:, None] & dr_ok[None, :], other=0.0).to(tl.float32)
+    out_slot = split_base + split
+    if split < NS0:
+        _split_partial(q, qr, b, h, h_ok, dc, dc_ok, dr, dr_ok, out_slot, split, scale,
+                       O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                       C0, C0_SC, C0_Z, R0, R0_SC, R0_Z, T0, T0_W, L0, BS0, TPS0, DC, DR, BLOCK_N, DOT_BF16,
+                       F0_CB, F0_CG, F0_CS, F0_CP, F0_RB, F0_RG, F0_RS, F0_RP)
+    if NSEG > 1:
+        if (split >= NS0) & (split < NS0 + NS1):
+            _split_partial(q, qr, b, h, h_ok, dc, dc_ok, dr, dr_ok, out_slot, split - NS0, scale,
+                           O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                           C1, C1_SC, C1_Z, R1, R1_SC, R1_Z, T1, T1_W, L1, BS1, TPS1, DC, DR, BLOCK_N, DOT_BF16,
+                           F1_CB, F1_CG, F1_CS, F1_CP, F1_RB, F1_RG, F1_RS, F1_RP)
+    if NSEG > 2:
+        if split >= NS0 + NS1:
+            _split_partial(q, qr, b, h, h_ok, dc, dc_ok, dr, dr_ok, out_slot, split - NS0 - NS1, scale,
+                           O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                           C2, C2_SC, C2_Z, R2, R2_SC, R2_Z, T2, T2_W, L2, BS2, TPS2, DC, DR, BLOCK_N, DOT_BF16,
+                           F2_CB, F2_CG, F2_CS, F2_CP, F2_RB, F2_RG, F2_RS, F2_RP)
+
+
+@triton.jit
+def _merge_kernel(O_PART, LSE_PART, OUT, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_outb,
+                  stride_outh, n_splits, DC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
+    """Stage 2, one program per (sequence, head): out = sum_s softmax_s(lse) o_s over every split of every segment;
+    a split without tokens (lse = -inf) weighs 0, a sequence without any token gets 0."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    lse = tl.load(LSE_PART + b * stride_lb + s * stride_ls + h, mask=s < n_splits, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(lse - m_safe), 0)
+    inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
+    dc = tl.arange(0, BLOCK_DC)
+    acc = tl.zeros([BLOCK_DC], tl.float32)
+    for i in range(n_splits):
+        w = tl.exp(tl.load(LSE_PART + b * stride_lb + i * stride_ls + h) - m_safe) * inv
+        o = tl.load(O_PART + b * stride_ob + i * stride_os + h * stride_oh + dc, mask=dc < DC, other=0.0)
+        acc += w * o
+    tl.store(OUT + b * stride_outb + h * stride_outh + dc, acc, mask=dc < DC)
 
 
 def _next_pow2(n: int, least: int = 16) -> int:
-    return max(least, 1 << (n - 1).bit_length())
+    return max(least, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _path_args(p: PagedPath, dummy: torch.Tensor) -> tuple[list, dict]:
-    """Pointer/stride arguments and constexprs of one path's pools."""
-    sc = dummy if p.scales is None else p.scales
-    z = dummy if p.zeros is None or p.symmetric else p.zeros
-    args = [p.data, sc, z, p.data.stride(0), p.data.stride(1),
-            0 if p.scales is None else sc.stride(0), 0 if p.scales is None else sc.stride(1),
-            0 if z is dummy else z.stride(0), 0 if z is dummy else z.stride(1)]
-    return args, dict(BITS=p.bits, GROUP=p.group if p.bits else 1, SYM=p.symmetric or p.bits == 0,
-                      POW2=p.pow2 and p.bits > 0)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # an H100/H200, so that plans made on the CPU interpreter match the GPU's
 
 
-def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments, *, block_n: int = 32,
-                  split_tokens: int = 256) -> torch.Tensor:
+def split_plan(batch: int, head_blocks: int, longest: list[int], block_n: int, num_sms: int,
+               split_tokens: int | None = None, waves: int = 2, min_tiles: int = 4) -> list[tuple[int, int]]:
+    """(tokens per split, splits) per segment. Like FlashMLA's get_mla_metadata: split the KV so that
+    batch x head_blocks x splits fills about `waves` times the SMs, with splits of at least `min_tiles` tiles
+    (so a short segment, e.g. the protected tokens, is one split); `split_tokens` forces a split length."""
+    plan = []
+    for n in longest:
+        if split_tokens is not None:
+            tps = max(1, split_tokens)
+        else:
+            wanted = max(1, math.ceil(waves * num_sms / max(1, batch * head_blocks)))
+            most = max(1, math.ceil(n / (min_tiles * block_n)))
+            tps = math.ceil(max(1, n) / min(wanted, most) / block_n) * block_n
+        plan.append((tps, max(1, math.ceil(n / tps))))
+    return plan
+
+
+def _format_constexprs(seg: Segment, i: int) -> dict:
+    out = {}
+    for tag, p in (("C", seg.content), ("R", seg.rope)):
+        out.update({f"F{i}_{tag}B": p.bits, f"F{i}_{tag}G": p.group if p.bits else 1,
+                    f"F{i}_{tag}S": bool(p.symmetric or p.bits == 0), f"F{i}_{tag}P": bool(p.pow2 and p.bits > 0)})
+    return out
+
+
+def _segment_args(seg: Segment | None, plan: tuple[int, int], dummy: torch.Tensor) -> list:
+    if seg is None:
+        return [dummy] * 7 + [1, dummy, 1, 1, 0]
+    args = []
+    for p in (seg.content, seg.rope):
+        args += [p.data, dummy if p.bits == 0 else p.scales,
+                 dummy if p.bits == 0 or p.symmetric else p.zeros]
+    lengths = seg.lengths if seg.lengths.dtype == torch.int32 else seg.lengths.to(torch.int32)
+    return args + [seg.block_table, seg.block_table.shape[1], lengths, int(seg.content.data.shape[1]), *plan]
+
+
+def launch_config(heads: int, d_c: int, block_h: int | None = None, block_n: int | None = None,
+                  num_warps: int | None = None) -> dict:
+    """Tile sizes: BLOCK_H heads per program (at most 16 rows of float32 accumulators over d_c = 512 keep the
+    registers), BLOCK_N tokens per tile, warps; any of them may be given."""
+    bh = block_h or min(_next_pow2(heads), 16 if d_c > 256 else 64)
+    bn = block_n or 32
+    return dict(block_h=_next_pow2(bh), block_n=bn, num_warps=num_warps or (8 if bh * d_c > 16 * 512 else 4))
+
+
+def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments, *,
+                  block_n: int | None = None, block_h: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None, split_tokens: int | None = None, dot: str = "auto") -> torch.Tensor:
     """Triton decode attention (see the module docstring). q_latent (B, H, d_c), q_rope (B, H, d_r), segments
-    (a list of `Segment`) -> o_latent (B, H, d_c) float32."""
+    (a list of `Segment`) -> o_latent (B, H, d_c) float32. Two launches: stage 1 over every segment, stage 2."""
     require_triton()
     check_inputs(q_latent, q_rope, segments)
+    if dot not in DOTS:
+        raise ValueError(f"dot={dot!r}; allowed: {list(DOTS)}")
+    if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"block_n={block_n}; allowed: a power of two >= 16")
     b, h, d_c = q_latent.shape
     d_r = q_rope.shape[-1]
     dev = q_latent.device
+    cfg = launch_config(h, d_c, block_h, block_n, num_warps)
+    head_blocks = math.ceil(h / cfg["block_h"])
+    dot_bf16 = dot == "bf16" or (dot == "auto" and dev.type == "cuda" and q_latent.dtype == torch.bfloat16)
+    plan = split_plan(b, head_blocks, [seg.longest() for seg in segments], cfg["block_n"], _num_sms(dev),
+                      split_tokens)
+    n_splits = sum(n for _, n in plan)
+    o_part = torch.empty(b, n_splits, h, d_c, device=dev, dtype=torch.float32)
+    lse_part = torch.empty(b, n_splits, h, device=dev, dtype=torch.float32)
+    out = torch.empty(b, h, d_c, device=dev, dtype=torch.float32)
+    if b == 0 or h == 0:
+        return out
     dummy = torch.zeros(1, device=dev)
-    longest = [int(seg.lengths.max()) if b else 0 for seg in segments]
-    splits = [max(1, math.ceil(n / split_tokens)) for n in longest]
-    o_part = torch.empty(b, sum(splits), h, d_c, device=dev, dtype=torch.float32)
-    lse_part = torch.empty(b, sum(splits), h, device=dev, dtype=torch.float32)
-    q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
+    extra = {} if num_stages is None else {"num_stages": num_stages}
     base = 0
-    for seg, n_split in zip(segments, splits):
-        c_args, c_k = _path_args(seg.content, dummy)
-        r_args, r_k = _path_args(seg.rope, dummy)
-        table = seg.block_table.contiguous()
-        _stage1_kernel[(b, n_split)](
+    for first in range(0, len(segments), MAX_SEGMENTS):
+        group = list(segments[first:first + MAX_SEGMENTS])
+        plans = plan[first:first + MAX_SEGMENTS]
+        seg_args, constexprs = [], {}
+        for i in range(MAX_SEGMENTS):
+            seg = group[i] if i < len(group) else None
+            seg_args += _segment_args(seg, plans[i] if seg is not None else (1, 0), dummy)
+            constexprs.update(_format_constexprs(seg if seg is not None else group[0], i))
+        group_splits = sum(n for _, n in plans)
+        _stage1_kernel[(head_blocks, b, group_splits)](
             q_latent, q_rope, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-            *c_args, *r_args,
-            table, table.stride(0), seg.lengths.to(device=dev, dtype=torch.int32).contiguous(),
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
-            lse_part.stride(1),
-            split_tokens, base, float(scale), h,
-            DC=d_c, DR=d_r, BLOCK_H=_next_pow2(h), BLOCK_DC=_next_pow2(d_c), BLOCK_DR=_next_pow2(d_r),
-            BLOCK_N=block_n, BS=int(seg.content.data.shape[1]),
-            C_BITS=c_k["BITS"], C_GROUP=c_k["GROUP"], C_SYM=c_k["SYM"], C_POW2=c_k["POW2"],
-            R_BITS=r_k["BITS"], R_GROUP=r_k["GROUP"], R_SYM=r_k["SYM"], R_POW2=r_k["POW2"],
+            lse_part.stride(1), base, float(scale), h, *seg_args,
+            NSEG=len(group), DC=d_c, DR=d_r, BLOCK_H=cfg["block_h"], BLOCK_DC=_next_pow2(d_c),
+            BLOCK_DR=_next_pow2(d_r), BLOCK_N=cfg["block_n"], DOT_BF16=dot_bf16, num_warps=cfg["num_warps"],
+            **constexprs, **extra,
         )
-        base += n_split
-    # stage 2: merge the splits with log-sum-exp weights
-    weights = torch.softmax(lse_part, dim=1).nan_to_num(0.0)  # (B, splits, H); a split with no token weighs 0
-    return (weights[..., None] * o_part).sum(dim=1)
+        base += group_splits
+    _merge_kernel[(b, h)](
+        o_part, lse_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
+        lse_part.stride(1), out.stride(0), out.stride(1), n_splits, DC=d_c, BLOCK_S=_next_pow2(n_splits, 2),
+        BLOCK_DC=_next_pow2(d_c), num_warps=4,
+    )
+    return out

@@ -1,18 +1,25 @@
-"""Kernel benchmark: the Triton decode kernel over each cache format, against the BF16 kernel and the PyTorch read
-path, at DeepSeek-V2-Lite's attention dims (d_c 512, d_r 64, 16 heads) unless configured otherwise.
+"""Kernel benchmark: the Triton decode kernel over each cache format, against our BF16 kernel and the PyTorch read
+path, at DeepSeek's attention dims (d_c 512, d_r 64) with 16 heads (V2-Lite) and 128 heads (V3).
 
     python run.py experiment=bench_kernel                                        # on a CUDA GPU
-    TRITON_INTERPRET=1 python run.py experiment=bench_kernel task.contexts=[256] task.iters=1   # CPU smoke run
+    TRITON_INTERPRET=1 python run.py experiment=bench_kernel 'task.contexts=[256]' task.iters=1 ...   # CPU smoke
 
-For each context and format: fill one layer's cache with random latents (the quantized ones through the real
-encoder), then time `latent_decode` (one query token per sequence, all heads) and the PyTorch reference
-(dequantize everything, then attend). Reports microseconds per call, the bytes the kernel reads (the stored
-tensors, measured) and the bandwidth that implies, and speed-ups vs the BF16 kernel and vs the PyTorch path.
-Under the CPU interpreter the times measure the interpreter, not the kernel: only the GPU figures mean anything.
+Per context and mode: "throughput" fills batch = task.throughput_tokens // context sequences (batch x context >= 1M
+tokens by default), "latency" task.latency_batch sequences. Each format's cache layer is filled with random latents
+(the quantized ones through the real encoder, with the configured protected region), then per head count the
+kernel is timed as the GPU runs it: one CUDA graph of the call, replayed after a 256 MB L2 flush, CUDA events around
+the replay, the median of task.iters (on the CPU interpreter: wall time, meaningless). Reported per case:
+microseconds, the bytes one call reads measured from the stored tensors (`bytes_read`: every valid token's codes,
+scales, zeros or values, the block table, the queries), the bandwidth that implies and its share of
+task.peak_bandwidth, the speed-up vs our BF16 kernel on the same case, and vs the PyTorch path (dequantize all,
+then attend; task.torch_reference). With task.tune, launch configurations are tried per head count on the first
+throughput case of task.tune_format and the fastest is used throughout. bench_kernel.csv / .md / .png in the run dir.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from pathlib import Path
 
@@ -24,26 +31,82 @@ from tqdm.auto import tqdm
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.cache.factory import cache_layer_factory
 from mla_quant.cache.triton import kernel_segments
-from mla_quant.kernels.latent_decode import latent_decode, latent_decode_reference, require_triton
+from mla_quant.kernels.latent_decode import (bytes_read, latent_decode, latent_decode_reference, launch_config,
+                                             require_triton)
 from mla_quant.models.build import resolve_device
 from mla_quant.record import write_text_atomic
 from mla_quant.stages import StageResult
 
+FLUSH_BYTES = 256 << 20  # more than any GPU's L2
 
-def _timed(fn, device: str, iters: int, warmup: int) -> float:
-    """Median seconds per call."""
+
+def _cuda_time(fn, iters: int, warmup: int, graph: bool = True) -> float:
+    """Median seconds of `fn` on the GPU, cold L2, launch overhead excluded where a CUDA graph can hold `fn`."""
+    for _ in range(max(1, warmup)):
+        fn()
+    torch.cuda.synchronize()
+    run = fn
+    if graph:
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            run = g.replay
+        except RuntimeError as e:  # something in fn cannot be captured: time the plain calls
+            print(f"(no CUDA graph: {e}; timing plain calls)")
+            torch.cuda.synchronize()
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        run()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events) / 1e3
+
+
+def _cpu_time(fn, iters: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
         t = time.perf_counter()
         fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)
+
+
+def timer(device: str, iters: int, warmup: int):
+    if device.startswith("cuda"):
+        return lambda fn, graph=True: _cuda_time(fn, iters, warmup, graph)
+    return lambda fn, graph=True: _cpu_time(fn, iters, warmup)
+
+
+def filled_layer(option: str, task, context: int, batch: int, device: str, dtype: torch.dtype, g: torch.Generator):
+    """One cache layer of quant option `option` holding `batch` sequences of `context` random latents."""
+    quant = OmegaConf.merge(load_quant_option(option), {"backend": "triton"}, task.quant_overrides or {})
+    layer = cache_layer_factory(quant, task.d_c, task.d_r, context=max(context + 1, 4096))()
+    layer.append(torch.randn(batch, context, task.d_c, generator=g, device=device, dtype=dtype),
+                 torch.randn(batch, context, task.d_r, generator=g, device=device, dtype=dtype))
+    return layer
+
+
+def _cases(task) -> list[tuple[str, int, int]]:
+    """(mode, context, batch) in order: throughput cases first (the first one tunes)."""
+    out = []
+    for mode in task.modes:
+        if mode not in ("throughput", "latency"):
+            raise ValueError(f"task.modes: {mode!r}; allowed: throughput, latency")
+        for ctx in task.contexts:
+            batch = max(1, task.throughput_tokens // ctx) if mode == "throughput" else task.latency_batch
+            out.append((mode, ctx, batch))
+    return out
 
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
@@ -51,38 +114,105 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     require_triton("experiment=bench_kernel")
     device = resolve_device(cfg.device)
     dtype = getattr(torch, task.dtype)
-    g = torch.Generator().manual_seed(cfg.seed)
-    rows, metrics = [], {}
-    jobs = [(ctx, option) for ctx in task.contexts for option in task.formats]
-    for ctx, option in tqdm(jobs, desc="bench_kernel", unit="case"):
-        quant = OmegaConf.merge(load_quant_option(option), {"backend": "triton"}, task.quant_overrides or {})
-        layer = cache_layer_factory(quant, task.d_c, task.d_r, context=max(ctx + 1, 4096))()
-        c = torch.randn(task.batch_size, ctx, task.d_c, generator=g).to(device, dtype)
-        r = torch.randn(task.batch_size, ctx, task.d_r, generator=g).to(device, dtype)
-        layer.append(c, r)
-        q = torch.randn(task.batch_size, task.heads, task.d_c, generator=g).to(device, dtype)
-        qr = torch.randn(task.batch_size, task.heads, task.d_r, generator=g).to(device, dtype)
-        scale = (task.d_c + task.d_r) ** -0.5
-        segments = kernel_segments(layer)
-        kernel_s = _timed(lambda: latent_decode(q, qr, scale, segments), device, task.iters, task.warmup)
-        torch_s = _timed(lambda: latent_decode_reference(q, qr, scale, segments), device, task.iters, task.warmup)
-        err = (latent_decode(q, qr, scale, segments) - latent_decode_reference(q, qr, scale, segments)).abs().max().item()
-        nbytes = layer.nbytes()
-        rows.append({"context": ctx, "format": option, "kernel_us": kernel_s * 1e6, "torch_us": torch_s * 1e6,
-                     "bytes": nbytes, "kernel_GBps": nbytes / kernel_s / 1e9, "max_abs_err": err})
-    df = pd.DataFrame(rows)
-    bf16 = df[df.format == "bf16"].set_index("context")["kernel_us"] if "bf16" in set(df.format) else None
-    df["speedup_vs_torch"] = df.torch_us / df.kernel_us
-    if bf16 is not None:
-        df["speedup_vs_bf16_kernel"] = df.context.map(bf16) / df.kernel_us
+    g = torch.Generator(device=device).manual_seed(cfg.seed)
+    time_it = timer(device, task.iters, task.warmup)
+    time_torch = timer(device, max(1, task.iters // 4), 1)
+    fixed = {k: v for k, v in OmegaConf.to_container(task.launch or {}).items() if v is not None}
+    tuned: dict[int, dict] = {}
+    scale = (task.d_c + task.d_r) ** -0.5
+    rows = []
+    cases = _cases(task)
+    for mode, ctx, batch in tqdm(cases, desc="bench_kernel", unit="case"):
+        layers = {option: filled_layer(option, task, ctx, batch, device, dtype, g) for option in task.formats}
+        for heads in task.heads:
+            q = torch.randn(batch, heads, task.d_c, generator=g, device=device, dtype=dtype)
+            qr = torch.randn(batch, heads, task.d_r, generator=g, device=device, dtype=dtype)
+            segs = {option: kernel_segments(layer) for option, layer in layers.items()}
+            if heads not in tuned:
+                tuned[heads] = _tune(task, fixed, heads, q, qr, scale, segs, time_it)
+            launch = tuned[heads]
+            for option, segments in segs.items():
+                kernel_s = time_it(lambda: latent_decode(q, qr, scale, segments, **launch))
+                out = latent_decode(q, qr, scale, segments, **launch)
+                row = dict(mode=mode, heads=heads, batch=batch, context=ctx, format=option, kernel_us=kernel_s * 1e6,
+                           bytes_read=bytes_read(q, qr, segments), cache_bytes=layers[option].nbytes())
+                row["GBps"] = row["bytes_read"] / kernel_s / 1e9
+                row["peak_share"] = row["bytes_read"] / kernel_s / task.peak_bandwidth
+                if task.torch_reference and batch * ctx <= task.torch_max_tokens:
+                    row["torch_us"] = time_torch(lambda: latent_decode_reference(q, qr, scale, segments),
+                                                 graph=False) * 1e6
+                ref = latent_decode_reference(q, qr, scale, segments)
+                row["max_rel_err"] = ((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+                rows.append({**row, **launch_config(heads, task.d_c, **launch)})
+            del q, qr, segs
+        del layers
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    df = _with_speedups(pd.DataFrame(rows))
+    return _report(df, task, device, run_dir)
+
+
+def _tune(task, fixed: dict, heads: int, q, qr, scale, segs: dict, time_it) -> dict:
+    """The fastest of task.tune's launch configurations (each completed by task.launch) on this case."""
+    candidates = [{**fixed, **{k: v for k, v in dict(c).items() if v is not None}} for c in (task.tune or [])]
+    if len(candidates) < 2 or task.tune_format not in segs:
+        return fixed
+    segments = segs[task.tune_format]
+    times = []
+    for launch in candidates:
+        times.append(time_it(lambda: latent_decode(q, qr, scale, segments, **launch)))
+        print(f"tune heads={heads} {task.tune_format} batch={q.shape[0]}: {launch_config(heads, task.d_c, **launch)} "
+              f"{times[-1] * 1e6:.1f} us")
+    return candidates[min(range(len(times)), key=times.__getitem__)]
+
+
+def _with_speedups(df: pd.DataFrame) -> pd.DataFrame:
+    keys = ["mode", "heads", "context"]
+    if "bf16" in set(df.format):
+        bf16 = df[df.format == "bf16"].set_index(keys)["kernel_us"]
+        df["speedup_vs_bf16_kernel"] = [bf16.get(tuple(r), math.nan) for r in df[keys].itertuples(index=False)]
+        df["speedup_vs_bf16_kernel"] = df["speedup_vs_bf16_kernel"] / df.kernel_us
+    if "torch_us" in df:
+        df["speedup_vs_torch"] = df.torch_us / df.kernel_us
+    return df
+
+
+def _report(df: pd.DataFrame, task, device: str, run_dir: Path) -> StageResult:
+    metrics = {}
     for row in df.to_dict("records"):
-        for key in ("kernel_us", "torch_us", "kernel_GBps", "speedup_vs_torch", "speedup_vs_bf16_kernel",
-                    "max_abs_err", "bytes"):
-            if key in row:
-                metrics[f"bench_kernel/{row['format']}/ctx{row['context']}/{key}"] = float(row[key])
+        name = f"bench_kernel/{row['mode']}/h{row['heads']}/ctx{row['context']}/{row['format']}"
+        for key in ("kernel_us", "bytes_read", "GBps", "peak_share", "speedup_vs_bf16_kernel", "torch_us",
+                    "speedup_vs_torch", "max_rel_err"):
+            if key in row and not pd.isna(row[key]):
+                metrics[f"{name}/{key}"] = float(row[key])
     df.to_csv(run_dir / "bench_kernel.csv", index=False)
     table = df.to_markdown(index=False, floatfmt=".4g")
     note = "" if device.startswith("cuda") else "\n(CPU interpreter: times are not kernel figures)\n"
-    write_text_atomic(run_dir / "bench_kernel.md", f"# Triton decode kernel, {device}, {task.dtype}\n\n{table}\n{note}")
+    write_text_atomic(run_dir / "bench_kernel.md", f"# Triton decode kernel, {device}, {task.dtype}, peak "
+                                                   f"{task.peak_bandwidth:.3g} B/s\n\n{table}\n{note}")
+    _plot(df, task, run_dir / "bench_kernel.png")
     print(table + note)
     return StageResult(metrics=metrics)
+
+
+def _plot(df: pd.DataFrame, task, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(dict.fromkeys(df["mode"]))
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        part = df[df["mode"] == mode]
+        for (fmt, heads), sub in part.groupby(["format", "heads"], sort=False):
+            ax.plot(sub.context, sub.GBps, marker="o", label=f"{fmt}, {heads} heads")
+        ax.axhline(task.peak_bandwidth / 1e9, color="gray", linestyle="--", label="peak")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens per sequence)")
+        ax.set_ylabel("GB/s read")
+        ax.set_title(f"{mode} (batch {', '.join(str(b) for b in dict.fromkeys(part.batch))})")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
