@@ -23,7 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from mla_quant.models.build import resolve_device
 from mla_quant.record import write_record
-from mla_quant.stages import StageFailed, StageResult, refuse_unused_groups
+from mla_quant.calibration import fitted_paths, needs_data
+from mla_quant.stages import StageFailed, StageResult, refuse_overrides, refuse_unused_groups
 
 __all__ = ["StageFailed", "StageResult", "main"]
 
@@ -59,6 +60,17 @@ def config_choices() -> dict[str, str]:
     return {k: v for k, v in choices.items() if not k.startswith("hydra") and v is not None}
 
 
+def refuse_idle_calibration(cfg: DictConfig) -> None:
+    """objective.* without a fitted transform, calib.* without a transform that reads data: refused by name."""
+    if "transform" not in (cfg.task.get("uses") or []) or cfg.task.name == "calibrate":
+        return  # experiment=calibrate reports every transform's objectives on calibration data
+    name = cfg.transform.get("name")
+    if not fitted_paths(cfg.transform):
+        refuse_overrides(["objective"], f"transform={name} fits nothing, so objective settings would do nothing")
+    if not needs_data(cfg.transform):
+        refuse_overrides(["calib"], f"transform={name} reads no calibration data, so calib settings would do nothing")
+
+
 def main(cfg: DictConfig) -> StageResult:
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -66,6 +78,7 @@ def main(cfg: DictConfig) -> StageResult:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     stage = get_method(cfg.task._target_)  # fails early, naming the target, if it does not exist
     refuse_unused_groups(cfg.task)  # an override of a group this experiment does not read is refused by name
+    refuse_idle_calibration(cfg)
     seed_everything(cfg.seed)
 
     tracker = instantiate(cfg.logger)

@@ -8,10 +8,10 @@ from conftest import CONF, REPO, compose, options
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.utils import instantiate
 
-from mla_quant.models.prepare import build_model
+from mla_quant.prepare import build_model
 from omegaconf import OmegaConf
 
-GROUPS = ["model", "quant", "transform", "objective", "eval", "experiment", "logger"]
+GROUPS = ["model", "quant", "transform", "objective", "calib", "eval", "experiment", "logger"]
 
 
 def test_groups_exist_with_options():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import compose
 
-from mla_quant.models.prepare import model_dims, validate
+from mla_quant.prepare import model_dims, validate
 from mla_quant.stages import refuse_unused_groups
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,15 +1,15 @@
 """The package's import graph follows its layering (docs/layering.md): arrows only point down, no circles.
 
-    entry (run.py) -> pipeline -> stages -> sensitivity / eval / calibration -> models (+ toy) -> cache -> quant
-    -> kernels;  record, tracking and tasks are side modules any layer may use, and they use no layer.
+    entry (run.py) -> pipeline -> stages -> prepare -> sensitivity / eval / calibration -> transforms -> models (+ toy)
+    -> cache -> quant -> kernels;  record, tracking and tasks are side modules any layer may use, and they use no layer.
 Every import counts, also those inside functions (deferred for speed, still a dependency)."""
 
 import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "mla_quant"
-LEVELS = {"kernels": 0, "quant": 1, "cache": 2, "models": 3, "toy": 3, "sensitivity": 4, "eval": 4,
-          "calibration": 4, "stages": 5, "pipeline": 6}
+LEVELS = {"kernels": 0, "quant": 1, "cache": 2, "models": 3, "toy": 3, "transforms": 4, "sensitivity": 5,
+          "eval": 5, "calibration": 5, "prepare": 6, "stages": 7, "pipeline": 8}
 SIDE = {"record", "tracking", "tasks"}
 SAME_LEVEL_ALLOWED = {("toy", "models"), ("models", "toy")}  # the shipped toy is one of the models' sources
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from conftest import compose
 
-from mla_quant.models.prepare import build_model, model_dims, prepare_model
+from mla_quant.prepare import build_model, model_dims, prepare_model
 from mla_quant.stages import refuse_unused_groups
 
 
@@ -27,11 +27,16 @@ def test_dims_come_from_config_json_without_weights(config_only_checkpoint):
 @pytest.mark.parametrize("override, match", [
     ("quant.content.bits=5", r"quant.content.bits=5 is not a width of format=int"),
     ("quant.content.group_size=48", r"quant.content.group_size=48 does not divide the path dimension 32"),
-    ("transform.content.kind=hadamard", r"transform.content.kind='hadamard' is not available; allowed: \['none'\]"),
-    ("objective.rope.kind=positional_qk", r"objective.rope.kind='positional_qk' is not available"),
+    ("transform.content.kind=givens", r"transform.content.kind='givens'; allowed: \['none', 'hadamard'"),
+    ("objective.rope.kind=logits", r"objective.rope.kind='logits'; allowed: \['positional_qk', 'cache_mse'\]"),
+    ("transform=quantmla calib.samples=0", r"calib.samples=0: need at least one calibration sequence"),
+    ("transform=quantmla calib.seq_len=4", r"calib.seq_len=4 is too short"),
+    ("transform=quantmla calib.split=test", r"calib.split='test' is the evaluation split"),
+    ("transform=smoothquant calib.source=text calib.dataset=null", r"calib.source=text needs calib.dataset"),
 ])
 def test_bad_settings_fail_before_any_weight_is_read(config_only_checkpoint, override, match):
-    cfg = compose(["model=deepseek_v2_lite", f"model.path={config_only_checkpoint}", "quant=int4_joint", override])
+    cfg = compose(["model=deepseek_v2_lite", f"model.path={config_only_checkpoint}", "quant=int4_joint",
+                   *override.split()])
     with pytest.raises(ValueError, match=match):
         prepare_model(cfg)  # the folder has no weights: reaching the load would raise OSError instead
 

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from mla_quant.cache import LatentCacheLayer, cache_layer_factory
 from mla_quant.cache.bytes import byte_table, load_quant_option, measure_bytes
 from mla_quant.models.absorbed import cache_kwargs, latent_dims, new_cache, quantized_cache
-from mla_quant.models.prepare import build_model
+from mla_quant.prepare import build_model
 from mla_quant.quant.formats import cache_bytes_per_token, cache_format, fake_quantizer
 from mla_quant.quant.quantizers import fake_quantize, fp8_fake_quantize
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import compose, options
 
-from mla_quant.models.prepare import build_model
+from mla_quant.prepare import build_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -155,7 +155,7 @@ def test_hydra_configs_compose_and_instantiate():
     import hydra
     from hydra.utils import instantiate
 
-    from mla_quant.models.prepare import build_model
+    from mla_quant.prepare import build_model
 
     with hydra.initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = hydra.compose("config", overrides=["experiment=evaluate", "logger=none"])

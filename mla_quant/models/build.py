@@ -1,6 +1,6 @@
 """Build MLA models: tiny random ones from a family's own config class, or real checkpoints via from_pretrained.
 
-These are the `_target_`s of `conf/model/*.yaml`; `mla_quant.models.prepare.prepare_model(cfg)` builds the model through them.
+These are the `_target_`s of `conf/model/*.yaml`; `mla_quant.prepare.prepare_model(cfg)` builds the model through them.
 
     model = tiny_model("deepseek_v3", {"hidden_size": 64, ...})
     model = pretrained_model("deepseek_v2", hf_id="deepseek-ai/DeepSeek-V2-Lite", path="/data/ckpt/v2-lite")

@@ -25,6 +25,7 @@ class MLAWeights:
     """Views of one MLA block's weights (no copies), named as in docs/method.md section 1.
 
     kv_a: rows [:d_c] make the content latent x, rows [d_c:] the pre-RoPE key r; kv_norm: gamma of RMSNorm(x);
+    the cached latent is latent_scale * RMSNorm(x) (latent_scale = LongCat's mla_scale_kv_lora, 1 elsewhere);
     kv_b: per head [W_UK (d_nope rows) | W_UV (d_v rows)]; q_out: the projection whose per-head rows are
     [q_nope (d_nope) | q_rope (d_r)] (q_proj, or q_b_proj after the q LoRA).
     """
@@ -39,6 +40,8 @@ class MLAWeights:
     d_nope: int
     d_v: int
     rope_layout: str  # "interleaved": pairs (2i, 2i+1) in the pre-RoPE rows; "half": pairs (i, i + d_r/2)
+    latent_scale: float = 1.0  # a fixed factor the family applies to the normed latent before caching (LongCat)
+    norm_eps: float = 1e-6  # the latent RMSNorm's epsilon
 
     def w_uk(self) -> torch.Tensor:  # (H, d_nope, d_c)
         return self.kv_b.weight.view(self.num_heads, self.d_nope + self.d_v, self.d_c)[:, : self.d_nope]
@@ -119,6 +122,8 @@ class MLAFamily:
             d_nope=attn.qk_nope_head_dim,
             d_v=attn.v_head_dim,
             rope_layout=self.rope_layout(attn.config),
+            latent_scale=float(getattr(attn, "mla_scale_kv_lora", 1.0)),
+            norm_eps=float(attn.kv_a_layernorm.variance_epsilon),
         )
 
     # --- the forward pieces

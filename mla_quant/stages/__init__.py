@@ -1,6 +1,6 @@
 """Stages: one per experiment (conf/experiment/*.yaml names its stage in `task._target_`).
 
-A stage is `run(cfg, run_dir) -> StageResult`; it prepares its model with `mla_quant.models.prepare.prepare_model`
+A stage is `run(cfg, run_dir) -> StageResult`; it prepares its model with `mla_quant.prepare.prepare_model`
 and reads its options from `cfg.task`. `task.uses` lists the config groups the stage reads; an override of any
 other group on the command line is refused by name (no setting does nothing).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-GROUPS = ("model", "quant", "transform", "objective", "eval")
+GROUPS = ("model", "quant", "transform", "objective", "calib", "eval")
 
 
 @dataclass

@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 from mla_quant.models.absorbed import absorb, cache_kwargs, latent_dims, new_cache
 from mla_quant.models.build import resolve_device
-from mla_quant.models.prepare import prepare_model
+from mla_quant.prepare import prepare_model
 from mla_quant.stages import StageResult
 from mla_quant.record import write_text_atomic
 

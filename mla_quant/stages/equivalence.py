@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from mla_quant.models.absorbed import absorb, cache_kwargs, latent_dims, new_cache
-from mla_quant.models.prepare import build_model
+from mla_quant.prepare import build_model
 from mla_quant.stages import StageResult
 from mla_quant.record import write_text_atomic
 

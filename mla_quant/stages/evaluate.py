@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from mla_quant.eval.harness import ContextTooLong, LatentCacheHFLM, evaluate_tasks, rope_zeroed
 from mla_quant.eval.task_files import CODE_TASKS, TOY_TASKS, write_task_files
 from mla_quant.eval.task_utils import ALLOW_ENV, OPT_IN_HINT
-from mla_quant.models.prepare import prepare_model
+from mla_quant.prepare import prepare_model
 from mla_quant.stages import StageResult
 from mla_quant.record import write_json_atomic, write_text_atomic
 
@@ -96,7 +96,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     if allow:
         os.environ[ALLOW_ENV] = "1"  # read by mla_quant.eval.task_utils.run_program
 
-    metrics: dict[str, float | str] = dict(prep.cache_metrics())
+    metrics: dict[str, float | str] = dict(prep.metrics())
     raw: dict = {}
     toy = [t for t in tasks if t != STOCK_NIAH]
     start = time.perf_counter()

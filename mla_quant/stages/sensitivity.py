@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from mla_quant.models.absorbed import new_cache  # noqa: E402
-from mla_quant.models.prepare import model_dims, prepare_model  # noqa: E402
+from mla_quant.prepare import model_dims, prepare_model  # noqa: E402
 from mla_quant.stages import StageResult, refuse_overrides  # noqa: E402
 from mla_quant.record import atomic_path, write_text_atomic  # noqa: E402
 from mla_quant.sensitivity.injection import InjectionSpec, check_nmse_target, injection_factory  # noqa: E402
@@ -121,6 +121,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     with atomic_path(run_dir / "sensitivity_rows.csv") as tmp:
         df.to_csv(tmp, index=False)
     metrics, tables = summarise(df, specs, clean, headline, n_layers, attention_layer_of=clean.layer_of_attention)
+    metrics = {**(prep.transform_metrics or {}), **metrics}
     write_text_atomic(run_dir / "sensitivity.md", tables)
     figures(df, metrics, headline, n_layers, run_dir)
     print(tables)

@@ -1,4 +1,5 @@
-"""The one preparation step every stage uses: config -> validated settings -> model, tokenizer, dims, cache format.
+"""The one preparation step every stage uses: config -> validated settings -> model, tokenizer, dims, cache format,
+with the configured transforms fitted (or reused) and folded into the weights.
 
     prep = prepare_model(cfg)                  # cfg: the run's config (model, quant, transform, objective groups)
     prep.model, prep.tokenizer, prep.dims      # absorbed model on its device; {"d_c", "d_r", "layers", "context"}
@@ -6,8 +7,8 @@
 
 Order (docs/layering.md): (1) read the latent dims from the model YAML or the checkpoint's config.json, without
 any weight; (2) validate quant, transform and objective against them, so a bad setting fails in seconds even for a
-671B checkpoint; (3) load the weights; (4) apply the configured transform (the hook calibration fills in; `none`
-today); (5) absorb; (6) place on the device.
+671B checkpoint; (3) load the weights; (4) fold the configured transforms into the weights, calibrating them first
+unless the same configuration was calibrated before (mla_quant.calibration); (5) absorb; (6) place on the device.
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ from omegaconf import DictConfig
 from torch import nn
 
 from mla_quant.cache import layer_factory
+from mla_quant.calibration import calibrated_transforms, check_transform
+from mla_quant.calibration.data import check_calib, resolve_source
 from mla_quant.models.absorbed import absorb, latent_dims, new_cache
 from mla_quant.models.build import _plain, load_tokenizer, pretrained_config, tiny_config
 from mla_quant.models.families import family_for_config
 from mla_quant.quant.formats import CacheFormat, cache_format
+from mla_quant.transforms import apply_transforms
 
 # Keys of a model YAML that describe the model for other config groups, not arguments of its builder.
 MODEL_METADATA_KEYS = ("tokenizer", "quant_group_size")
-TRANSFORM_KINDS = ("none",)  # calibrated transforms arrive with calibration (docs/method.md section 4)
-OBJECTIVE_KINDS = ("none",)
 
 
 def _toy_config(node: Mapping):
@@ -77,38 +79,18 @@ def model_dims(model_cfg) -> dict[str, int]:
             "context": int(text.max_position_embeddings)}
 
 
-def check_kinds(group_cfg, group: str, allowed: tuple[str, ...]) -> None:
-    """transform.<path>.kind / objective.<path>.kind: refuse kinds that do not exist (yet), by name."""
-    if group_cfg is None:
-        return
-    known = {"name", "content", "rope"}
-    unknown = sorted(set(group_cfg) - known)
-    if unknown:
-        raise ValueError(f"{group}: unknown key(s) {unknown}; allowed: {sorted(known)}")
-    for path in ("content", "rope"):
-        node = group_cfg.get(path) or {}
-        extra = sorted(set(node) - {"kind"})
-        if extra:
-            raise ValueError(f"{group}.{path}: unknown key(s) {extra}; allowed: ['kind']")
-        kind = node.get("kind", "none")
-        if kind not in allowed:
-            raise ValueError(f"{group}.{path}.kind={kind!r} is not available; allowed: {list(allowed)} "
-                             f"(calibrated transforms and objectives are not implemented yet)")
-
-
 def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True) -> CacheFormat | None:
-    """Check the quant, transform and objective groups against the model's dims; the validated cache format."""
-    check_kinds(cfg.get("transform"), "transform", TRANSFORM_KINDS)
-    check_kinds(cfg.get("objective"), "objective", OBJECTIVE_KINDS)
+    """Check the quant, transform, objective and calib groups against the model's dims; the validated cache format."""
+    check_transform(cfg.get("transform"), cfg.get("objective"))
+    from mla_quant.calibration import needs_data
+
+    if needs_data(cfg.get("transform")):
+        if cfg.get("calib") is None:
+            raise ValueError(f"transform={cfg.transform.get('name')!r} needs calibration data: add calib=<option>")
+        check_calib(cfg.calib, resolve_source(cfg.calib, cfg.model.get("_target_")))
     if not quant or cfg.get("quant") is None:
         return None
     return cache_format(cfg.quant, dims["d_c"], dims["d_r"], context=dims["context"])
-
-
-def apply_transform(model: nn.Module, transform_cfg) -> nn.Module:
-    """Fold the configured transform into the model's weights (calibration fills this in; `none` is the identity)."""
-    check_kinds(transform_cfg, "transform", TRANSFORM_KINDS)
-    return model
 
 
 def build_model(model_cfg, **overrides) -> nn.Module:
@@ -129,12 +111,18 @@ class Prepared:
     tokenizer: Any
     dims: dict[str, int]
     fmt: CacheFormat | None  # validated against the model's dims (None: the stage does not use quant)
+    transform_metrics: dict | None = None  # transform name, calibration file, seconds, objective errors
+    calib_report: list | None = None  # per layer and path: objective error without and with the transform
 
     def layer_factory(self):
         return None if self.fmt is None else layer_factory(self.fmt)
 
     def new_cache(self):
         return new_cache(self.model, self.layer_factory())
+
+    def metrics(self) -> dict:
+        """What this preparation did, for the run record: cache format per path and the transforms."""
+        return {**self.cache_metrics(), **(self.transform_metrics or {})}
 
     def cache_metrics(self) -> dict[str, str]:
         """What the cache stores per path, with the dtype actually stored (the toy runs in float32, so its
@@ -149,18 +137,30 @@ class Prepared:
 
 
 def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, absorbed: bool = True,
-                  **build_overrides) -> Prepared:
+                  calib_report: bool = False, **build_overrides) -> Prepared:
     """Validate, then load, transform, absorb and place the model of `cfg.model` (see the module docstring).
-    quant=False: the stage does not use the quant group. tokenizer=False: do not load one."""
+    quant=False: the stage does not use the quant group. tokenizer=False: do not load one. calib_report=True: report
+    the calibration objectives per layer even for transforms that fit nothing (experiment=calibrate)."""
     dims = model_dims(cfg.model)
     fmt = validate(cfg, dims, quant=quant)
     model = build_model(cfg.model, absorbed=False, **build_overrides)
-    model = apply_transform(model, cfg.get("transform"))
+    tok = load_tokenizer(cfg.model) if tokenizer or needs_tokenizer(cfg, calib_report) else None
+    tset, transform_metrics, report = calibrated_transforms(model, cfg, tok, fmt, report=calib_report)
+    if tset is not None:
+        apply_transforms(model, tset)
     if absorbed:
         model = absorb(model)
     measured = latent_dims(model) if absorbed else None
     if measured is not None and (measured["d_c"], measured["d_r"]) != (dims["d_c"], dims["d_r"]):
         raise RuntimeError(f"the loaded model has (d_c, d_r) = {(measured['d_c'], measured['d_r'])}, its config "
                            f"said {(dims['d_c'], dims['d_r'])}")
-    tok = load_tokenizer(cfg.model) if tokenizer else None
-    return Prepared(model, tok, dims, fmt)
+    return Prepared(model, tok if tokenizer else None, dims, fmt, transform_metrics, report)
+
+
+def needs_tokenizer(cfg: DictConfig, calib_report: bool = False) -> bool:
+    """Calibration on text or the toy's documents needs the model's tokenizer."""
+    from mla_quant.calibration import needs_data
+
+    if not (needs_data(cfg.get("transform")) or calib_report) or cfg.model.get("tokenizer") is None:
+        return False
+    return resolve_source(cfg.calib, cfg.model.get("_target_")) in ("toy", "text")

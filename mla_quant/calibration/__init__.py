@@ -1,0 +1,240 @@
+"""Calibration of the per-path transforms (docs/method.md section 4): capture, objectives, fitting, storage.
+
+    tset, metrics, report = calibrated_transforms(model, cfg, tokenizer, run_format)   # fit, or reuse a stored set
+    apply_transforms(model, tset)                                                      # mla_quant.transforms
+
+`mla_quant.prepare.prepare_model` calls this for every stage, so any stage sees the transformed model.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from mla_quant.calibration.capture import capture_layer
+from mla_quant.calibration.data import calibration_ids, check_calib, ids_sha256, resolve_source
+from mla_quant.calibration.fit import DATA_FREE, FITTED, FitOptions, fit_content, fit_rope
+from mla_quant.calibration.objectives import (CONTENT_OBJECTIVES, ROPE_OBJECTIVES, rope_output_bound,
+                                              ste_quantizer)
+from mla_quant.calibration.store import config_sha256, load_transforms, save_transforms, transform_path
+from mla_quant.models.absorbed import attention_modules
+from mla_quant.models.families import family_for_config
+from mla_quant.quant.formats import CacheFormat, cache_format
+from mla_quant.transforms import KINDS, LayerTransform, TransformSet, random_hadamard
+
+OBJECTIVES = {"content": CONTENT_OBJECTIVES, "rope": ROPE_OBJECTIVES}
+TRANSFORM_KEYS = ("name", "content", "rope", "fit")
+FIT_KEYS = ("format", "steps", "lr", "alpha", "batch", "eval_every", "cache_dir", "reuse")
+DEFAULT_FIT_FORMAT = "int4_joint"  # fit.format=auto when the run stores no quantized cache
+
+
+def _plain(node) -> dict:
+    if node is None:
+        return {}
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+
+
+def kinds(transform_cfg) -> dict[str, str]:
+    t = _plain(transform_cfg)
+    return {p: (t.get(p) or {}).get("kind", "none") for p in ("content", "rope")}
+
+
+def fitted_paths(transform_cfg) -> list[str]:
+    k = kinds(transform_cfg)
+    return [p for p in ("content", "rope") if k[p] in FITTED[p]]
+
+
+def needs_data(transform_cfg) -> bool:
+    k = kinds(transform_cfg)
+    return any(k[p] not in DATA_FREE[p] for p in ("content", "rope"))
+
+
+def check_transform(transform_cfg, objective_cfg=None, objective_overridden: bool = False) -> None:
+    """transform.* and objective.*: unknown keys or kinds refused by name, before any model work."""
+    t = _plain(transform_cfg)
+    unknown = sorted(set(t) - set(TRANSFORM_KEYS))
+    if unknown:
+        raise ValueError(f"transform: unknown key(s) {unknown}; allowed: {list(TRANSFORM_KEYS)}")
+    for path in ("content", "rope"):
+        node = t.get(path) or {}
+        extra = sorted(set(node) - {"kind"})
+        if extra:
+            raise ValueError(f"transform.{path}: unknown key(s) {extra}; allowed: ['kind']")
+        kind = node.get("kind", "none")
+        if kind not in KINDS[path]:
+            raise ValueError(f"transform.{path}.kind={kind!r}; allowed: {list(KINDS[path])}")
+    extra = sorted(set(t.get("fit") or {}) - set(FIT_KEYS))
+    if extra:
+        raise ValueError(f"transform.fit: unknown key(s) {extra}; allowed: {list(FIT_KEYS)}")
+    if needs_data(transform_cfg) and not t.get("fit"):
+        raise ValueError(f"transform={t.get('name')!r} uses calibration data and needs a transform.fit block")
+    o = _plain(objective_cfg)
+    extra = sorted(set(o) - {"name", "content", "rope"})
+    if extra:
+        raise ValueError(f"objective: unknown key(s) {extra}; allowed: ['name', 'content', 'rope']")
+    for path in ("content", "rope"):
+        kind = (o.get(path) or {}).get("kind")
+        if kind is not None and kind not in OBJECTIVES[path]:
+            raise ValueError(f"objective.{path}.kind={kind!r}; allowed: {list(OBJECTIVES[path])}")
+    if objective_overridden and not fitted_paths(transform_cfg):
+        raise ValueError(f"objective settings do nothing with transform={t.get('name')!r}: it fits nothing (fitted "
+                         f"kinds: content {list(FITTED['content'])}, rope {list(FITTED['rope'])}); drop them")
+
+
+def fit_format(transform_cfg, run_format: CacheFormat | None, d_c: int, d_r: int, groups: dict | None) -> CacheFormat:
+    """The cache format the transforms are fitted for: transform.fit.format, `auto` = the run's quantized format,
+    else int4_joint."""
+    from mla_quant.cache.bytes import load_quant_option
+
+    name = (_plain(transform_cfg).get("fit") or {}).get("format", "auto")
+    if name == "auto":
+        if run_format is not None and run_format.quantized:
+            return run_format
+        name = DEFAULT_FIT_FORMAT
+    fmt = cache_format(load_quant_option(name, groups=groups), d_c, d_r)
+    if not fmt.quantized:
+        raise ValueError(f"transform.fit.format={name!r} stores both paths unquantized: nothing to fit against; "
+                         f"name a quantized option (e.g. int4_joint)")
+    return fmt
+
+
+def fit_options(transform_cfg, seed: int) -> FitOptions:
+    fit = _plain(transform_cfg).get("fit") or {}
+    keys = ("steps", "lr", "alpha", "batch", "eval_every")
+    return FitOptions(**{k: fit[k] for k in keys if k in fit}, seed=seed)
+
+
+def weights_sha256(model) -> str:
+    """Fingerprint of the MLA weights a transform depends on (every block's kv_a, norm, kv_b and query rows)."""
+    import hashlib
+
+    family = family_for_config(model.config)
+    h = hashlib.sha256()
+    for attn in attention_modules(model):
+        w = family.mla_weights(attn)
+        for t in (w.kv_a.weight, w.kv_norm, w.kv_b.weight, w.q_out.weight):
+            h.update(t.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: CacheFormat, seed: int,
+            batch_size: int = 8) -> tuple[TransformSet, list[dict]]:
+    """Fit (or compute) every block's transforms; the per-layer report rows (objective error before and after)."""
+    k = kinds(transform_cfg)
+    objectives = {p: (_plain(objective_cfg).get(p) or {}).get("kind") or OBJECTIVES[p][0] for p in ("content", "rope")}
+    opts = fit_options(transform_cfg, seed)
+    quant = {p: ste_quantizer(fmt.path(p), fmt.dim(p)) for p in ("content", "rope")}
+    modules = attention_modules(model)
+    layers, report = [], []
+    for i in tqdm(range(len(modules)), desc="calibrate", unit="layer"):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + i)
+        lt = LayerTransform()
+        if ids is None:  # data-free kinds only
+            if k["content"] == "hadamard":
+                lt.rotation = random_hadamard(modules[i].kv_lora_rank, g)
+            layers.append(lt)
+            continue
+        cap = capture_layer(model, ids, i, batch_size)
+        start = time.perf_counter()
+        content_kind = k["content"] if fmt.content.quantized else "none"
+        lt.rotation, lt.scale, c_err = fit_content(cap, content_kind, objectives["content"], quant["content"], opts, g)
+        c_sec = time.perf_counter() - start
+        rope_kind = k["rope"] if fmt.rope.quantized else "none"
+        start = time.perf_counter()
+        lt.angle, lt.pair_scale, r_err = fit_rope(cap, rope_kind, objectives["rope"], quant["rope"], opts)
+        r_sec = time.perf_counter() - start
+        n = modules[i].qk_rope_head_dim // 2
+        phi = torch.zeros(n) if lt.angle is None else lt.angle
+        t = torch.ones(n) if lt.pair_scale is None else lt.pair_scale
+        bound = rope_output_bound(cap, phi.to(cap.k_rope.device), t.to(cap.k_rope.device), quant["rope"])
+        report.append({"layer": i, "path": "content", "kind": content_kind, "objective": objectives["content"],
+                       "error_none": c_err["none"], "error": c_err["fitted"], "seconds": c_sec})
+        report.append({"layer": i, "path": "rope", "kind": rope_kind, "objective": objectives["rope"],
+                       "error_none": r_err["none"], "error": r_err["fitted"], "seconds": r_sec,
+                       "output_error": bound["measured"], "output_bound": bound["bound"]})
+        layers.append(LayerTransform(*(None if v is None else v.detach().double().cpu()
+                                       for v in (lt.rotation, lt.scale, lt.angle, lt.pair_scale))))
+        del cap
+    return TransformSet(layers), report
+
+
+def report_metrics(report: list[dict]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for row in report:
+        out[f"calib/layer{row['layer']}/{row['path']}/error"] = row["error"]
+        out[f"calib/layer{row['layer']}/{row['path']}/error_none"] = row["error_none"]
+    for path in ("content", "rope"):
+        rows = [r for r in report if r["path"] == path]
+        if rows:
+            out[f"calib/{path}/error"] = sum(r["error"] for r in rows) / len(rows)
+            out[f"calib/{path}/error_none"] = sum(r["error_none"] for r in rows) / len(rows)
+    rope = [r for r in report if r["path"] == "rope"]
+    if rope:
+        out["calib/rope/output_error"] = sum(r["output_error"] for r in rope) / len(rope)
+        out["calib/rope/output_bound"] = sum(r["output_bound"] for r in rope) / len(rope)
+    return out
+
+
+def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None, report: bool = False
+                          ) -> tuple[TransformSet | None, dict, list[dict]]:
+    """The configured transforms for `model` (unabsorbed or absorbed, unquantized): loaded from the store when the
+    same configuration was fitted before, else computed (and stored). report=True: compute the per-layer objective
+    report even for data-free kinds. -> (set or None for `none`, metrics, report rows)."""
+    tcfg = cfg.get("transform")
+    k = kinds(tcfg)
+    name = _plain(tcfg).get("name", "none")
+    if k == {"content": "none", "rope": "none"} and not report:
+        return None, {"transform": name}, []
+    modules = attention_modules(model)
+    d_c, d_r = modules[0].kv_lora_rank, modules[0].qk_rope_head_dim
+    groups = _plain(cfg.model.get("quant_group_size")) or None
+    fmt = fit_format(tcfg, run_format, d_c, d_r, groups)
+    calib = cfg.get("calib")
+    use_data = needs_data(tcfg) or report
+    source = resolve_source(calib, cfg.model.get("_target_")) if use_data else None
+    if use_data:
+        check_calib(calib, source)
+    fit = _plain(tcfg).get("fit") or {}
+    payload = {"model": {k2: v for k2, v in _plain(cfg.model).items() if k2 not in ("device", "tokenizer")},
+               "weights": weights_sha256(model), "transform": {k2: v for k2, v in _plain(tcfg).items() if k2 != "fit"},
+               "fit": {k2: v for k2, v in fit.items() if k2 not in ("cache_dir", "reuse")},
+               "objective": _plain(cfg.get("objective")) if fitted_paths(tcfg) else None,
+               "calib": {**_plain(calib), "source": source} if use_data else None,
+               "format": repr(fmt) if fitted_paths(tcfg) or use_data else None, "seed": int(cfg.seed),
+               "report": report}
+    config_sha = config_sha256(payload)
+    family = family_for_config(model.config).name
+    path = transform_path(fit.get("cache_dir", "outputs/calibration"), f"{family}-{name}-{config_sha[:16]}")
+    metrics = {"transform": name, "calib/format": fmt.name, "calib/file": str(path)}
+    if fit.get("reuse", True):
+        tset = load_transforms(path, len(modules), config_sha)
+        if tset is not None:
+            import json
+
+            rows = json.loads(tset.meta.get("report", "[]"))
+            print(f"[calibrate] reusing {path}")
+            return tset, {**metrics, "calib/reused": 1, "calib/seconds": float(tset.meta.get("seconds", 0.0)),
+                          **report_metrics(rows)}, rows
+    start = time.perf_counter()
+    ids = None
+    if use_data:
+        vocab = model.config.get_text_config(decoder=True).vocab_size
+        ids = calibration_ids(calib, source, tokenizer, vocab)
+    tset, rows = fit_all(model, ids, tcfg, cfg.get("objective"), fmt, int(cfg.seed),
+                         int((calib or {}).get("batch_size", 8)) if calib is not None else 8)
+    seconds = time.perf_counter() - start
+    import json
+    import transformers
+
+    provenance = {"config_sha256": config_sha, "seed": int(cfg.seed), "transform": name,
+                  "data_sha256": ids_sha256(ids) if ids is not None else "none", "data_source": source or "none",
+                  "format": fmt.name, "seconds": f"{seconds:.3f}", "report": json.dumps(rows),
+                  "torch": torch.__version__, "transformers": transformers.__version__}
+    save_transforms(Path(path), tset, provenance)
+    tset.meta.update({k2: str(v) for k2, v in provenance.items()})
+    print(f"[calibrate] {name}: {len(modules)} layers in {seconds:.1f} s -> {path}")
+    return tset, {**metrics, "calib/reused": 0, "calib/seconds": seconds, **report_metrics(rows)}, rows

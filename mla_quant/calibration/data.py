@@ -1,0 +1,113 @@
+"""Calibration token batches (N, T), by source (conf/calib/*.yaml):
+
+    toy     documents of the toy's training mix (train split of the hashed task split; the evaluation suites draw only
+            from the test split, so the two never share a needle key, a problem or a function)
+    text    a Hugging Face text dataset through `datasets` (WikiText-2, C4), its `train` split, concatenated and cut
+            into rows of seq_len tokens
+    random  uniform random token ids (tiny random models, which have no tokenizer and no data)
+    auto    toy for the shipped toy model, text (WikiText-2) for checkpoints, random for tiny random models
+
+Every source is deterministic in `calib.seed`; the batch's SHA-256 goes into the fitted transforms' provenance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import torch
+
+SOURCES = ("auto", "toy", "text", "random")
+EVAL_SPLITS = ("test", "validation")  # splits the evaluation reads; calibration must not
+AUTO_SOURCE = {"mla_quant.toy.model.load_toy_model": "toy", "mla_quant.models.build.pretrained_model": "text",
+               "mla_quant.models.build.tiny_model": "random"}
+
+
+def resolve_source(calib_cfg, model_target: str | None) -> str:
+    source = calib_cfg.get("source", "auto")
+    if source not in SOURCES:
+        raise ValueError(f"calib.source={source!r}; allowed: {list(SOURCES)}")
+    if source == "auto":
+        if model_target not in AUTO_SOURCE:
+            raise ValueError(f"calib.source=auto has no default for model._target_={model_target!r}; set calib.source "
+                             f"to one of {list(SOURCES[1:])}")
+        source = AUTO_SOURCE[model_target]
+    return source
+
+
+def check_calib(calib_cfg, source: str, min_seq_len: int = 16) -> None:
+    """Bad calibration settings, before any model work: sizes, and any overlap with the evaluation split."""
+    n, t = int(calib_cfg.samples), int(calib_cfg.seq_len)
+    if n < 1:
+        raise ValueError(f"calib.samples={n}: need at least one calibration sequence")
+    if t < min_seq_len:
+        raise ValueError(f"calib.seq_len={t} is too short; need at least {min_seq_len} tokens per sequence")
+    split = calib_cfg.get("split", "train")
+    if split in EVAL_SPLITS:
+        raise ValueError(f"calib.split={split!r} is the evaluation split: calibrating on it would tune the transforms "
+                         f"on the held-out data they are judged on; use split=train")
+    if source == "text" and not calib_cfg.get("dataset"):
+        raise ValueError("calib.source=text needs calib.dataset (e.g. wikitext with calib.subset=wikitext-2-raw-v1)")
+
+
+def toy_ids(tokenizer, n: int, t: int, seed: int, split: str = "train") -> torch.Tensor:
+    """n rows of t tokens packed with documents of the toy's training mix (the last document of a row is cut)."""
+    from mla_quant.toy.train import TrainOptions, encode_doc, sample_doc
+
+    opts = TrainOptions()
+    rows = []
+    for row in range(n):
+        rng = random.Random(f"toy-calib:{seed}:{row}")
+        ids: list[int] = []
+        while len(ids) < t:
+            d_ids, _ = encode_doc(tokenizer, *sample_doc(rng, tokenizer, opts, max(t - len(ids), 64), split=split))
+            ids += d_ids
+        rows.append(ids[:t])
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def text_ids(calib_cfg, tokenizer, n: int, t: int) -> torch.Tensor:
+    if tokenizer is None:
+        raise ValueError("calib.source=text needs a model with a tokenizer")
+    try:
+        from datasets import load_dataset
+
+        kwargs = {"data_files": calib_cfg.data_files} if calib_cfg.get("data_files") else {}
+        subset = None if kwargs else calib_cfg.get("subset")
+        data = load_dataset(calib_cfg.dataset, subset, split=calib_cfg.get("split", "train"), **kwargs)
+    except Exception as err:  # offline, unknown dataset, missing package: one clear message
+        raise OSError(f"cannot load the calibration dataset {calib_cfg.dataset!r} (subset {calib_cfg.get('subset')!r}, "
+                      f"split {calib_cfg.get('split', 'train')!r}): {type(err).__name__}: {err}. Calibration of a "
+                      f"checkpoint needs this text on the machine (the Hugging Face datasets cache, or network).") from err
+    texts = [x for x in data[calib_cfg.get("text_field", "text")] if x and x.strip()]
+    rng = random.Random(int(calib_cfg.seed))
+    rng.shuffle(texts)
+    ids = tokenizer("\n\n".join(texts[: 40 * n]), return_tensors="pt").input_ids[0]
+    if ids.numel() < n * t:
+        raise ValueError(f"calibration dataset {calib_cfg.dataset!r} gave {ids.numel()} tokens; calib.samples x "
+                         f"calib.seq_len needs {n * t}")
+    return ids[: n * t].view(n, t)
+
+
+def calibration_ids(calib_cfg, source: str, tokenizer=None, vocab_size: int | None = None) -> torch.Tensor:
+    """The calibration batch (calib.samples, calib.seq_len) of `source` (resolved, see `resolve_source`)."""
+    check_calib(calib_cfg, source)
+    n, t, seed = int(calib_cfg.samples), int(calib_cfg.seq_len), int(calib_cfg.seed)
+    if source == "toy":
+        if tokenizer is None:
+            raise ValueError("calib.source=toy needs the toy model's tokenizer (model=toy_mla)")
+        ids = toy_ids(tokenizer, n, t, seed, calib_cfg.get("split", "train"))
+    elif source == "text":
+        ids = text_ids(calib_cfg, tokenizer, n, t)
+    elif source == "random":
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, int(vocab_size), (n, t), generator=g)
+    else:
+        raise ValueError(f"calib.source={source!r}; allowed: {list(SOURCES)}")
+    if ids.numel() == 0 or ids.shape[1] < t:
+        raise ValueError(f"calibration data has shape {tuple(ids.shape)}; need ({n}, {t})")
+    return ids
+
+
+def ids_sha256(ids: torch.Tensor) -> str:
+    return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()

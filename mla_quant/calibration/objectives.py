@@ -1,0 +1,171 @@
+"""Calibration objectives per path (docs/method.md section 4), all relative errors on captured activations.
+
+Content, transform (R, s): the cache holds c' = sigma diag(1/s) R x_hat and is read back into the original basis as
+c_hat = gamma * R^T (s * Q(c')); RoPE key, pair parameters (phi, t): k' = T k, k_hat = T^{-1} Q(k'). Q is the cache
+format's quantizer (straight-through in the backward pass, `ste_quantizer`).
+
+    attention_output  sum ||W_UV (o(c_hat) - o(c))||^2 / sum ||W_UV o(c)||^2   per head, every causal query
+    positional_qk     sum_{t>=s, h} (q^R_{h,t} . (k_hat_s - k_s))^2 / sum (q^R . k)^2
+    cache_mse         ||c_hat - c||^2 / ||c||^2  (content)  or  ||k_hat - k||^2 / ||k||^2  (RoPE)  (ablation)
+
+The positional-score error bounds the attention-output error: for one query, the scores move by d = tau q^R . dk,
+and ||o(s + d) - o(s)|| <= max_s |d_s| * diam{v_s} (the softmax average moves by at most the spread of the values
+times the largest score change). `rope_output_bound` reports the measured output error beside that bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mla_quant.calibration.capture import LayerCapture
+from mla_quant.kernels.attention import causal_mask, latent_attention
+from mla_quant.quant.formats import PathFormat, fake_quantizer
+from mla_quant.quant.quantizers import fake_quantize
+
+CONTENT_OBJECTIVES = ("attention_output", "cache_mse")  # the first is each path's default
+ROPE_OBJECTIVES = ("positional_qk", "cache_mse")
+
+
+def _ste_round(x: torch.Tensor) -> torch.Tensor:
+    return x + (torch.round(x) - x).detach()
+
+
+def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> the cache's fake-quantized x in the forward pass (exactly `fake_quantizer`), with gradients through a
+    float copy of the integer grid (rounding straight-through, group ranges differentiable) or, for fp8 and bf16,
+    straight through."""
+    if fmt.format != "int" or fmt.granularity != "group":
+        exact = fake_quantizer(fmt, d)
+        return lambda x: x + (exact(x.detach()) - x).detach()
+    bits, group = int(fmt.bits), fmt.group_size or d
+    fake_quantizer(fmt, d)  # validates the format against d
+
+    def exact(x: torch.Tensor) -> torch.Tensor:  # the cache's codes and stored scales, without bit packing
+        return fake_quantize(x, bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype)
+
+    def approx(x: torch.Tensor) -> torch.Tensor:
+        xg = x.reshape(*x.shape[:-1], d // group, group)
+        if fmt.symmetric:
+            half = 2 ** (bits - 1)
+            s = (xg.abs().amax(-1, keepdim=True) / (half - 1)).clamp_min(1e-12)
+            out = _ste_round(xg / s).clamp(-half, half - 1) * s
+        else:
+            lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+            s = ((hi - lo) / (2**bits - 1)).clamp_min(1e-12)
+            out = _ste_round((xg - lo) / s).clamp(0, 2**bits - 1) * s + lo
+        return out.reshape(x.shape)
+
+    def quantize(x: torch.Tensor) -> torch.Tensor:
+        a = approx(x)
+        return a + (exact(x.detach()) - a).detach()
+
+    return quantize
+
+
+def pair_index(layout: str, d_r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coordinates (a_i), (b_i) of RoPE pair i in `layout`."""
+    from mla_quant.models.families import rope_pair
+
+    idx = torch.tensor([rope_pair(layout, d_r, i) for i in range(d_r // 2)])
+    return idx[:, 0], idx[:, 1]
+
+
+def apply_pairs(k: torch.Tensor, angle: torch.Tensor, scale: torch.Tensor, layout: str) -> torch.Tensor:
+    """k (..., d_r) -> T k with T = blockdiag(scale_i Rot(angle_i)) on the pairs of `layout` (differentiable)."""
+    a, b = pair_index(layout, k.shape[-1])
+    ka, kb = k[..., a], k[..., b]
+    c, s = scale * torch.cos(angle), scale * torch.sin(angle)
+    out = torch.empty_like(k)
+    out[..., a] = c * ka - s * kb
+    out[..., b] = s * ka + c * kb
+    return out
+
+
+def content_roundtrip(cap: LayerCapture, rotation: torch.Tensor, scale: torch.Tensor, quantize) -> torch.Tensor:
+    """c_hat in the original basis after storing c' = sigma diag(1/s) R x_hat through `quantize`."""
+    cached = cap.latent_scale * (cap.x_hat @ rotation.T) / scale
+    return (quantize(cached) * scale) @ rotation * cap.gamma
+
+
+def rope_roundtrip(cap: LayerCapture, angle: torch.Tensor, scale: torch.Tensor, quantize) -> torch.Tensor:
+    """k_hat in the original basis after storing k' = T k through `quantize`."""
+    cached = apply_pairs(cap.k_rope, angle, scale, cap.cached_layout)
+    return apply_pairs(quantize(cached), -angle, 1.0 / scale, cap.cached_layout)  # T^{-1} = Rot(-phi) / t
+
+
+def _head_out(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("nhtc,hvc->nhtv", o_latent, w_uv)
+
+
+def reference_output(cap: LayerCapture) -> torch.Tensor:
+    """The unquantized attention output per head (N, H, T, d_v); stored on the capture after the first call."""
+    if cap.ref_out is None:
+        with torch.no_grad():
+            cap.ref_out = _head_out(latent_attention(cap.q_latent, cap.q_rope, cap.content, cap.k_rope, cap.scale),
+                                    cap.w_uv)
+    return cap.ref_out
+
+
+def attention_output_error(cap: LayerCapture, c_hat: torch.Tensor, k_hat: torch.Tensor | None = None) -> torch.Tensor:
+    k = cap.k_rope
+    ref = reference_output(cap)
+    out = _head_out(latent_attention(cap.q_latent, cap.q_rope, c_hat, k if k_hat is None else k_hat, cap.scale),
+                    cap.w_uv)
+    return (out - ref).pow(2).sum() / ref.pow(2).sum()
+
+
+def positional_qk_error(cap: LayerCapture, k_hat: torch.Tensor) -> torch.Tensor:
+    t = cap.k_rope.shape[1]
+    keep = causal_mask(t, t, k_hat.device)
+    err = (cap.q_rope @ (k_hat - cap.k_rope).unsqueeze(1).transpose(-1, -2)).masked_fill(~keep, 0.0)
+    ref = (cap.q_rope @ cap.k_rope.unsqueeze(1).transpose(-1, -2)).masked_fill(~keep, 0.0)
+    return err.pow(2).sum() / ref.pow(2).sum()
+
+
+def relative_mse(x_hat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (x_hat - x).pow(2).sum() / x.pow(2).sum()
+
+
+ERRORS = {
+    "content": {"attention_output": attention_output_error,
+                "cache_mse": lambda cap, c_hat: relative_mse(c_hat, cap.content)},
+    "rope": {"positional_qk": positional_qk_error,
+             "cache_mse": lambda cap, k_hat: relative_mse(k_hat, cap.k_rope)},
+}
+
+
+def _error(path: str, kind: str):
+    if kind not in ERRORS[path]:
+        raise ValueError(f"objective.{path}.kind={kind!r}; allowed: {list(ERRORS[path])}")
+    return ERRORS[path][kind]
+
+
+def content_objective(kind: str, cap: LayerCapture, rotation, scale, quantize) -> torch.Tensor:
+    """The content objective `kind` of the transform (rotation, scale) on a capture."""
+    return _error("content", kind)(cap, content_roundtrip(cap, rotation, scale, quantize))
+
+
+def rope_objective(kind: str, cap: LayerCapture, angle, scale, quantize) -> torch.Tensor:
+    """The RoPE-key objective `kind` of the pair transform (angle, scale) on a capture."""
+    return _error("rope", kind)(cap, rope_roundtrip(cap, angle, scale, quantize))
+
+
+@torch.no_grad()
+def rope_output_bound(cap: LayerCapture, angle, scale, quantize) -> dict[str, float]:
+    """Mean over (sequence, head, query) of the measured attention-output change ||W_UV (o(k_hat) - o(k))|| caused by
+    the RoPE key's quantization alone, and of its bound tau max_s |q^R . dk_s| * diam{W_UV c_s : s <= t}."""
+    k_hat = rope_roundtrip(cap, angle, scale, quantize)
+    c = cap.content
+    ref = _head_out(latent_attention(cap.q_latent, cap.q_rope, c, cap.k_rope, cap.scale), cap.w_uv)
+    out = _head_out(latent_attention(cap.q_latent, cap.q_rope, c, k_hat, cap.scale), cap.w_uv)
+    measured = (out - ref).norm(dim=-1)  # (N, H, T)
+    t = c.shape[1]
+    keep = causal_mask(t, t, c.device)
+    d_scores = (cap.scale * (cap.q_rope @ (k_hat - cap.k_rope).unsqueeze(1).transpose(-1, -2))).abs()
+    d_max = d_scores.masked_fill(~keep, 0.0).amax(-1)  # (N, H, T)
+    v_norm = torch.einsum("ntc,hvc->nhtv", c, cap.w_uv).norm(dim=-1)  # (N, H, S)
+    radius = torch.cummax(v_norm, dim=-1).values  # max over s <= t
+    bound = d_max * 2 * radius  # diam <= 2 max ||v_s||
+    return {"measured": float(measured.mean()), "bound": float(bound.mean())}

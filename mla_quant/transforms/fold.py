@@ -1,0 +1,172 @@
+"""Fold per-path transforms into one MLA block's weights (docs/method.md section 4), exact up to float rounding.
+
+Content, rotation R and channel scale s (gamma = the latent norm's weight, sigma = a family's fixed latent scale):
+    kv_a latent rows  <- R W_x                  (RMSNorm's rms is rotation invariant)
+    latent norm gamma <- 1 / s                  so the cached latent is c' = sigma diag(1/s) R x / rms(x)
+    kv_b (W_UK, W_UV) <- W diag(gamma) R^T diag(s)     so that W' c' = W c for both halves
+RoPE key, per frequency pair i a block T_i = t_i Rot(phi_i) (it commutes with the RoPE rotation of that pair):
+    kv_a RoPE rows    <- T W_r                  so the cached key is k' = T k = RoPE(T r, pos)
+    each head's query RoPE rows <- T^{-T} W_q   with T^{-T} = blockdiag(Rot(phi_i) / t_i), so q' . k' = q . k
+Pairs are taken in the family's pre-RoPE layout (`MLAWeights.rope_layout`). All arithmetic in float64, then cast
+back to each weight's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from mla_quant.models.families import MLAWeights, family_for_config, rope_pair
+
+
+@dataclass
+class LayerTransform:
+    """One MLA block's transforms; None = identity for that factor."""
+
+    rotation: torch.Tensor | None = None  # (d_c, d_c) orthogonal
+    scale: torch.Tensor | None = None  # (d_c,) > 0
+    angle: torch.Tensor | None = None  # (d_r/2,) radians, per RoPE frequency pair
+    pair_scale: torch.Tensor | None = None  # (d_r/2,) > 0, per RoPE frequency pair
+
+    FIELDS = ("rotation", "scale", "angle", "pair_scale")
+
+    @property
+    def identity(self) -> bool:
+        return all(getattr(self, f) is None for f in self.FIELDS)
+
+    def content_maps(self, d_c: int, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+        """(R, s) with identity defaults."""
+        r = torch.eye(d_c, dtype=dtype) if self.rotation is None else self.rotation.to(dtype)
+        s = torch.ones(d_c, dtype=dtype) if self.scale is None else self.scale.to(dtype)
+        return r, s
+
+    def rope_params(self, d_r: int, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+        """(phi, t) with identity defaults."""
+        phi = torch.zeros(d_r // 2, dtype=dtype) if self.angle is None else self.angle.to(dtype)
+        t = torch.ones(d_r // 2, dtype=dtype) if self.pair_scale is None else self.pair_scale.to(dtype)
+        return phi, t
+
+
+@dataclass
+class TransformSet:
+    """Transforms of every MLA block of a model, in cache-layer order, plus how they were made (`meta`)."""
+
+    layers: list[LayerTransform]
+    meta: dict[str, str] = field(default_factory=dict)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Flat {"layers.<i>.<field>": tensor} (float32, contiguous) for safetensors."""
+        out = {}
+        for i, lt in enumerate(self.layers):
+            for f in LayerTransform.FIELDS:
+                value = getattr(lt, f)
+                if value is not None:
+                    out[f"layers.{i}.{f}"] = value.detach().to(torch.float64).contiguous()
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], num_layers: int, meta: dict | None = None):
+        layers = [LayerTransform() for _ in range(num_layers)]
+        for key, value in tensors.items():
+            _, idx, name = key.split(".", 2)
+            if name not in LayerTransform.FIELDS or not 0 <= int(idx) < num_layers:
+                raise ValueError(f"unexpected transform tensor {key!r} for {num_layers} layers")
+            setattr(layers[int(idx)], name, value)
+        return cls(layers, dict(meta or {}))
+
+
+def pair_matrix(angle: torch.Tensor, scale: torch.Tensor, layout: str, d_r: int) -> torch.Tensor:
+    """(d_r, d_r) block-diagonal matrix with block scale_i * Rot(angle_i) on RoPE pair i (in `layout`)."""
+    n = d_r // 2
+    if angle.shape != (n,) or scale.shape != (n,):
+        raise ValueError(f"RoPE transform: angle {tuple(angle.shape)} and scale {tuple(scale.shape)} must both be "
+                         f"({n},) for d_r={d_r}")
+    m = torch.zeros(d_r, d_r, dtype=angle.dtype, device=angle.device)
+    c, s = scale * torch.cos(angle), scale * torch.sin(angle)
+    idx = torch.tensor([rope_pair(layout, d_r, i) for i in range(n)], device=angle.device)
+    a, b = idx[:, 0], idx[:, 1]
+    m[a, a], m[a, b], m[b, a], m[b, b] = c, -s, s, c
+    return m
+
+
+def _update(param: torch.Tensor, value: torch.Tensor) -> None:
+    param.data.copy_(value.to(dtype=param.dtype, device=param.device))
+
+
+def check_layer_transform(w: MLAWeights, lt: LayerTransform, where: str) -> None:
+    """Shapes and values a transform needs to fit this block; ValueError naming the layer and the value."""
+    d_c, n = w.d_c, w.d_r // 2
+    if lt.rotation is not None and tuple(lt.rotation.shape) != (d_c, d_c):
+        raise ValueError(f"{where}: content rotation is {tuple(lt.rotation.shape)} but d_c={d_c}; it must be "
+                         f"({d_c}, {d_c})")
+    if lt.scale is not None and (tuple(lt.scale.shape) != (d_c,) or not bool((lt.scale > 0).all())):
+        raise ValueError(f"{where}: content scale must be ({d_c},) and positive, got shape {tuple(lt.scale.shape)}, "
+                         f"min {float(lt.scale.min()):.3g}")
+    if (lt.angle is not None or lt.pair_scale is not None) and w.d_r % 2:
+        raise ValueError(f"{where}: a RoPE pair transform needs an even RoPE dimension, got d_r={w.d_r}")
+    for name in ("angle", "pair_scale"):
+        value = getattr(lt, name)
+        if value is not None and tuple(value.shape) != (n,):
+            raise ValueError(f"{where}: RoPE {name} is {tuple(value.shape)} but d_r={w.d_r} has {n} pairs")
+    if lt.pair_scale is not None and not bool((lt.pair_scale > 0).all()):
+        raise ValueError(f"{where}: RoPE pair scales must be positive, min {float(lt.pair_scale.min()):.3g}")
+    for name in LayerTransform.FIELDS:
+        value = getattr(lt, name)
+        if value is not None and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{where}: transform {name} holds NaN or inf")
+
+
+@torch.no_grad()
+def fold_content(w: MLAWeights, rotation: torch.Tensor, scale: torch.Tensor) -> None:
+    """Fold R and s into the latent rows of kv_a, the latent norm and kv_b (in place)."""
+    d_c = w.d_c
+    r, s = rotation.double().cpu(), scale.double().cpu()
+    gamma = w.kv_norm.detach().double().cpu()
+    _update(w.kv_a.weight[:d_c], r @ w.latent_rows().detach().double().cpu())
+    if w.kv_a.bias is not None:
+        _update(w.kv_a.bias[:d_c], r @ w.kv_a.bias[:d_c].detach().double().cpu())
+    _update(w.kv_norm, 1.0 / s)
+    m = gamma[:, None] * r.T * s[None, :]  # diag(gamma) R^T diag(s)
+    _update(w.kv_b.weight, w.kv_b.weight.detach().double().cpu() @ m)
+
+
+@torch.no_grad()
+def fold_rope(w: MLAWeights, angle: torch.Tensor, scale: torch.Tensor) -> None:
+    """Fold the pairwise T into the RoPE rows of kv_a and T^{-T} into every head's query RoPE rows (in place)."""
+    d_r, d_c = w.d_r, w.d_c
+    angle, scale = angle.double().cpu(), scale.double().cpu()
+    t = pair_matrix(angle, scale, w.rope_layout, d_r)
+    t_inv_t = pair_matrix(angle, 1.0 / scale, w.rope_layout, d_r)
+    _update(w.kv_a.weight[d_c:], t @ w.rope_rows().detach().double().cpu())
+    if w.kv_a.bias is not None:
+        _update(w.kv_a.bias[d_c:], t @ w.kv_a.bias[d_c:].detach().double().cpu())
+    q = w.q_out.weight.view(w.num_heads, w.d_nope + d_r, -1)
+    _update(q[:, w.d_nope :], t_inv_t @ w.q_rope_rows().detach().double().cpu())
+    if w.q_out.bias is not None:
+        qb = w.q_out.bias.view(w.num_heads, w.d_nope + d_r)
+        _update(qb[:, w.d_nope :], qb[:, w.d_nope :].detach().double().cpu() @ t_inv_t.T)
+
+
+def fold_layer(w: MLAWeights, lt: LayerTransform, where: str = "layer") -> None:
+    check_layer_transform(w, lt, where)
+    if lt.rotation is not None or lt.scale is not None:
+        fold_content(w, *lt.content_maps(w.d_c))
+    if lt.angle is not None or lt.pair_scale is not None:
+        fold_rope(w, *lt.rope_params(w.d_r))
+
+
+def apply_transforms(model: nn.Module, tset: TransformSet) -> nn.Module:
+    """Fold `tset` into every MLA block of `model` (in place; every layer is checked before any weight changes)."""
+    family = family_for_config(model.config)
+    modules = family.attention_modules(model)
+    if len(tset.layers) != len(modules):
+        raise ValueError(f"the transform set has {len(tset.layers)} layers but the model has {len(modules)} MLA "
+                         f"blocks")
+    weights = [family.mla_weights(attn) for attn in modules]
+    for i, (w, lt) in enumerate(zip(weights, tset.layers)):
+        check_layer_transform(w, lt, f"layer {i}")
+    for i, (w, lt) in enumerate(zip(weights, tset.layers)):
+        fold_layer(w, lt, f"layer {i}")
+    return model
