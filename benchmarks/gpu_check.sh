@@ -30,15 +30,21 @@ torch.version.cuda, '| triton', triton.__version__, '| transformers', transforme
 hydra.__version__, '| omegaconf', omegaconf.__version__); print(torch.cuda.get_device_name(0),
 torch.cuda.get_device_properties(0).multi_processor_count, 'SMs') if torch.cuda.is_available() else 0"
 
+  step "smoke: one call per format on $DEVICE against the reference (stops here on failure)"
+  timeout 120 python3 benchmarks/smoke.py || exit 1
+
   step "bench_kernel"
   timeout "$T_KERNEL" python3 run.py experiment=bench_kernel logger=none device=$DEVICE \
     hydra.run.dir="$RUNS/bench_kernel" ${BENCH_KERNEL_ARGS:-}
   echo "bench_kernel rc=$?"
   for f in csv md png; do cp "$RUNS/bench_kernel/bench_kernel.$f" "$OUT/" 2>/dev/null; done
 
-  step "kernel tests on CUDA"
-  timeout "$T_TESTS" python3 -m pytest -q -rfEs -p no:cacheprovider --durations=5 tests/test_kernel.py \
-    tests/test_kernel_launch.py 2>&1 | tee "$OUT/kernel_tests.txt"
+  step "kernel tests on $DEVICE: the gpu-marked ones first, then the rest (each compiles its own kernels)"
+  timeout 60 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_kernel.py tests/test_kernel_launch.py \
+    2>&1 | tee "$OUT/kernel_tests.txt"
+  echo "gpu-marked kernel tests rc=$?"
+  timeout "$T_TESTS" python3 -m pytest -q -rfEs -p no:cacheprovider --durations=5 -m "not gpu" tests/test_kernel.py \
+    tests/test_kernel_launch.py 2>&1 | tee -a "$OUT/kernel_tests.txt"
   echo "kernel tests rc=$?"
 
   for ctx in $DECODE_CONTEXTS; do

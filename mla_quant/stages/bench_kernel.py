@@ -12,8 +12,8 @@ the replay, the median of task.iters (on the CPU interpreter: wall time, meaning
 microseconds, the bytes one call reads measured from the stored tensors (`bytes_read`: every valid token's codes,
 scales, zeros or values, the block table, the queries), the bandwidth that implies and its share of
 task.peak_bandwidth, the speed-up vs our BF16 kernel on the same case, and vs the PyTorch path (dequantize all,
-then attend; task.torch_reference). With task.tune, launch configurations are tried per head count on the first
-throughput case of task.tune_format and the fastest is used throughout. bench_kernel.csv / .md / .png in the run dir.
+then attend; task.torch_reference). With task.tune, launch configurations are tried per head count and format on
+the first case, and the fastest is used throughout. bench_kernel.csv / .md / .png in the run dir.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     time_it = timer(device, task.iters, task.warmup)
     time_torch = timer(device, max(1, task.iters // 4), 1)
     fixed = {k: v for k, v in OmegaConf.to_container(task.launch or {}).items() if v is not None}
-    tuned: dict[int, dict] = {}
+    tuned: dict[tuple[int, str], dict] = {}
     scale = (task.d_c + task.d_r) ** -0.5
     rows = []
     cases = _cases(task)
@@ -128,10 +128,10 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
             q = torch.randn(batch, heads, task.d_c, generator=g, device=device, dtype=dtype)
             qr = torch.randn(batch, heads, task.d_r, generator=g, device=device, dtype=dtype)
             segs = {option: kernel_segments(layer) for option, layer in layers.items()}
-            if heads not in tuned:
-                tuned[heads] = _tune(task, fixed, heads, q, qr, scale, segs, time_it)
-            launch = tuned[heads]
             for option, segments in segs.items():
+                if (heads, option) not in tuned:
+                    tuned[heads, option] = _tune(task, fixed, option, q, qr, scale, segments, time_it)
+                launch = tuned[heads, option]
                 kernel_s = time_it(lambda: latent_decode(q, qr, scale, segments, **launch))
                 out = latent_decode(q, qr, scale, segments, **launch)
                 row = dict(mode=mode, heads=heads, batch=batch, context=ctx, format=option, kernel_us=kernel_s * 1e6,
@@ -152,17 +152,16 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     return _report(df, task, device, run_dir)
 
 
-def _tune(task, fixed: dict, heads: int, q, qr, scale, segs: dict, time_it) -> dict:
+def _tune(task, fixed: dict, option: str, q, qr, scale, segments, time_it) -> dict:
     """The fastest of task.tune's launch configurations (each completed by task.launch) on this case."""
     candidates = [{**fixed, **{k: v for k, v in dict(c).items() if v is not None}} for c in (task.tune or [])]
-    if len(candidates) < 2 or task.tune_format not in segs:
+    if len(candidates) < 2:
         return fixed
-    segments = segs[task.tune_format]
     times = []
     for launch in candidates:
         times.append(time_it(lambda: latent_decode(q, qr, scale, segments, **launch)))
-        print(f"tune heads={heads} {task.tune_format} batch={q.shape[0]}: {launch_config(heads, task.d_c, **launch)} "
-              f"{times[-1] * 1e6:.1f} us")
+        print(f"tune {option}, {q.shape[1]} heads, batch {q.shape[0]}: "
+              f"{launch_config(q.shape[1], task.d_c, **launch)} {times[-1] * 1e6:.1f} us")
     return candidates[min(range(len(times)), key=times.__getitem__)]
 
 
