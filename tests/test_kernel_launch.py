@@ -89,3 +89,15 @@ def test_bf16_products_on_gpu(heads):
         out = latent_decode(q_latent, q_rope, 576 ** -0.5, segments, dot=dot)
         err = (out - ref).abs().max().item() / ref.abs().max().item()
         assert err < tol, (dot, err)
+
+
+def test_bf16_products_rounding():
+    """dot='bf16' rounds the operands to bfloat16 and accumulates in float32 (on the CPU interpreter emulated with
+    float32 products of the rounded operands): within bfloat16 rounding of the exact result, and not equal to it."""
+    layer = filled_layer({"content": {"group_size": 32}}, d_c=64, d_r=16, batch=2, tokens=150, pads=(0, 20))
+    segments = kernel_segments(layer)
+    q_latent, q_rope = torch.randn(2, 16, 64, device=DEVICE), torch.randn(2, 16, 16, device=DEVICE)
+    ref = latent_decode_reference(q_latent, q_rope, 0.2, segments)
+    out = latent_decode(q_latent, q_rope, 0.2, segments, dot="bf16")
+    err = (out - ref).abs().max().item() / ref.abs().max().item()
+    assert 1e-6 < err < 2e-2

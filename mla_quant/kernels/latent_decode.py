@@ -258,10 +258,13 @@ def _dequant_tile(base, sc_base, z_base, row, ok_t, d_offs, d_ok, D: tl.constexp
 
 
 @triton.jit
-def _dot(a, b, BF16: tl.constexpr):
-    """a @ b in float32: bfloat16 operands on tensor cores (BF16) or exact float32 products."""
-    if BF16:
+def _dot(a, b, MODE: tl.constexpr):
+    """a @ b in float32: exact float32 products (MODE=0), bfloat16 operands on tensor cores (1), or bfloat16-rounded
+    operands multiplied in float32 (2: the same numbers, for Triton's CPU interpreter, whose bfloat16 dot is wrong)."""
+    if MODE == 1:
         out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif MODE == 2:
+        out = tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
     else:
         out = tl.dot(a, b, input_precision="ieee")
     return out
@@ -271,7 +274,7 @@ def _dot(a, b, BF16: tl.constexpr):
 def _split_partial(q, qr, b, h, h_ok, dc, dc_ok, dr, dr_ok, out_slot, local_split, scale,
                    O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
                    C, C_SC, C_Z, R, R_SC, R_Z, TABLE, TABLE_W, LENS, BS, TPS,
-                   DC: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr,
+                   DC: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
                    C_BITS: tl.constexpr, C_GROUP: tl.constexpr, C_SYM: tl.constexpr, C_POW2: tl.constexpr,
                    R_BITS: tl.constexpr, R_GROUP: tl.constexpr, R_SYM: tl.constexpr, R_POW2: tl.constexpr):
     """Attend the heads `h` of sequence b over one split of one segment; store its partial output and LSE."""
@@ -288,14 +291,14 @@ def _split_partial(q, qr, b, h, h_ok, dc, dc_ok, dr, dr_ok, out_slot, local_spli
         row = blk * BS + (tok % BS)
         c = _dequant_tile(C, C_SC, C_Z, row, tok_ok, dc, dc_ok, DC, C_BITS, C_GROUP, C_SYM, C_POW2)
         r = _dequant_tile(R, R_SC, R_Z, row, tok_ok, dr, dr_ok, DR, R_BITS, R_GROUP, R_SYM, R_POW2)
-        s = (_dot(q, tl.trans(c), DOT_BF16) + _dot(qr, tl.trans(r), DOT_BF16)) * scale  # [BLOCK_H, BLOCK_N]
+        s = (_dot(q, tl.trans(c), DOT_MODE) + _dot(qr, tl.trans(r), DOT_MODE)) * scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row masked so far stays empty, not NaN
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p, c, DOT_BF16)
+        acc = acc * alpha[:, None] + _dot(p, c, DOT_MODE)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
@@ -314,7 +317,7 @@ def _stage1_kernel(
     C1, C1_SC, C1_Z, R1, R1_SC, R1_Z, T1, T1_W, L1, BS1, TPS1, NS1,
     C2, C2_SC, C2_Z, R2, R2_SC, R2_Z, T2, T2_W, L2, BS2, TPS2, NS2,
     NSEG: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DC: tl.constexpr,
-    BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr,
+    BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
     F0_CB: tl.constexpr, F0_CG: tl.constexpr, F0_CS: tl.constexpr, F0_CP: tl.constexpr,
     F0_RB: tl.constexpr, F0_RG: tl.constexpr, F0_RS: tl.constexpr, F0_RP: tl.constexpr,
     F1_CB: tl.constexpr, F1_CG: tl.constexpr, F1_CS: tl.constexpr, F1_CP: tl.constexpr,
@@ -337,19 +340,19 @@ def _stage1_kernel(
     if split < NS0:
         _split_partial(q, qr, b, h, h_ok, dc, dc_ok, dr, dr_ok, out_slot, split, scale,
                        O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                       C0, C0_SC, C0_Z, R0, R0_SC, R0_Z, T0, T0_W, L0, BS0, TPS0, DC, DR, BLOCK_N, DOT_BF16,
+                       C0, C0_SC, C0_Z, R0, R0_SC, R0_Z, T0, T0_W, L0, BS0, TPS0, DC, DR, BLOCK_N, DOT_MODE,
                        F0_CB, F0_CG, F0_CS, F0_CP, F0_RB, F0_RG, F0_RS, F0_RP)
     if NSEG > 1:
         if (split >= NS0) & (split < NS0 + NS1):
             _split_partial(q, qr, b, h, h_ok, dc, dc_ok, dr, dr_ok, out_slot, split - NS0, scale,
                            O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                           C1, C1_SC, C1_Z, R1, R1_SC, R1_Z, T1, T1_W, L1, BS1, TPS1, DC, DR, BLOCK_N, DOT_BF16,
+                           C1, C1_SC, C1_Z, R1, R1_SC, R1_Z, T1, T1_W, L1, BS1, TPS1, DC, DR, BLOCK_N, DOT_MODE,
                            F1_CB, F1_CG, F1_CS, F1_CP, F1_RB, F1_RG, F1_RS, F1_RP)
     if NSEG > 2:
         if split >= NS0 + NS1:
             _split_partial(q, qr, b, h, h_ok, dc, dc_ok, dr, dr_ok, out_slot, split - NS0 - NS1, scale,
                            O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                           C2, C2_SC, C2_Z, R2, R2_SC, R2_Z, T2, T2_W, L2, BS2, TPS2, DC, DR, BLOCK_N, DOT_BF16,
+                           C2, C2_SC, C2_Z, R2, R2_SC, R2_Z, T2, T2_W, L2, BS2, TPS2, DC, DR, BLOCK_N, DOT_MODE,
                            F2_CB, F2_CG, F2_CS, F2_CP, F2_RB, F2_RG, F2_RS, F2_RP)
 
 
@@ -449,6 +452,7 @@ def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, se
     cfg = launch_config(h, d_c, block_h, block_n, num_warps)
     head_blocks = math.ceil(h / cfg["block_h"])
     dot_bf16 = dot == "bf16" or (dot == "auto" and dev.type == "cuda" and q_latent.dtype == torch.bfloat16)
+    dot_mode = (2 if os.environ.get("TRITON_INTERPRET") == "1" else 1) if dot_bf16 else 0
     plan = split_plan(b, head_blocks, [seg.longest() for seg in segments], cfg["block_n"], _num_sms(dev),
                       split_tokens)
     n_splits = sum(n for _, n in plan)
@@ -474,7 +478,7 @@ def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, se
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
             lse_part.stride(1), base, float(scale), h, *seg_args,
             NSEG=len(group), DC=d_c, DR=d_r, BLOCK_H=cfg["block_h"], BLOCK_DC=_next_pow2(d_c),
-            BLOCK_DR=_next_pow2(d_r), BLOCK_N=cfg["block_n"], DOT_BF16=dot_bf16, num_warps=cfg["num_warps"],
+            BLOCK_DR=_next_pow2(d_r), BLOCK_N=cfg["block_n"], DOT_MODE=dot_mode, num_warps=cfg["num_warps"],
             **constexprs, **extra,
         )
         base += group_splits
