@@ -4,6 +4,7 @@ Reads every record.json under the given folders (mla_quant.record.load_records) 
   amplification.md   RoPE/content amplification per model (sensitivity runs), mean ± std over seeds, per layer
   equivalence.md     absorbed vs transformers max |logit diff| per model (equivalence runs)
   cache_bytes.md     bytes per token per layer per quant option and context (cache_bytes runs)
+  calibration.md     mean objective error per path, without (RTN) and with each transform (calibrate runs)
   accuracy.md        lm-eval score per task, per model and cache format (evaluate runs; `rope=0` rows: the
                      positional control)
 The latest successful run of each configuration wins. Nothing is typed in by hand: every number is a record's.
@@ -99,10 +100,27 @@ def accuracy_table(records: list[dict]) -> pd.DataFrame:
                     if task not in scores and metric in HEADLINE_METRICS:
                         scores[task] = value
             if scores:
-                rows.append({"model": r.get("choices", {}).get("model", "?"), "cache": quant["name"],
+                protected = quant.get("protected") or {}
+                rows.append({"model": r.get("choices", {}).get("model", "?"),
+                             "method": (r["config"].get("transform") or {}).get("name", "none"), "cache": quant["name"],
                              "content": path_format(quant["content"]), "rope": path_format(quant["rope"]),
+                             "protected": f"{protected.get('n_sink', 0)}+{protected.get('recent', 0)}",
                              "run as": label, **scores, "run": Path(r["run_dir"]).name})
-    return _newest(rows, ["model", "cache", "content", "rope", "run as"])
+    return _newest(rows, ["model", "method", "cache", "content", "rope", "protected", "run as"])
+
+
+def calibration_table(records: list[dict]) -> pd.DataFrame:
+    """Mean objective error over layers per path, without and with the transform (calibrate runs)."""
+    rows = []
+    for r in latest_ok(records, "calibrate"):
+        m = r["metrics"]
+        for path in ("content", "rope"):
+            if f"calib/{path}/error" in m:
+                rows.append({"model": r.get("choices", {}).get("model", "?"), "method": m.get("calib/transform", "?"),
+                             "format": m.get("calib/format", "?"), "path": path,
+                             "error_rtn": m[f"calib/{path}/error_none"], "error": m[f"calib/{path}/error"],
+                             "run": Path(r["run_dir"]).name})
+    return _newest(rows, ["model", "method", "format", "path"])
 
 
 def main(argv=None) -> None:
@@ -113,7 +131,8 @@ def main(argv=None) -> None:
     records = [r for root in args.roots if Path(root).exists() for r in load_records(root)]
     out = Path(args.out)
     for name, table in (("amplification", amplification_table(records)), ("equivalence", equivalence_table(records)),
-                        ("cache_bytes", bytes_table(records)), ("accuracy", accuracy_table(records))):
+                        ("cache_bytes", bytes_table(records)), ("accuracy", accuracy_table(records)),
+                        ("calibration", calibration_table(records))):
         if table.empty:
             print(f"{name}: no successful runs found under {args.roots}")
             continue

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from mla_quant.cache import layer_factory
-from mla_quant.calibration import calibrated_transforms, check_transform
+from mla_quant.calibration import calibrated_transforms, check_transform, transformed_format
 from mla_quant.calibration.data import check_calib, resolve_source
 from mla_quant.models.absorbed import absorb, latent_dims, new_cache
 from mla_quant.models.build import _plain, load_tokenizer, pretrained_config, tiny_config
@@ -90,7 +90,8 @@ def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True) -> Ca
         check_calib(cfg.calib, resolve_source(cfg.calib, cfg.model.get("_target_")))
     if not quant or cfg.get("quant") is None:
         return None
-    return cache_format(cfg.quant, dims["d_c"], dims["d_r"], context=dims["context"])
+    return transformed_format(cfg.get("transform"),
+                              cache_format(cfg.quant, dims["d_c"], dims["d_r"], context=dims["context"]))
 
 
 def build_model(model_cfg, **overrides) -> nn.Module:

@@ -2,6 +2,7 @@
 groups its experiment uses, and validates against its model; the cheap ones run."""
 
 import re
+import json
 import shlex
 import subprocess
 import sys
@@ -64,15 +65,24 @@ def test_documented_command_composes_and_validates(cmd):
             validate(cfg, model_dims(cfg.model), quant="quant" in uses)
 
 
-@pytest.mark.parametrize("cmd", ["python run.py experiment=cache_bytes", "python run.py quant=int4_joint"])
+@pytest.mark.parametrize("cmd", ["python run.py experiment=cache_bytes", "python run.py quant=int4_joint",
+                                 "python run.py quant=int2_content_int4_rope transform=quantmla"])
 def test_cheap_documented_commands_run(cmd, tmp_path):
     assert cmd in COMMANDS or any(c.startswith(cmd + " ") for c in COMMANDS), f"{cmd!r} is not documented"
     extra = ["logger=none", f"hydra.run.dir={tmp_path}"]
     if "quant=" in cmd:  # the evaluation, kept small
         extra += ["eval.limit=2", "eval.control_no_rope.enabled=false", "eval.data.niah_lengths=[256]"]
+    if "transform=quantmla" in cmd:  # calibration, kept small
+        extra += ["transform.fit.steps=3", "calib.samples=4", "calib.seq_len=64",
+                  f"transform.fit.cache_dir={tmp_path}/calibration"]
     else:
         extra += ["task.contexts=[4096]"]
     run = subprocess.run([sys.executable, "run.py", *shlex.split(cmd)[2:], *extra], cwd=REPO, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert (tmp_path / "record.json").is_file()
+    if "transform=quantmla" in cmd:  # calibrated, stored, and recorded with the evaluation
+        metrics = json.loads((tmp_path / "record.json").read_text())["metrics"]
+        assert metrics["calib/transform"] == "quantmla" and metrics["calib/format"] == "int2_content_int4_rope"
+        assert list((tmp_path / "calibration").glob("deepseek_v2-quantmla-*.safetensors"))
+        assert any(k.startswith("eval/toy_niah_single_1/") for k in metrics)

@@ -16,7 +16,7 @@ from mla_quant.transforms import (LayerTransform, TransformSet, apply_transforms
                                   sample_layer_transform)
 
 TINY = [o for o in options("model") if o.startswith("tiny_")]
-TRANSFORMS = ["quarot", "smoothquant", "quantmla"]
+TRANSFORMS = ["quarot", "smoothquant", "turboquant", "quantmla"]
 
 
 class Task(dict):
@@ -126,3 +126,29 @@ def test_random_transform_set_covers_every_layer():
     model = build_model(compose(["model=tiny_longcat_flash"]).model, absorbed=False)
     tset = random_transform_set(model, "rotation_scaling", "pairwise", 0)
     assert len(tset.layers) == len(attention_modules(model)) == model.config.num_hidden_layers
+
+
+def test_lloyd_max_codebook_matches_the_known_quantizer():
+    from mla_quant.quant.quantizers import codebook_dequantize, codebook_quantize, gaussian_codebook
+
+    torch.testing.assert_close(gaussian_codebook(2), torch.tensor([-1.5104, -0.4528, 0.4528, 1.5104],
+                                                                  dtype=torch.float64), atol=2e-4, rtol=0)
+    x = torch.randn(4000, 64, generator=torch.Generator().manual_seed(0))
+    codes, norms = codebook_quantize(x, 4, "fp32")
+    nmse = float(((codebook_dequantize(codes, norms, 4) - x) ** 2).sum() / (x**2).sum())
+    assert 0.0085 < nmse < 0.0105  # the 4-bit Lloyd-Max distortion of a unit Gaussian is 0.0095
+
+
+def test_turboquant_stores_the_content_path_as_codebook():
+    from mla_quant.prepare import model_dims, validate
+
+    cfg = compose(["model=toy_mla", "quant=int4_joint", "transform=turboquant"])
+    fmt = validate(cfg, model_dims(cfg.model))
+    assert fmt.content.format == "codebook" and fmt.content.bits == 4 and fmt.rope == validate(
+        compose(["model=toy_mla", "quant=int4_joint"]), model_dims(cfg.model)).rope
+    assert fmt.content.bytes_per_token(96) == 96 * 4 / 8 + 2  # codes + one fp16 norm per token
+    with pytest.raises(ValueError, match="quant.backend=triton cannot read format=codebook"):
+        validate(compose(["model=toy_mla", "quant=int4_joint", "quant.backend=triton", "transform=turboquant"]),
+                 model_dims(cfg.model))
+    with pytest.raises(ValueError, match="stores content as fp8"):
+        validate(compose(["model=toy_mla", "quant=fp8_ds_mla", "transform=turboquant"]), model_dims(cfg.model))

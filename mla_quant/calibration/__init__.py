@@ -29,7 +29,8 @@ from mla_quant.transforms import KINDS, LayerTransform, TransformSet, random_had
 OBJECTIVES = {"content": CONTENT_OBJECTIVES, "rope": ROPE_OBJECTIVES}
 TRANSFORM_KEYS = ("name", "content", "rope", "fit")
 FIT_KEYS = ("format", "steps", "lr", "alpha", "batch", "eval_every", "cache_dir", "reuse")
-DEFAULT_FIT_FORMAT = "int4_joint"  # fit.format=auto when the run stores no quantized cache
+DEFAULT_FIT_FORMAT = "int4_joint"
+CONTENT_CODECS = (None, "codebook")  # transform.content.codec: store the content path with TurboQuant's codebook  # fit.format=auto when the run stores no quantized cache
 
 
 def _plain(node) -> dict:
@@ -61,9 +62,12 @@ def check_transform(transform_cfg, objective_cfg=None, objective_overridden: boo
         raise ValueError(f"transform: unknown key(s) {unknown}; allowed: {list(TRANSFORM_KEYS)}")
     for path in ("content", "rope"):
         node = t.get(path) or {}
-        extra = sorted(set(node) - {"kind"})
+        allowed = ["kind", "codec"] if path == "content" else ["kind"]
+        extra = sorted(set(node) - set(allowed))
         if extra:
-            raise ValueError(f"transform.{path}: unknown key(s) {extra}; allowed: ['kind']")
+            raise ValueError(f"transform.{path}: unknown key(s) {extra}; allowed: {allowed}")
+        if node.get("codec") not in CONTENT_CODECS:
+            raise ValueError(f"transform.content.codec={node.get('codec')!r}; allowed: {list(CONTENT_CODECS)}")
         kind = node.get("kind", "none")
         if kind not in KINDS[path]:
             raise ValueError(f"transform.{path}.kind={kind!r}; allowed: {list(KINDS[path])}")
@@ -85,6 +89,28 @@ def check_transform(transform_cfg, objective_cfg=None, objective_overridden: boo
                          f"kinds: content {list(FITTED['content'])}, rope {list(FITTED['rope'])}); drop them")
 
 
+def transformed_format(transform_cfg, fmt: CacheFormat | None) -> CacheFormat | None:
+    """The cache format with the transform's content codec (transform=turboquant: the quant option's content bits
+    stored as TurboQuant's codebook with one norm per token instead of per-group scales)."""
+    codec = (_plain(transform_cfg).get("content") or {}).get("codec")
+    if codec is None or fmt is None or not fmt.content.quantized:
+        return fmt
+    import dataclasses
+
+    from mla_quant.quant.formats import PathFormat
+
+    if fmt.content.format != "int":
+        raise ValueError(f"transform.content.codec={codec} re-encodes an integer content path at its bit width; "
+                         f"quant={fmt.name} stores content as {fmt.content.format} (use an int option, e.g. "
+                         f"int4_joint)")
+    content = PathFormat(format=codec, bits=fmt.content.bits, group_size=None, scale_dtype=fmt.content.scale_dtype)
+    content.check(fmt.d_c, "quant.content")
+    if fmt.backend == "triton":
+        raise ValueError(f"transform.content.codec={codec}: quant.backend=triton cannot read format={codec}; use "
+                         f"quant.backend=torch")
+    return dataclasses.replace(fmt, name=f"{fmt.name}_{codec}", content=content)
+
+
 def fit_format(transform_cfg, run_format: CacheFormat | None, d_c: int, d_r: int, groups: dict | None) -> CacheFormat:
     """The cache format the transforms are fitted for: transform.fit.format, `auto` = the run's quantized format,
     else int4_joint."""
@@ -95,7 +121,7 @@ def fit_format(transform_cfg, run_format: CacheFormat | None, d_c: int, d_r: int
         if run_format is not None and run_format.quantized:
             return run_format
         name = DEFAULT_FIT_FORMAT
-    fmt = cache_format(load_quant_option(name, groups=groups), d_c, d_r)
+    fmt = transformed_format(transform_cfg, cache_format(load_quant_option(name, groups=groups), d_c, d_r))
     if not fmt.quantized:
         raise ValueError(f"transform.fit.format={name!r} stores both paths unquantized: nothing to fit against; "
                          f"name a quantized option (e.g. int4_joint)")
@@ -188,7 +214,7 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
     k = kinds(tcfg)
     name = _plain(tcfg).get("name", "none")
     if k == {"content": "none", "rope": "none"} and not report:
-        return None, {"transform": name}, []
+        return None, {"calib/transform": name}, []
     modules = attention_modules(model)
     d_c, d_r = modules[0].kv_lora_rank, modules[0].qk_rope_head_dim
     groups = _plain(cfg.model.get("quant_group_size")) or None
@@ -204,12 +230,14 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
                "fit": {k2: v for k2, v in fit.items() if k2 not in ("cache_dir", "reuse")},
                "objective": _plain(cfg.get("objective")) if fitted_paths(tcfg) else None,
                "calib": {**_plain(calib), "source": source} if use_data else None,
-               "format": repr(fmt) if fitted_paths(tcfg) or use_data else None, "seed": int(cfg.seed),
+               # the paths' formats only: calibration quantizes every token, whatever the protected region or backend
+               "format": [repr(fmt.content), repr(fmt.rope)] if fitted_paths(tcfg) or use_data else None,
+               "seed": int(cfg.seed),
                "report": report}
     config_sha = config_sha256(payload)
     family = family_for_config(model.config).name
     path = transform_path(fit.get("cache_dir", "outputs/calibration"), f"{family}-{name}-{config_sha[:16]}")
-    metrics = {"transform": name, "calib/format": fmt.name, "calib/file": str(path)}
+    metrics = {"calib/transform": name, "calib/format": fmt.name, "calib/file": str(path)}
     if fit.get("reuse", True):
         tset = load_transforms(path, len(modules), config_sha)
         if tset is not None:

@@ -24,6 +24,7 @@ the second term is the zero's own dtype rounding and is 0 for symmetric groups.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -256,3 +257,43 @@ def fp8_fake_quantize(x: torch.Tensor, group_size: int | None = None, per_tensor
     """FP8 quantize then dequantize, back in x.dtype."""
     codes, scales, _ = fp8_quantize(x, group_size, per_tensor, scale_dtype)
     return fp8_dequantize(codes, scales, x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- Lloyd-Max codebook
+@functools.cache
+def gaussian_codebook(bits: int, iters: int = 200) -> torch.Tensor:
+    """The 2^bits Lloyd-Max (MSE-optimal) scalar quantizer levels of a standard normal, ascending (float64).
+
+    Lloyd's iteration on a fine grid of the density: levels -> midpoints -> conditional means."""
+    check_bits(bits)
+    grid = torch.linspace(-8.0, 8.0, 160_001, dtype=torch.float64)
+    pdf = torch.exp(-0.5 * grid**2)
+    n = 2**bits
+    levels = torch.linspace(-2.5, 2.5, n, dtype=torch.float64) * (1.0 if n > 2 else 0.3)
+    for _ in range(iters):
+        edges = (levels[1:] + levels[:-1]) / 2
+        cell = torch.bucketize(grid, edges)
+        mass = torch.zeros(n, dtype=torch.float64).index_add_(0, cell, pdf)
+        moment = torch.zeros(n, dtype=torch.float64).index_add_(0, cell, pdf * grid)
+        levels = moment / mass
+    return levels
+
+
+def codebook_quantize(x: torch.Tensor, bits: int, scale_dtype: str = "fp16") -> tuple[torch.Tensor, torch.Tensor]:
+    """TurboQuant's MSE quantizer: x (..., d) -> codes (..., d) uint8 (nearest Lloyd-Max level of the coordinates
+    of sqrt(d) x / ||x||, a unit-variance Gaussian after a random rotation), norms (..., 1) in `scale_dtype`."""
+    d = x.shape[-1]
+    norm = x.float().norm(dim=-1, keepdim=True)
+    norm = torch.where(norm > 0, norm, torch.ones_like(norm))
+    stored = store_scale(norm, scale_dtype)
+    u = x.float() / load_scale(stored) * d**0.5
+    levels = gaussian_codebook(bits).to(u.device, torch.float32)
+    codes = torch.bucketize(u, (levels[1:] + levels[:-1]) / 2).to(torch.uint8)
+    return codes, stored
+
+
+def codebook_dequantize(codes: torch.Tensor, norms: torch.Tensor, bits: int,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    levels = gaussian_codebook(bits).to(codes.device, torch.float32)
+    d = codes.shape[-1]
+    return (levels[codes.long()] / d**0.5 * load_scale(norms)).to(dtype)

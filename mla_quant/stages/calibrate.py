@@ -32,7 +32,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         text = df.to_markdown(index=False, floatfmt=".4g")
     else:
         text = "(no report)"
-    head = (f"transform={metrics.get('transform')} fitted for {metrics.get('calib/format')}; "
+    head = (f"transform={metrics.get('calib/transform')} fitted for {metrics.get('calib/format')}; "
             f"{metrics.get('calib/seconds', 0.0):.1f} s ({'reused' if metrics.get('calib/reused') else 'fitted'})")
     write_text_atomic(run_dir / "calibration.md", f"{head}\n\n{text}\n")
     print(head)
