@@ -109,15 +109,16 @@ def rope_zeroed(model):
 
 def evaluate_tasks(lm, tasks: list[str], include_path: str | Path | list, *, limit=None, metadata=None,
                    include_defaults: bool = False, allow_code_execution: bool = False, gen_kwargs=None,
-                   seed: int = 0) -> dict:
-    """lm_eval.simple_evaluate over `tasks` found in `include_path` (stock tasks only with include_defaults)."""
+                   seed: int = 0, bootstrap_iters: int = 1000) -> dict:
+    """lm_eval.simple_evaluate over `tasks` found in `include_path` (stock tasks only with include_defaults).
+    Standard errors: lm-eval's closed form for mean metrics (exact match), `bootstrap_iters` resamples otherwise."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     paths = include_path if isinstance(include_path, list) else [include_path]
     tm = TaskManager(include_path=[str(p) for p in paths], include_defaults=include_defaults,
                      metadata=metadata or None)
-    return simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit, bootstrap_iters=0,
+    return simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit, bootstrap_iters=bootstrap_iters,
                            log_samples=False, confirm_run_unsafe_code=allow_code_execution,
                            gen_kwargs=gen_kwargs or None, random_seed=seed, numpy_random_seed=seed,
                            torch_random_seed=seed, fewshot_random_seed=seed, metadata=metadata or None)
