@@ -72,6 +72,12 @@ class LatentCacheLayer(CacheLayerMixin):
         self.tensor_scales: dict[str, torch.Tensor | None] = {p: None for p in PATHS}  # (B,) float32 per sequence
         # DeepSeek-V3.2's sparse-attention indexer keeps its own key cache next to the latent (B, S, d_index).
         self.indexer_keys: torch.Tensor | None = None
+        self._drop_view()
+
+    def _drop_view(self) -> None:
+        """Forget the decoded view (rebuilt on the next read): after edits that move or remove stored tokens."""
+        self._view: dict[str, torch.Tensor] | None = None  # path -> (B, capacity, d), activation dtype
+        self._view_stored: torch.Tensor | None = None  # (B,) stored tokens of each sequence already decoded there
 
     # ------------------------------------------------------------------ format
     @property
@@ -202,8 +208,57 @@ class LatentCacheLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ reading
     def read_compact(self, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Each sequence's real tokens as stored, in order, left-aligned: {path: (B, L, d)}, lengths (B,).
-        Quantized tokens are decoded to `dtype` (default: the activation dtype)."""
-        dtype = dtype or self.dtype
+        Quantized tokens are decoded to `dtype` (default: the activation dtype). In the activation dtype this is a
+        copy of the decoded view, kept up to date incrementally (`_sync_view`); another dtype decodes everything."""
+        if dtype is None or dtype == self.dtype:
+            lengths = self._sync_view()
+            longest = int(lengths.max()) if lengths.numel() else 0
+            return {p: self._view[p][:, :longest].clone() for p in PATHS}, lengths
+        return self._decode_all(dtype)
+
+    def _sync_view(self) -> torch.Tensor:
+        """Bring the decoded view up to date and return the tokens per sequence (B,). The view holds each sequence's
+        real tokens in order (sinks | stored | recent) in the activation dtype. A token is decoded once, at the first
+        read after it is stored (its position in the sequence never changes: sinks fill before anything is stored),
+        so a decode step decodes B tokens, not the whole cache; the protected tokens (at most n_sink + recent per
+        sequence) are rewritten at each read. Edits that move or remove stored tokens drop the view."""
+        n_store = self.store.lengths
+        offset = self.n_sinks if self.quantized else torch.zeros_like(n_store)
+        lengths = offset + n_store + (self.n_recent if self.quantized else 0)
+        b = lengths.shape[0]
+        if self._view is None:
+            self._view = {p: torch.zeros(b, 0, self._dim(p), dtype=self.dtype, device=self.device) for p in PATHS}
+            self._view_stored = torch.zeros_like(n_store)
+        longest = int(lengths.max()) if b else 0
+        capacity = self._view["content"].shape[1]
+        if longest > capacity:  # geometric growth: amortised O(1) copies per token
+            grown = max(longest, 2 * capacity, self.block_size)
+            for p in PATHS:
+                view = self._view[p].new_zeros(b, grown, self._dim(p))
+                view[:, :capacity] = self._view[p]
+                self._view[p] = view
+        counts = n_store - self._view_stored  # (B,) stored tokens not decoded yet
+        if int(counts.sum()) > 0:
+            rows = torch.repeat_interleave(torch.arange(b, device=self.device), counts)
+            starts = torch.cumsum(counts, 0) - counts
+            pos = self._view_stored[rows] + torch.arange(rows.numel(), device=self.device) - starts[rows]
+            gathered = self.store.gather(rows, pos, list(self.store.pool))
+            for p in PATHS:
+                parts = {k.split("/", 1)[1]: v for k, v in gathered.items() if k.startswith(p + "/")}
+                scale = None if self.tensor_scales[p] is None else self.tensor_scales[p][rows]
+                x = self.path_format(p).decode(parts, self._dim(p), self.dtype, scale)
+                self._view[p][rows, offset[rows] + pos] = x
+            self._view_stored = n_store.clone()
+        if self.quantized:
+            for p in PATHS:
+                for x, start, n in ((self.sinks[p], torch.zeros_like(offset), self.n_sinks),
+                                    (self.recent[p], offset + n_store, self.n_recent)):
+                    j = torch.arange(x.shape[1], device=self.device)[None, :]
+                    _scatter_rows(self._view[p], start[:, None] + j, j < n[:, None], x)
+        return lengths
+
+    def _decode_all(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """read_compact in any dtype: every stored token decoded to `dtype`, the pieces assembled."""
         dense, n_store = self.store.dense()
         pieces = {p: [] for p in PATHS}
         for p in PATHS:
@@ -335,6 +390,7 @@ class LatentCacheLayer(CacheLayerMixin):
             drop = drop - from_recent
         from_store = torch.minimum(drop, self.store.lengths)
         self.store.truncate(self.store.lengths - from_store)
+        self._drop_view()
         self.n_sinks = self.n_sinks - (drop - from_store)
         self.slot_valid = self.slot_valid[:, : self.length - k]
         self.length -= k
@@ -346,6 +402,7 @@ class LatentCacheLayer(CacheLayerMixin):
             return
         self.slot_valid = fn(self.slot_valid).contiguous()
         self.store = self.store.rebuilt(fn)
+        self._drop_view()
         self.n_sinks, self.n_recent = fn(self.n_sinks), fn(self.n_recent)
         self.sinks = {p: fn(v).contiguous() for p, v in self.sinks.items()}
         self.recent = {p: fn(v).contiguous() for p, v in self.recent.items()}
@@ -372,6 +429,7 @@ class LatentCacheLayer(CacheLayerMixin):
             return
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         self.store.to(device)
+        self._drop_view()
         self.slot_valid, self.n_sinks, self.n_recent = move(self.slot_valid), move(self.n_sinks), move(self.n_recent)
         self.sinks = {p: move(v) for p, v in self.sinks.items()}
         self.recent = {p: move(v) for p, v in self.recent.items()}

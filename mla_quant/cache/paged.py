@@ -8,6 +8,7 @@ block table, since they describe the same tokens.
     store = PagedStore(batch=2, block_size=64)
     store.append(rows, {"content/values": x})       # rows (N,) ascending, x (N, d): tokens in order per row
     dense, lengths = store.dense()                   # {"content/values": (B, L_max, d)}, (B,)
+    store.gather(rows, pos, ["content/values"])      # token pos[i] of sequence rows[i]: {"content/values": (N, d)}
     store.block_table(), store.lengths               # what a kernel reads: (B, max_blocks) int32, (B,) int32
 """
 
@@ -42,9 +43,7 @@ class PagedStore:
         self._allocate(new_lengths)
         starts = torch.cumsum(counts, 0) - counts  # (B,) first flat index of each row
         pos = self.lengths[rows] + torch.arange(n, device=rows.device) - starts[rows]  # (N,) position in its row
-        table = self.block_table().long()
-        blocks = table[rows, pos // self.block_size]
-        offsets = pos % self.block_size
+        blocks, offsets = self._locate(rows, pos)
         for name, x in parts.items():
             if name not in self.pool:
                 self.pool[name] = x.new_zeros(self.num_blocks, self.block_size, *x.shape[1:])
@@ -79,6 +78,15 @@ class PagedStore:
                 table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             self._table = table.to(self.device)
         return self._table
+
+    def _locate(self, rows: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset in block) of token `pos` of sequence `rows`, both (N,)."""
+        return self.block_table().long()[rows, pos // self.block_size], pos % self.block_size
+
+    def gather(self, rows: torch.Tensor, pos: torch.Tensor, parts: list[str]) -> dict[str, torch.Tensor]:
+        """Token pos[i] of sequence rows[i], both (N,): {part: (N, *)}."""
+        blocks, offsets = self._locate(rows, pos)
+        return {name: self.pool[name][blocks, offsets] for name in parts}
 
     def dense(self, parts: list[str] | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Each sequence's tokens left-aligned: {part: (B, L_max, *)} (entries past a length are arbitrary), (B,)."""

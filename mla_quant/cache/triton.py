@@ -44,6 +44,7 @@ class KernelDecode:
         if q_latent.shape[2] != 1 or fresh_needed or not self._hides_only_padding(mask, valid):
             return super().attend(q_latent, q_rope, content, rope, scale, mask, valid)
         self.append(content, rope, valid)
+        self._drop_view()  # the kernel reads the stored tensors: no decoded copy lingers after a torch-path prefill
         out = latent_decode(q_latent[:, :, 0], q_rope[:, :, 0], scale, kernel_segments(self))
         return out.to(q_latent.dtype)[:, :, None]
 
