@@ -146,3 +146,24 @@ def test_idle_objective_and_calib_settings_are_refused():
     assert res.returncode != 0 and "fits nothing, so objective settings would do nothing" in res.stderr
     res = _run("experiment=evaluate", "transform=none", "calib.samples=3", "eval.limit=1")
     assert res.returncode != 0 and "reads no calibration data" in res.stderr
+
+
+def test_next_token_kl_objective_is_end_to_end():
+    """Zero when the path is read back exactly, positive at INT2, and differentiable in the transform."""
+    from mla_quant.calibration.objectives import content_objective, rope_objective
+
+    cfg = compose(["model=tiny_deepseek_v3", "quant=int2_joint", "quant.content.group_size=16"])
+    model = build_model(cfg.model, absorbed=False).requires_grad_(False)
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    cap = capture_layer(model, ids, 1)
+    d_c, d_r = cap.x_hat.shape[-1], cap.k_rope.shape[-1]
+    fmt = cache_format(cfg.quant, d_c, d_r)
+    r = torch.eye(d_c, requires_grad=True)
+    exact = content_objective("next_token_kl", cap, r, torch.ones(d_c), lambda x: x)
+    assert abs(exact.detach().item()) < 1e-6
+    lossy = content_objective("next_token_kl", cap, r, torch.ones(d_c), ste_quantizer(fmt.content, d_c))
+    lossy.backward()
+    assert lossy.detach().item() > 1e-5 and r.grad.abs().sum() > 0
+    rope = rope_objective("next_token_kl", cap, torch.zeros(d_r // 2), torch.ones(d_r // 2),
+                          ste_quantizer(fmt.rope, d_r))
+    assert float(rope) > 1e-6

@@ -155,6 +155,16 @@ def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: 
     opts = fit_options(transform_cfg, seed)
     quant = {p: ste_quantizer(fmt.path(p), fmt.dim(p)) for p in ("content", "rope")}
     modules = attention_modules(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    model.requires_grad_(False)  # end-to-end objectives backpropagate through the model, never into its weights
+    try:
+        return _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size, seed)
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+
+
+def _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size, seed):
     layers, report = [], []
     for i in tqdm(range(len(modules)), desc="calibrate", unit="layer"):
         g = torch.Generator().manual_seed(seed * 1_000_003 + i)

@@ -13,7 +13,8 @@ Only block `layer` is captured and the forward stops there, so memory holds one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,8 @@ class LayerCapture:
     scale: float
     cached_layout: str  # pair layout of the cached (post-RoPE) key
     ref_out: torch.Tensor | None = None  # (N, H, T, d_v) unquantized attention output per head (see `reference`)
+    ids: torch.Tensor | None = None  # (N, T) the token ids captured (end-to-end objectives rerun the model on them)
+    model: Any = field(default=None, repr=False, compare=False)  # the model they came from
 
     @property
     def content(self) -> torch.Tensor:
@@ -43,7 +46,8 @@ class LayerCapture:
         """The same capture restricted to sequences `idx`."""
         return LayerCapture(self.layer, self.x_hat[idx], self.gamma, self.latent_scale, self.q_latent[idx],
                             self.q_rope[idx], self.k_rope[idx], self.w_uv, self.scale, self.cached_layout,
-                            None if self.ref_out is None else self.ref_out[idx])
+                            None if self.ref_out is None else self.ref_out[idx],
+                            None if self.ids is None else self.ids[idx], self.model)
 
 
 class _Stop(Exception):
@@ -71,13 +75,7 @@ def capture_layer(model, ids: torch.Tensor, layer: int, batch_size: int = 8) -> 
     def hook(module, args, kwargs):
         h = kwargs.get("hidden_states", args[0] if args else None)
         pe = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
-        q_nope, q_rope, _ = family.query(module, h)
-        compressed = module.kv_a_proj_with_mqa(h)
-        x, k_rope = torch.split(compressed, [w.d_c, w.d_r], dim=-1)
-        xf = x.float()
-        x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + w.norm_eps)
-        q_rope, k_rope = family.rotate(module, q_rope, k_rope, pe)
-        q_latent = q_nope.float() @ w.w_uk().float()
+        x_hat, q_latent, q_rope, k_rope = block_pieces(family, module, w, h, pe)
         for name, value in (("x_hat", x_hat), ("q_latent", q_latent), ("q_rope", q_rope), ("k_rope", k_rope)):
             check_finite(name, value, layer)
             parts[name].append(value.float())
@@ -97,4 +95,15 @@ def capture_layer(model, ids: torch.Tensor, layer: int, batch_size: int = 8) -> 
     return LayerCapture(layer=layer, x_hat=torch.cat(parts["x_hat"]), gamma=gamma, latent_scale=w.latent_scale,
                         q_latent=torch.cat(parts["q_latent"]), q_rope=torch.cat(parts["q_rope"]),
                         k_rope=torch.cat(parts["k_rope"]), w_uv=w.w_uv().detach().float(), scale=float(attn.scaling),
-                        cached_layout=family.cached_rope_layout(model.config))
+                        cached_layout=family.cached_rope_layout(model.config), ids=ids.cpu(), model=model)
+
+
+def block_pieces(family, module, w, h: torch.Tensor, pe):
+    """One MLA block's x_hat (x / rms(x)), absorbed query, RoPE query and RoPE key (after RoPE), float32."""
+    q_nope, q_rope, _ = family.query(module, h)
+    compressed = module.kv_a_proj_with_mqa(h)
+    x, k_rope = torch.split(compressed, [w.d_c, w.d_r], dim=-1)
+    xf = x.float()
+    x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + w.norm_eps)
+    q_rope, k_rope = family.rotate(module, q_rope, k_rope, pe)
+    return x_hat, q_nope.float() @ w.w_uk().float(), q_rope.float(), k_rope.float()

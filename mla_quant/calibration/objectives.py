@@ -7,6 +7,8 @@ format's quantizer (straight-through in the backward pass, `ste_quantizer`).
     attention_output  sum ||W_UV (o(c_hat) - o(c))||^2 / sum ||W_UV o(c)||^2   per head, every causal query
     positional_qk     sum_{t>=s, h} (q^R_{h,t} . (k_hat_s - k_s))^2 / sum (q^R . k)^2
     cache_mse         ||c_hat - c||^2 / ||c||^2  (content)  or  ||k_hat - k||^2 / ||k||^2  (RoPE)  (ablation)
+    next_token_kl     KL(p_model || p_quantized) of the next-token distribution, mean per token, with only this
+                      layer's path read back quantized (ablation; reruns the whole model on the sequences)
 
 The positional-score error bounds the attention-output error: for one query, the scores move by d = tau q^R . dk,
 and ||o(s + d) - o(s)|| <= max_s |d_s| * diam{v_s} (the softmax average moves by at most the spread of the values
@@ -24,8 +26,8 @@ from mla_quant.kernels.attention import causal_mask, latent_attention
 from mla_quant.quant.formats import PathFormat, fake_quantizer
 from mla_quant.quant.quantizers import fake_quantize
 
-CONTENT_OBJECTIVES = ("attention_output", "cache_mse")  # the first is each path's default
-ROPE_OBJECTIVES = ("positional_qk", "cache_mse")
+CONTENT_OBJECTIVES = ("attention_output", "cache_mse", "next_token_kl")  # the first is each path's default
+ROPE_OBJECTIVES = ("positional_qk", "cache_mse", "next_token_kl")
 
 
 def _ste_round(x: torch.Tensor) -> torch.Tensor:
@@ -128,11 +130,46 @@ def relative_mse(x_hat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (x_hat - x).pow(2).sum() / x.pow(2).sum()
 
 
+def next_token_kl(path: str):
+    """The end-to-end objective of one path: rerun the model with this block's attention output computed from the
+    read-back path (the other path exact), KL of the next-token distribution against the unquantized model."""
+
+    def error(cap: LayerCapture, x_hat: torch.Tensor) -> torch.Tensor:
+        if cap.model is None or cap.ids is None:
+            raise ValueError("objective next_token_kl needs the capture's model and token ids (capture_layer keeps them)")
+        from mla_quant.models.absorbed import attention_modules
+
+        content = x_hat if path == "content" else cap.content
+        rope = x_hat if path == "rope" else cap.k_rope
+        out = _head_out(latent_attention(cap.q_latent, cap.q_rope, content, rope, cap.scale), cap.w_uv)
+        n, h, t, d_v = out.shape
+        merged = out.transpose(1, 2).reshape(n, t, h * d_v)
+        model = cap.model
+        device = next(model.parameters()).device
+        ids = cap.ids.to(device)
+
+        def replace(module, args, kwargs, output):
+            return module.o_proj(merged.to(module.o_proj.weight.dtype)), None
+
+        with torch.no_grad():
+            ref = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
+        handle = attention_modules(model)[cap.layer].register_forward_hook(replace, with_kwargs=True)
+        try:
+            logits = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
+        finally:
+            handle.remove()
+        return torch.nn.functional.kl_div(logits, ref, log_target=True, reduction="sum") / (n * t)
+
+    return error
+
+
 ERRORS = {
     "content": {"attention_output": attention_output_error,
-                "cache_mse": lambda cap, c_hat: relative_mse(c_hat, cap.content)},
+                "cache_mse": lambda cap, c_hat: relative_mse(c_hat, cap.content),
+                "next_token_kl": next_token_kl("content")},
     "rope": {"positional_qk": positional_qk_error,
-             "cache_mse": lambda cap, k_hat: relative_mse(k_hat, cap.k_rope)},
+             "cache_mse": lambda cap, k_hat: relative_mse(k_hat, cap.k_rope),
+             "next_token_kl": next_token_kl("rope")},
 }
 
 
