@@ -167,3 +167,15 @@ def test_next_token_kl_objective_is_end_to_end():
     rope = rope_objective("next_token_kl", cap, torch.zeros(d_r // 2), torch.ones(d_r // 2),
                           ste_quantizer(fmt.rope, d_r))
     assert float(rope) > 1e-6
+
+
+def test_sensitivity_sees_the_calibrated_model(tmp_path):
+    res = _run("experiment=sensitivity", "model=tiny_deepseek_v3", "transform=quantmla", "calib.samples=4",
+               "calib.seq_len=32", "transform.fit.steps=2", f"transform.fit.cache_dir={tmp_path}/calib",
+               "task.seeds=1", "task.per_layer=false", "task.mechanism=false", "task.rope_pairs=false",
+               "task.sweep_nmse=[0.01]", "task.probe.seq_len=32", f"hydra.run.dir={tmp_path}/run")
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = json.loads((tmp_path / "run" / "record.json").read_text())["metrics"]
+    # Gaussian injection reads no quant option: the transforms are fitted for int4_joint (transform.fit.format=auto)
+    assert metrics["calib/transform"] == "quantmla" and metrics["calib/format"] == "int4_joint"
+    assert any(k.startswith("sensitivity/") for k in metrics)
