@@ -78,6 +78,7 @@ class LatentCacheLayer(CacheLayerMixin):
         """Forget the decoded view (rebuilt on the next read): after edits that move or remove stored tokens."""
         self._view: dict[str, torch.Tensor] | None = None  # path -> (B, capacity, d), activation dtype
         self._view_stored: torch.Tensor | None = None  # (B,) stored tokens of each sequence already decoded there
+        self._view_len: torch.Tensor | None = None  # (B,) tokens of each sequence in the view at the last read
 
     # ------------------------------------------------------------------ format
     @property
@@ -220,8 +221,9 @@ class LatentCacheLayer(CacheLayerMixin):
         """Bring the decoded view up to date and return the tokens per sequence (B,). The view holds each sequence's
         real tokens in order (sinks | stored | recent) in the activation dtype. A token is decoded once, at the first
         read after it is stored (its position in the sequence never changes: sinks fill before anything is stored),
-        so a decode step decodes B tokens, not the whole cache; the protected tokens (at most n_sink + recent per
-        sequence) are rewritten at each read. Edits that move or remove stored tokens drop the view."""
+        so a decode step decodes B tokens, not the whole cache. A protected token keeps its value while it is
+        protected, so only those that arrived since the last read are written. Edits that move or remove stored
+        tokens drop the view."""
         n_store = self.store.lengths
         offset = self.n_sinks if self.quantized else torch.zeros_like(n_store)
         lengths = offset + n_store + (self.n_recent if self.quantized else 0)
@@ -229,6 +231,7 @@ class LatentCacheLayer(CacheLayerMixin):
         if self._view is None:
             self._view = {p: torch.zeros(b, 0, self._dim(p), dtype=self.dtype, device=self.device) for p in PATHS}
             self._view_stored = torch.zeros_like(n_store)
+            self._view_len = torch.zeros_like(n_store)
         longest = int(lengths.max()) if b else 0
         capacity = self._view["content"].shape[1]
         if longest > capacity:  # geometric growth: amortised O(1) copies per token
@@ -249,12 +252,15 @@ class LatentCacheLayer(CacheLayerMixin):
                 x = self.path_format(p).decode(parts, self._dim(p), self.dtype, scale)
                 self._view[p][rows, offset[rows] + pos] = x
             self._view_stored = n_store.clone()
-        if self.quantized:
-            for p in PATHS:
-                for x, start, n in ((self.sinks[p], torch.zeros_like(offset), self.n_sinks),
-                                    (self.recent[p], offset + n_store, self.n_recent)):
-                    j = torch.arange(x.shape[1], device=self.device)[None, :]
-                    _scatter_rows(self._view[p], start[:, None] + j, j < n[:, None], x)
+        if self.quantized:  # protected tokens that arrived since the last read (earlier ones are in place)
+            for x, start, n in ((self.sinks, torch.zeros_like(offset), self.n_sinks),
+                                (self.recent, offset + n_store, self.n_recent)):
+                j = torch.arange(x["content"].shape[1], device=self.device)[None, :]
+                index = start[:, None] + j
+                fresh = (j < n[:, None]) & (index >= self._view_len[:, None])
+                for p in PATHS:
+                    _scatter_rows(self._view[p], index, fresh, x[p])
+        self._view_len = lengths
         return lengths
 
     def _decode_all(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
