@@ -72,11 +72,11 @@ def test_cheap_documented_commands_run(cmd, tmp_path):
     extra = ["logger=none", f"hydra.run.dir={tmp_path}"]
     if "quant=" in cmd:  # the evaluation, kept small
         extra += ["eval.limit=2", "eval.control_no_rope.enabled=false", "eval.data.niah_lengths=[256]"]
+    else:
+        extra += ["task.contexts=[4096]"]
     if "transform=quantmla" in cmd:  # calibration, kept small
         extra += ["transform.fit.steps=3", "calib.samples=4", "calib.seq_len=64",
                   f"transform.fit.cache_dir={tmp_path}/calibration"]
-    else:
-        extra += ["task.contexts=[4096]"]
     run = subprocess.run([sys.executable, "run.py", *shlex.split(cmd)[2:], *extra], cwd=REPO, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]

@@ -41,6 +41,8 @@ def flat_metrics(results: dict, prefix: str) -> dict[str, float]:
             if "," not in key or not isinstance(value, (int, float)) or value == -1.0:
                 continue  # -1: a per-length metric for a length this run did not evaluate; "N/A" stderr: skipped
             metric, filt = key.split(",", 1)  # "exact_match_stderr,strict-match" -> eval/<task>/exact_match_stderr
+            if metric.endswith("_stderr") and scores.get(f"{metric[:-len('_stderr')]},{filt}") == -1.0:
+                continue  # the standard error of a metric this run did not evaluate
             name = metric if filt in FILTER_NAMES else f"{metric}@{filt}"
             out[f"{prefix}/{task}/{name}"] = float(value)
     return out
@@ -60,7 +62,7 @@ def table(metrics: dict[str, float]) -> pd.DataFrame:
     rows = []
     for key, value in metrics.items():
         parts = key.split("/")
-        if parts[0] != "eval" or parts[-1].endswith("_stderr"):
+        if parts[0] != "eval" or "_stderr" in parts[-1]:
             continue
         if parts[1] == "control_no_rope" and len(parts) == 4:
             rows.append({"setting": "rope=0", "task": parts[2], "metric": parts[3], "score": value})
