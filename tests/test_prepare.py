@@ -28,7 +28,7 @@ def test_dims_come_from_config_json_without_weights(config_only_checkpoint):
     ("quant.content.bits=5", r"quant.content.bits=5 is not a width of format=int"),
     ("quant.content.group_size=48", r"quant.content.group_size=48 does not divide the path dimension 32"),
     ("transform.content.kind=givens", r"transform.content.kind='givens'; allowed: \['none', 'hadamard'"),
-    ("objective.rope.kind=logits", r"objective.rope.kind='logits'; allowed: \['positional_qk', 'cache_mse'\]"),
+    ("objective.rope.kind=logits", r"objective.rope.kind='logits'; allowed: \['positional_qk', 'cache_mse', 'next_token_kl'\]"),
     ("transform=quantmla calib.samples=0", r"calib.samples=0: need at least one calibration sequence"),
     ("transform=quantmla calib.seq_len=4", r"calib.seq_len=4 is too short"),
     ("transform=quantmla calib.split=test", r"calib.split='test' is the evaluation split"),
