@@ -78,6 +78,9 @@ def test_fitted_rotation_stays_orthogonal_and_scale_positive(toy):
                              FitOptions(steps=20, eval_every=5, batch=4), torch.Generator().manual_seed(0))
     torch.testing.assert_close(r.double() @ r.double().T, torch.eye(96, dtype=torch.float64), atol=1e-4, rtol=0)
     assert bool((s > 0).all()) and info["fitted"] <= info["none"]
+    r2, s2, info2 = fit_content(caps[3], "rotation", "attention_output", ste_quantizer(fmt.content, 96),
+                                FitOptions(steps=10, eval_every=5, batch=4), torch.Generator().manual_seed(0))
+    assert s2 is None and info2["fitted"] <= info2["none"]  # the ablation fits the rotation alone
     with pytest.raises(ValueError, match="objective.content.kind='kl'"):
         content_objective("kl", caps[3], r, s, ste_quantizer(fmt.content, 96))
 

@@ -2,7 +2,7 @@
 
 Kinds (`transform.<path>.kind`):
     content  none | hadamard (randomized Hadamard, QuaRot) | smooth (range-balancing scale, SmoothQuant)
-             | rotation_scaling (QuantMLA: R and s fitted)
+             | rotation (R fitted, no scale; ablation) | rotation_scaling (QuantMLA: R and s fitted)
     rope     none | pair_scale (range-balancing scale per frequency pair) | pairwise (QuantMLA: phi and t fitted)
 A fitted kind starts from the best of its closed-form candidates (identity, Hadamard, balanced scale, both) under
 its objective, then runs Adam: R stays orthogonal through `torch.nn.utils.parametrizations.orthogonal`, s and t stay
@@ -23,7 +23,7 @@ from mla_quant.calibration.capture import LayerCapture
 from mla_quant.calibration.objectives import content_objective, pair_index, rope_objective
 from mla_quant.transforms import CONTENT_KINDS, ROPE_KINDS, random_hadamard
 
-FITTED = {"content": ("rotation_scaling",), "rope": ("pairwise",)}
+FITTED = {"content": ("rotation", "rotation_scaling"), "rope": ("pairwise",)}
 DATA_FREE = {"content": ("none", "hadamard"), "rope": ("none",)}  # kinds that need no calibration data
 
 
@@ -103,6 +103,8 @@ def fit_content(cap: LayerCapture, kind: str, objective: str, quantize, opts: Fi
     if kind == "none":
         return None, None, {"none": base, "fitted": base}
     candidates = {"hadamard": [(had, None)], "smooth": [(eye, smooth_scale(cap, eye, opts.alpha))]}.get(kind)
+    if candidates is None and kind == "rotation":  # the best rotation start, no scale
+        candidates = [(eye, None), (had, None)]
     if candidates is None:  # rotation_scaling: the best closed-form start
         candidates = [(eye, None), (had, None), (eye, smooth_scale(cap, eye, opts.alpha)),
                       (had, smooth_scale(cap, had, opts.alpha))]
@@ -115,7 +117,7 @@ def fit_content(cap: LayerCapture, kind: str, objective: str, quantize, opts: Fi
     with torch.no_grad():
         lin.weight.copy_(r0)
     orthogonal(lin)
-    log_s = nn.Parameter(torch.log(ones if s0 is None else s0).clone())
+    log_s = nn.Parameter(torch.log(ones if s0 is None else s0).clone(), requires_grad=kind == "rotation_scaling")
 
     def loss_fn(idx):
         return obj(cap.rows(idx), lin.weight, torch.exp(log_s))
@@ -124,10 +126,11 @@ def fit_content(cap: LayerCapture, kind: str, objective: str, quantize, opts: Fi
         r, s = lin.weight.detach().clone(), torch.exp(log_s).detach().clone()
         return _evaluate(obj, cap, r, s), (r, s)
 
-    best = _adam([*lin.parameters(), log_s], loss_fn, evaluate, opts, cap.x_hat.shape[0],
+    params = [*lin.parameters()] + ([log_s] if log_s.requires_grad else [])
+    best = _adam(params, loss_fn, evaluate, opts, cap.x_hat.shape[0],
                  f"content layer {cap.layer}", (value, (r0, ones if s0 is None else s0)))
     value, (r, s) = best
-    return r, s, {"none": base, "fitted": value}
+    return r, (s if kind == "rotation_scaling" else None), {"none": base, "fitted": value}
 
 
 def fit_rope(cap: LayerCapture, kind: str, objective: str, quantize, opts: FitOptions

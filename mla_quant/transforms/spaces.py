@@ -1,6 +1,7 @@
 """The transform kinds per path (`transform.<path>.kind`) and random members of each kind's space.
 
-    content  none | hadamard (randomized Hadamard) | smooth (channel scale) | rotation_scaling (rotation + scale)
+    content  none | hadamard (randomized Hadamard) | smooth (channel scale) | rotation (fitted rotation only)
+             | rotation_scaling (rotation + scale)
     rope     none | pair_scale (tied scale per frequency pair) | pairwise (2x2 rotation + tied scale per pair)
 
 `sample_layer_transform` draws a random member of a kind's space; the invariance check (experiment=verify) folds such
@@ -14,7 +15,7 @@ import torch
 from mla_quant.transforms.fold import LayerTransform
 from mla_quant.transforms.hadamard import random_hadamard, random_orthogonal
 
-CONTENT_KINDS = ("none", "hadamard", "smooth", "rotation_scaling")
+CONTENT_KINDS = ("none", "hadamard", "smooth", "rotation", "rotation_scaling")
 ROPE_KINDS = ("none", "pair_scale", "pairwise")
 KINDS = {"content": CONTENT_KINDS, "rope": ROPE_KINDS}
 
@@ -38,6 +39,8 @@ def sample_layer_transform(content: str, rope: str, d_c: int, d_r: int, generato
         lt.rotation = random_hadamard(d_c, generator)
     elif content == "smooth":
         lt.scale = log_normal(d_c)
+    elif content == "rotation":
+        lt.rotation = random_orthogonal(d_c, generator)
     elif content == "rotation_scaling":
         lt.rotation, lt.scale = random_orthogonal(d_c, generator), log_normal(d_c)
     if rope != "none" and d_r % 2:
