@@ -8,11 +8,11 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from mla_quant.calibration.capture import capture_layer
@@ -22,6 +22,7 @@ from mla_quant.calibration.objectives import (CONTENT_OBJECTIVES, ROPE_OBJECTIVE
                                               ste_quantizer)
 from mla_quant.calibration.store import config_sha256, load_transforms, save_transforms, transform_path
 from mla_quant.models.absorbed import attention_modules
+from mla_quant.models.build import _plain
 from mla_quant.models.families import family_for_config
 from mla_quant.quant.formats import CacheFormat, cache_format
 from mla_quant.transforms import KINDS, LayerTransform, TransformSet, random_hadamard
@@ -29,14 +30,8 @@ from mla_quant.transforms import KINDS, LayerTransform, TransformSet, random_had
 OBJECTIVES = {"content": CONTENT_OBJECTIVES, "rope": ROPE_OBJECTIVES}
 TRANSFORM_KEYS = ("name", "content", "rope", "fit")
 FIT_KEYS = ("format", "steps", "lr", "alpha", "batch", "eval_every", "cache_dir", "reuse")
-DEFAULT_FIT_FORMAT = "int4_joint"
-CONTENT_CODECS = (None, "codebook")  # transform.content.codec: store the content path with TurboQuant's codebook  # fit.format=auto when the run stores no quantized cache
-
-
-def _plain(node) -> dict:
-    if node is None:
-        return {}
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+DEFAULT_FIT_FORMAT = "int4_joint"  # fit.format=auto when the run stores no quantized cache
+CONTENT_CODECS = (None, "codebook")  # transform.content.codec: store the content path with TurboQuant's codebook
 
 
 def kinds(transform_cfg) -> dict[str, str]:
@@ -54,8 +49,9 @@ def needs_data(transform_cfg) -> bool:
     return any(k[p] not in DATA_FREE[p] for p in ("content", "rope"))
 
 
-def check_transform(transform_cfg, objective_cfg=None, objective_overridden: bool = False) -> None:
-    """transform.* and objective.*: unknown keys or kinds refused by name, before any model work."""
+def check_transform(transform_cfg, objective_cfg=None) -> None:
+    """transform.* and objective.*: unknown keys or kinds refused by name, before any model work (overrides that
+    would do nothing are refused by the pipeline, `refuse_idle_calibration`)."""
     t = _plain(transform_cfg)
     unknown = sorted(set(t) - set(TRANSFORM_KEYS))
     if unknown:
@@ -66,7 +62,7 @@ def check_transform(transform_cfg, objective_cfg=None, objective_overridden: boo
         extra = sorted(set(node) - set(allowed))
         if extra:
             raise ValueError(f"transform.{path}: unknown key(s) {extra}; allowed: {allowed}")
-        if node.get("codec") not in CONTENT_CODECS:
+        if path == "content" and node.get("codec") not in CONTENT_CODECS:
             raise ValueError(f"transform.content.codec={node.get('codec')!r}; allowed: {list(CONTENT_CODECS)}")
         kind = node.get("kind", "none")
         if kind not in KINDS[path]:
@@ -84,9 +80,6 @@ def check_transform(transform_cfg, objective_cfg=None, objective_overridden: boo
         kind = (o.get(path) or {}).get("kind")
         if kind is not None and kind not in OBJECTIVES[path]:
             raise ValueError(f"objective.{path}.kind={kind!r}; allowed: {list(OBJECTIVES[path])}")
-    if objective_overridden and not fitted_paths(transform_cfg):
-        raise ValueError(f"objective settings do nothing with transform={t.get('name')!r}: it fits nothing (fitted "
-                         f"kinds: content {list(FITTED['content'])}, rope {list(FITTED['rope'])}); drop them")
 
 
 def transformed_format(transform_cfg, fmt: CacheFormat | None) -> CacheFormat | None:
@@ -203,15 +196,11 @@ def report_metrics(report: list[dict]) -> dict[str, float]:
     for row in report:
         out[f"calib/layer{row['layer']}/{row['path']}/error"] = row["error"]
         out[f"calib/layer{row['layer']}/{row['path']}/error_none"] = row["error_none"]
-    for path in ("content", "rope"):
+    for path, keys in (("content", ("error", "error_none")),
+                       ("rope", ("error", "error_none", "output_error", "output_bound"))):
         rows = [r for r in report if r["path"] == path]
-        if rows:
-            out[f"calib/{path}/error"] = sum(r["error"] for r in rows) / len(rows)
-            out[f"calib/{path}/error_none"] = sum(r["error_none"] for r in rows) / len(rows)
-    rope = [r for r in report if r["path"] == "rope"]
-    if rope:
-        out["calib/rope/output_error"] = sum(r["output_error"] for r in rope) / len(rope)
-        out["calib/rope/output_bound"] = sum(r["output_bound"] for r in rope) / len(rope)
+        for key in keys if rows else ():
+            out[f"calib/{path}/{key}"] = sum(r[key] for r in rows) / len(rows)
     return out
 
 
@@ -251,8 +240,6 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
     if fit.get("reuse", True):
         tset = load_transforms(path, len(modules), config_sha)
         if tset is not None:
-            import json
-
             rows = json.loads(tset.meta.get("report", "[]"))
             print(f"[calibrate] reusing {path}")
             return tset, {**metrics, "calib/reused": 1, "calib/seconds": float(tset.meta.get("seconds", 0.0)),
@@ -265,7 +252,6 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
     tset, rows = fit_all(model, ids, tcfg, cfg.get("objective"), fmt, int(cfg.seed),
                          int((calib or {}).get("batch_size", 8)) if calib is not None else 8)
     seconds = time.perf_counter() - start
-    import json
     import transformers
 
     provenance = {"config_sha256": config_sha, "seed": int(cfg.seed), "transform": name,

@@ -20,8 +20,9 @@ from torch.nn.utils.parametrizations import orthogonal
 from tqdm.auto import tqdm
 
 from mla_quant.calibration.capture import LayerCapture
-from mla_quant.calibration.objectives import content_objective, pair_index, rope_objective
+from mla_quant.calibration.objectives import content_objective, rope_objective
 from mla_quant.transforms import CONTENT_KINDS, ROPE_KINDS, random_hadamard
+from mla_quant.transforms.fold import pair_index
 
 FITTED = {"content": ("rotation", "rotation_scaling"), "rope": ("pairwise",)}
 DATA_FREE = {"content": ("none", "hadamard"), "rope": ("none",)}  # kinds that need no calibration data

@@ -25,6 +25,7 @@ from mla_quant.calibration.capture import LayerCapture
 from mla_quant.kernels.attention import causal_mask, latent_attention
 from mla_quant.quant.formats import PathFormat, fake_quantizer
 from mla_quant.quant.quantizers import fake_quantize
+from mla_quant.transforms.fold import pair_index
 
 CONTENT_OBJECTIVES = ("attention_output", "cache_mse", "next_token_kl")  # the first is each path's default
 ROPE_OBJECTIVES = ("positional_qk", "cache_mse", "next_token_kl")
@@ -64,14 +65,6 @@ def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Ten
         return a + (exact(x.detach()) - a).detach()
 
     return quantize
-
-
-def pair_index(layout: str, d_r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Coordinates (a_i), (b_i) of RoPE pair i in `layout`."""
-    from mla_quant.models.families import rope_pair
-
-    idx = torch.tensor([rope_pair(layout, d_r, i) for i in range(d_r // 2)])
-    return idx[:, 0], idx[:, 1]
 
 
 def apply_pairs(k: torch.Tensor, angle: torch.Tensor, scale: torch.Tensor, layout: str) -> torch.Tensor:

@@ -77,6 +77,12 @@ class TransformSet:
         return cls(layers, dict(meta or {}))
 
 
+def pair_index(layout: str, d_r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coordinates (a_i), (b_i) of every RoPE frequency pair i in `layout`."""
+    idx = torch.tensor([rope_pair(layout, d_r, i) for i in range(d_r // 2)])
+    return idx[:, 0], idx[:, 1]
+
+
 def pair_matrix(angle: torch.Tensor, scale: torch.Tensor, layout: str, d_r: int) -> torch.Tensor:
     """(d_r, d_r) block-diagonal matrix with block scale_i * Rot(angle_i) on RoPE pair i (in `layout`)."""
     n = d_r // 2
@@ -85,8 +91,7 @@ def pair_matrix(angle: torch.Tensor, scale: torch.Tensor, layout: str, d_r: int)
                          f"({n},) for d_r={d_r}")
     m = torch.zeros(d_r, d_r, dtype=angle.dtype, device=angle.device)
     c, s = scale * torch.cos(angle), scale * torch.sin(angle)
-    idx = torch.tensor([rope_pair(layout, d_r, i) for i in range(n)], device=angle.device)
-    a, b = idx[:, 0], idx[:, 1]
+    a, b = (i.to(angle.device) for i in pair_index(layout, d_r))
     m[a, a], m[a, b], m[b, a], m[b, b] = c, -s, s, c
     return m
 
