@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from mla_quant.models.build import resolve_device
 from mla_quant.record import write_record
 from mla_quant.calibration import fitted_paths, needs_data
-from mla_quant.stages import StageFailed, StageResult, refuse_overrides, refuse_unused_groups
+from mla_quant.stages import StageFailed, StageResult, refuse_overrides, refuse_unused_groups, user_overrides
 
 __all__ = ["StageFailed", "StageResult", "main"]
 
@@ -65,10 +65,17 @@ def refuse_idle_calibration(cfg: DictConfig) -> None:
     if "transform" not in (cfg.task.get("uses") or []) or cfg.task.name == "calibrate":
         return  # experiment=calibrate reports every transform's objectives on calibration data
     name = cfg.transform.get("name")
+    idle_fit = []  # transform.fit.* keys this transform does not read
     if not fitted_paths(cfg.transform):
         refuse_overrides(["objective"], f"transform={name} fits nothing, so objective settings would do nothing")
+        idle_fit += ["steps", "lr", "batch", "eval_every"]
     if not needs_data(cfg.transform):
         refuse_overrides(["calib"], f"transform={name} reads no calibration data, so calib settings would do nothing")
+        idle_fit += ["alpha", "format"]
+    bad = [o for o in user_overrides() if o.lstrip("+~").split("=", 1)[0] in {f"transform.fit.{k}" for k in idle_fit}]
+    if bad:
+        raise ValueError(f"{bad}: transform={name} does not read these transform.fit settings, so they would do "
+                         f"nothing; drop them")
 
 
 def main(cfg: DictConfig) -> StageResult:

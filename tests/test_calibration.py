@@ -149,6 +149,9 @@ def test_idle_objective_and_calib_settings_are_refused():
     assert res.returncode != 0 and "fits nothing, so objective settings would do nothing" in res.stderr
     res = _run("experiment=evaluate", "transform=none", "calib.samples=3", "eval.limit=1")
     assert res.returncode != 0 and "reads no calibration data" in res.stderr
+    res = _run("experiment=evaluate", "transform=quarot", "transform.fit.format=int2_joint", "eval.limit=1")
+    assert res.returncode != 0 and "does not read these transform.fit settings" in res.stderr
+    assert "transform.fit.format=int2_joint" in res.stderr
 
 
 def test_next_token_kl_objective_is_end_to_end():
