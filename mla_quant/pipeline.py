@@ -7,13 +7,25 @@
 and reads its own options from `cfg.task`. Stages write their artifacts (tables, figures) into `run_dir` with the
 atomic writers of `mla_quant.record`, and return flat metrics. The record is written whatever happens: a failed or
 interrupted run leaves a record with `status` "failed"/"interrupted" and keeps every file written before.
+
+Fault tolerance (README "Interruption, resume and determinism"): SIGTERM (SLURM's time limit, preemption,
+`scancel`), SIGINT and submitit's timeout/preemption signal (SIGUSR2 by default) end the run through its
+finally-block, so the record says `interrupted` or `timeout` and keeps every metric finished so far. Stages keep
+their finished units in `<run_dir>/progress.json` (`mla_quant.record.progress()`); a rerun of the same identity
+(`mla_quant.record.run_identity`) under the same output root skips a complete run (`force=true` reruns it) and
+continues an unfinished one from its progress.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import threading
 import time
 import traceback
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,11 +34,67 @@ from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from mla_quant.models.build import resolve_device
-from mla_quant.record import write_record
+from mla_quant.record import (PROGRESS_NAME, RunProgress, active_progress, prior_runs, read_json, run_identity,
+                              write_record)
 from mla_quant.calibration import fitted_paths, needs_data
 from mla_quant.stages import StageFailed, StageResult, refuse_overrides, refuse_unused_groups, user_overrides
 
-__all__ = ["StageFailed", "StageResult", "main"]
+__all__ = ["Interrupted", "StageFailed", "StageResult", "main"]
+
+
+class Interrupted(BaseException):
+    """A termination signal, raised where the run is so its finally-block writes the record (a BaseException, so
+    no stage's `except Exception` swallows it)."""
+
+    def __init__(self, signum: int, status: str):
+        super().__init__(f"{signal.Signals(signum).name}: run {status}")
+        self.signum, self.status = signum, status
+
+
+def timeout_signal() -> signal.Signals:
+    """submitit's time-limit / preemption signal (env SUBMITIT_PREEMPT_SIGNAL, USR2 unless set)."""
+    name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
+    return getattr(signal, f"SIG{name}", signal.SIGUSR2)
+
+
+class _Signals:
+    """SIGTERM -> Interrupted("interrupted"); the timeout signal -> submitit's own handler first (it checkpoints and
+    requeues the job, then exits), else Interrupted("timeout"). SIGINT stays Python's KeyboardInterrupt."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.finishing = False  # while the record is written a second signal is noted, not raised
+        self.previous: dict[int, object] = {}
+
+    def status(self) -> str | None:
+        if self.signum is None:
+            return None
+        return "timeout" if self.signum == timeout_signal() else "interrupted"
+
+    def handle(self, signum, frame):
+        first = self.signum is None
+        self.signum = self.signum or signum
+        if self.finishing or not first:
+            return
+        previous = self.previous.get(signum)
+        if signum == timeout_signal() and callable(previous):
+            previous(signum, frame)  # submitit: checkpoint (DelayedSubmission of the same job) + requeue + exit
+        raise Interrupted(signum, self.status())
+
+
+@contextmanager
+def signals_as_exceptions():
+    state = _Signals()
+    if threading.current_thread() is not threading.main_thread():
+        yield state  # handlers can only be installed from the main thread
+        return
+    for sig in (signal.SIGTERM, timeout_signal()):
+        state.previous[sig] = signal.signal(sig, state.handle)
+    try:
+        yield state
+    finally:
+        for sig, handler in state.previous.items():
+            signal.signal(sig, handler)
 
 
 def seed_everything(seed: int) -> None:
@@ -50,6 +118,45 @@ def run_dir_of(cfg: DictConfig) -> Path:
     if HydraConfig.initialized():
         return Path(HydraConfig.get().runtime.output_dir)
     return Path(cfg.get("run_dir") or "outputs/adhoc")
+
+
+def output_root(run_dir: Path) -> Path:
+    """Where earlier runs of this configuration are looked for: the folder holding this run's dir (single runs,
+    outputs/<experiment>/) or this sweep's dir (multirun/<experiment>/), so a rerun of a sweep finds its first try."""
+    if HydraConfig.initialized():
+        hc = HydraConfig.get()
+        from hydra.types import RunMode
+
+        base = hc.sweep.dir if hc.mode == RunMode.MULTIRUN else hc.run.dir
+        return Path(base).parent
+    return run_dir
+
+
+def determinism() -> dict:
+    """What bit-reproducibility depends on: thread counts and the deterministic-algorithms setting."""
+    return {"torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS"),
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+
+
+def run_name(cfg: DictConfig, choices: dict[str, str], run_dir: Path) -> str:
+    """<experiment>:<model>/<quant>/<transform> (the groups the experiment reads), e.g. evaluate:toy_mla/int4_joint/none."""
+    uses = set(cfg.task.get("uses") or [])
+    parts = [choices[g] for g in ("model", "quant", "transform") if g in uses and choices.get(g)]
+    return f"{cfg.task.name}:{'/'.join(parts)}" if parts else f"{cfg.task.name}-{run_dir.name}"
+
+
+def sweep_group() -> str | None:
+    """The sweep a multirun job belongs to (its sweep dir), the W&B group of its runs."""
+    if HydraConfig.initialized():
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN:
+            return str(hc.sweep.dir)
+    return None
 
 
 def config_choices() -> dict[str, str]:
@@ -78,6 +185,30 @@ def refuse_idle_calibration(cfg: DictConfig) -> None:
                          f"nothing; drop them")
 
 
+def _quietly(what: str, fn, *args, **kwargs):
+    """Call a tracker method; any error is a warning, never a failed run (the record is the source of truth)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - whatever the tracker raises
+        warnings.warn(f"tracker {what} failed, the run goes on ({type(exc).__name__}: {exc})", stacklevel=2)
+        return None
+
+
+def resume_state(cfg: DictConfig, run_dir: Path, identity: str) -> tuple[Path | None, RunProgress]:
+    """(a complete record of this identity unless force=true, the progress this run starts from)."""
+    force = cfg.get("force", False)
+    if not isinstance(force, bool):
+        raise ValueError(f"force={force!r}; allowed: true (rerun a configuration that has a complete record), false")
+    complete, partial = prior_runs(output_root(run_dir), identity, run_dir)
+    prog = RunProgress(run_dir / PROGRESS_NAME, identity)
+    own = partial is not None and partial.parent.resolve() == run_dir.resolve()
+    if partial is not None and (own or not force):  # force recomputes, but a requeued job keeps its own progress
+        prog.restore(read_json(partial) or {}, partial.parent)
+        print(f"[mla-quant] {cfg.task.name}: continuing attempt {prog.attempt - 1} of this configuration from "
+              f"{partial} ({len(prog.units)} finished units)")
+    return (None if force else complete), prog
+
+
 def main(cfg: DictConfig) -> StageResult:
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -86,38 +217,52 @@ def main(cfg: DictConfig) -> StageResult:
     stage = get_method(cfg.task._target_)  # fails early, naming the target, if it does not exist
     refuse_unused_groups(cfg.task)  # an override of a group this experiment does not read is refused by name
     refuse_idle_calibration(cfg)
+    identity = run_identity(resolved)
+    complete, prog = resume_state(cfg, run_dir, identity)
+    if complete is not None:
+        print(f"[mla-quant] {cfg.task.name}: skipped, this configuration (identity {identity}) already has a "
+              f"complete record: {complete}; force=true reruns it")
+        return StageResult(metrics=dict((read_json(complete) or {}).get("metrics") or {}))
     seed_everything(cfg.seed)
-
-    tracker = instantiate(cfg.logger)
-    tracker.start(resolved, run_dir, name=f"{cfg.task.name}-{run_dir.name}")
+    choices = config_choices()
     start = time.perf_counter()
+
+    def record(status: str, error: str | None, metrics: dict, signum: int | None = None) -> Path:
+        return write_record(run_dir, config=resolved, metrics=metrics, seed=cfg.seed,
+                            seconds=time.perf_counter() - start, device=device_description(device), status=status,
+                            error=error, choices=choices, identity=identity, resume=prog.summary(),
+                            determinism=determinism(), signal=signal.Signals(signum).name if signum else None,
+                            **prog.fields)
+
+    record("running", None, prog.metrics)  # on disk before any tracker starts: a tracker never costs the record
+    tracker = instantiate(cfg.logger)
+    tags = [f"{g}:{choices[g]}" for g in ("model", "quant", "transform") if choices.get(g)]
+    _quietly("start", tracker.start, resolved, run_dir, name=run_name(cfg, choices, run_dir), group=sweep_group(),
+             tags=tags)
     result, status, error = StageResult(), "failed", None
-    try:
-        result = stage(cfg, run_dir)
-        status = "ok" if result.ok else "failed"
-        error = None if result.ok else result.message
-    except KeyboardInterrupt:
-        status, error = "interrupted", "KeyboardInterrupt"
-        raise
-    except BaseException as exc:
-        error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        raise
-    finally:
-        path = write_record(
-            run_dir,
-            config=resolved,
-            metrics=result.metrics,
-            seed=cfg.seed,
-            seconds=time.perf_counter() - start,
-            device=device_description(device),
-            status=status,
-            error=error,
-            choices=config_choices(),
-        )
-        tracker.log_metrics(result.metrics)
-        tracker.log_file(path)
-        tracker.finish(status)
-        print(f"[mla-quant] {cfg.task.name}: {status}; record: {path}")
+    with signals_as_exceptions() as signals, active_progress(prog):
+        try:
+            result = stage(cfg, run_dir)
+            status = "ok" if result.ok else "failed"
+            error = None if result.ok else result.message
+        except KeyboardInterrupt:
+            status, error = "interrupted", "KeyboardInterrupt"
+            raise
+        except BaseException as exc:  # Interrupted, or submitit's exit after it requeued the job on its signal
+            status = signals.status() or "failed"
+            error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            if signals.signum is not None and not isinstance(exc, Interrupted):
+                error = f"{signal.Signals(signals.signum).name}: {error}"
+            raise
+        finally:
+            signals.finishing = True
+            metrics = {**prog.metrics, **result.metrics}  # every metric finished so far
+            path = record(status, error, metrics, signals.signum)
+            _quietly("log_metrics", tracker.log_metrics, metrics)
+            _quietly("log_file", tracker.log_file, path)
+            _quietly("finish", tracker.finish, status)
+            reused = f", {len(prog.reused)} units reused" if prog.reused else ""
+            print(f"[mla-quant] {cfg.task.name}: {status}{reused}; record: {path}")
     if not result.ok:
         raise StageFailed(result.message)
     return result

@@ -4,6 +4,13 @@
      "versions": {...}, "git_sha": "...", "device": "cpu", "seed": 0, "seconds": 12.3, "status": "ok"}
 
 Analysis reads only these files (`load_records`). Metric names are flat, `/`-separated, and say what they measure.
+
+A run's *identity* (`run_identity`) is the hash of its resolved config without output locations and tracker
+settings: the same identity computes the same numbers. While a run works, its stages keep what they have finished
+in `<run_dir>/progress.json` (`RunProgress`, reached through `progress()`), so an interrupted run keeps those
+results in its record and a rerun of the same identity continues from them:
+
+    done = progress().unit("evaluate/toy_gsm8k", lambda: expensive(...))   # computed once, then restored
 """
 
 from __future__ import annotations
@@ -20,6 +27,11 @@ from pathlib import Path
 from typing import Any
 
 RECORD_NAME = "record.json"
+PROGRESS_NAME = "progress.json"
+# Left out of a run's identity: where it writes (output folders, the transform store), how it is tracked and
+# scheduled, and the rerun switch; none of them changes a number.
+IDENTITY_IGNORED_TOP = ("logger", "force")
+IDENTITY_IGNORED_KEYS = ("cache_dir", "run_dir", "resources")
 _VERSIONED = ("torch", "transformers", "triton", "lm_eval", "hydra", "wandb")
 
 
@@ -98,6 +110,21 @@ def config_hash(config: Mapping) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def run_identity(config: Mapping) -> str:
+    """The hash of a resolved config minus output locations and tracker/scheduler settings (`IDENTITY_IGNORED_*`):
+    two runs with the same identity compute the same numbers, so a complete record of it need not be recomputed."""
+
+    def strip(node, top: bool):
+        if isinstance(node, Mapping):
+            drop = IDENTITY_IGNORED_KEYS + (IDENTITY_IGNORED_TOP if top else ())
+            return {k: strip(v, False) for k, v in node.items() if k not in drop}
+        if isinstance(node, list):
+            return [strip(v, False) for v in node]
+        return node
+
+    return config_hash(strip(dict(config), True))
+
+
 def check_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """Metrics are a flat dict: str names with '/' separators, scalar values."""
     out = {}
@@ -123,7 +150,9 @@ def write_record(
     status: str = "ok",
     error: str | None = None,
     choices: Mapping[str, str] | None = None,
+    **extra: Any,
 ) -> Path:
+    """Write <run_dir>/record.json atomically; `extra` adds fields (identity, resume, determinism, weights...)."""
     record = {
         "config": dict(config),
         "choices": dict(choices or {}),
@@ -138,6 +167,7 @@ def write_record(
     }
     if error is not None:
         record["error"] = error
+    record.update({k: v for k, v in extra.items() if v is not None})
     return write_json_atomic(Path(run_dir) / RECORD_NAME, record)
 
 
@@ -150,3 +180,121 @@ def load_records(root: str | Path) -> list[dict]:
         rec["run_dir"] = str(path.parent)
         records.append(rec)
     return records
+
+
+def read_json(path: str | Path) -> dict | None:
+    """A JSON file's content, or None when it is missing or unreadable (a run killed mid-write never leaves one:
+    every write is atomic; a foreign or hand-edited file is ignored rather than trusted)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+class RunProgress:
+    """What one run has finished so far: results of finished units (an lm-eval task, a batch of injections, a
+    calibrated layer) and the metrics they gave, saved atomically to `<run_dir>/progress.json` after each unit.
+
+    `unit(key, compute)` returns the stored result of a finished unit, or computes, saves and returns it; values
+    must be JSON-serialisable. A progress without a path keeps everything in memory (stages called directly).
+    """
+
+    def __init__(self, path: str | Path | None = None, identity: str | None = None):
+        self.path = None if path is None else Path(path)
+        self.identity = identity
+        self.units: dict[str, Any] = {}
+        self.metrics: dict[str, Any] = {}
+        self.fields: dict[str, Any] = {}  # extra record fields (e.g. the weight files' hashes)
+        self.reused: list[str] = []
+        self.attempt = 1
+        self.resumed_from: str | None = None
+
+    def restore(self, state: Mapping, source: str | Path) -> RunProgress:
+        """Continue from a previous attempt's progress (same identity, checked by the caller)."""
+        self.units = dict(state.get("units") or {})
+        self.metrics = dict(state.get("metrics") or {})
+        self.fields = dict(state.get("fields") or {})
+        self.attempt = int(state.get("attempt", 1)) + 1
+        self.resumed_from = str(source)
+        self.save()
+        return self
+
+    def unit(self, key: str, compute, metrics=None):
+        """The result of unit `key`: restored if a previous attempt finished it, else `compute()`, saved at once.
+        `metrics(result)` (optional) gives the flat metrics the unit finished."""
+        if key in self.units:
+            if key not in self.reused:
+                self.reused.append(key)
+            return self.units[key]
+        value = compute()
+        self.units[key] = value
+        if metrics is not None:
+            self.metrics.update(check_metrics(metrics(value)))
+        self.save()
+        return value
+
+    def add_metrics(self, metrics: Mapping[str, Any]) -> None:
+        self.metrics.update(check_metrics(metrics))
+        self.save()
+
+    def note(self, name: str, value: Any) -> None:
+        """A field for the record (not a metric), e.g. note("weights", {file: sha256})."""
+        self.fields[name] = value
+        self.save()
+
+    def summary(self) -> dict:
+        return {"attempt": self.attempt, "resumed_from": self.resumed_from, "units_done": len(self.units),
+                "units_reused": len(self.reused), "reused": list(self.reused)}
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        write_json_atomic(self.path, {"identity": self.identity, "attempt": self.attempt, "pid": os.getpid(),
+                                      "units": self.units, "metrics": self.metrics, "fields": self.fields})
+
+
+_ACTIVE: list[RunProgress] = []
+
+
+def progress() -> RunProgress:
+    """The running stage's progress (installed by the pipeline); outside a run a fresh in-memory one."""
+    return _ACTIVE[-1] if _ACTIVE else RunProgress()
+
+
+@contextmanager
+def active_progress(p: RunProgress):
+    _ACTIVE.append(p)
+    try:
+        yield p
+    finally:
+        _ACTIVE.remove(p)
+
+
+def prior_runs(root: str | Path, identity: str, run_dir: str | Path) -> tuple[Path | None, Path | None]:
+    """Earlier runs of `identity` under `root`: (a complete record, the progress to continue from), each or None.
+
+    Complete = a record with status ok. The progress to continue from is the run's own (a requeued job) or else
+    the newest progress.json of an unfinished run of the same identity (killed, timed out, interrupted)."""
+    root, run_dir = Path(root), Path(run_dir).resolve()
+    complete, partial = None, []
+    if not root.is_dir():
+        return None, None
+    for path in root.rglob(RECORD_NAME):
+        rec = read_json(path)
+        if rec and rec.get("status") == "ok" and isinstance(rec.get("config"), Mapping) and \
+                (rec.get("identity") or run_identity(rec["config"])) == identity:
+            complete = path
+            break
+    for path in root.rglob(PROGRESS_NAME):
+        state = read_json(path)
+        if not state or state.get("identity") != identity:
+            continue
+        rec = read_json(path.parent / RECORD_NAME)
+        if rec and rec.get("status") == "ok":
+            continue
+        partial.append(path)
+    own = [p for p in partial if p.parent.resolve() == run_dir]
+    newest = max(partial, key=lambda p: p.stat().st_mtime, default=None)
+    return complete, (own[0] if own else newest)
