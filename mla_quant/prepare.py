@@ -128,13 +128,17 @@ class Prepared:
     def cache_metrics(self) -> dict[str, str]:
         """What the cache stores per path, with the dtype actually stored (the toy runs in float32, so its
         unquantized tokens are float32, not bf16)."""
-        dtype = str(next(self.model.parameters()).dtype).replace("torch.", "")
+        param = next(self.model.parameters())
+        dtype = str(param.dtype).replace("torch.", "")
+        backends = {} if self.fmt is None else {f"cache/backend/{step}": backend for step, backend
+                                                in self.fmt.step_backends(param.device.type).items()}
         if self.fmt is None or not self.fmt.quantized:
-            return {"cache/content": f"{dtype} values", "cache/rope": f"{dtype} values", "cache/protected": "none"}
+            return {"cache/content": f"{dtype} values", "cache/rope": f"{dtype} values", "cache/protected": "none",
+                    **backends}
         out = {f"cache/{p}": (self.fmt.path(p).describe() if self.fmt.path(p).quantized else f"{dtype} values")
                for p in ("content", "rope")}
         out["cache/protected"] = f"{self.fmt.n_sink} sinks + {self.fmt.recent} recent per sequence, {dtype}"
-        return out
+        return {**out, **backends}
 
 
 def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, absorbed: bool = True,

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from dataclasses import replace
 
-from mla_quant.cache import cache_layer_factory
+from mla_quant.cache import LatentCacheLayer, cache_layer_factory
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.cache.triton import kernel_segments
 from mla_quant.kernels.latent_decode import latent_decode, latent_decode_reference
@@ -168,6 +168,45 @@ def test_no_gpu_and_no_interpreter_is_a_clear_error(monkeypatch):
         cache_layer_factory(cfg, 96, 16)
 
 
+@pytest.mark.parametrize("option, override, cuda_decode", [
+    ("int4_joint", {"content": {"group_size": 32}}, "triton"),
+    ("bf16", {}, "triton"),
+    ("int4_joint", {"content": {"bits": 3, "group_size": 32}}, "torch"),  # a width the kernel does not unpack
+    ("fp8_ds_mla", {"content": {"group_size": 32}}, "torch"),
+])
+def test_backend_auto_picks_the_kernel_for_decode_on_cuda_only(option, override, cuda_decode):
+    from mla_quant.quant.formats import cache_format
+
+    fmt = cache_format(OmegaConf.merge(load_quant_option(option), override), 96, 16)
+    assert fmt.backend == "auto"  # the default of every option
+    assert fmt.step_backends("cuda") == {"prefill": "torch", "decode": cuda_decode}
+    assert fmt.step_backends("cpu") == {"prefill": "torch", "decode": "torch"}
+    forced = cache_format(OmegaConf.merge(load_quant_option("bf16"), {"backend": "torch"}), 96, 16)
+    assert forced.step_backends("cuda")["decode"] == "torch"
+
+
+def test_backend_auto_on_the_cpu_decodes_in_torch(monkeypatch):
+    """auto never takes the interpreter: a layer built where a GPU is visible still decodes CPU tensors in torch,
+    and says so; explicit triton runs the kernel (here under the interpreter)."""
+    from mla_quant.cache.triton import TritonLatentCacheLayer
+
+    cfg = OmegaConf.merge(load_quant_option("int4_joint"), {"content": {"group_size": 32}, "protected": {"recent": 4}})
+    assert type(cache_layer_factory(cfg, 96, 16)()) is LatentCacheLayer or torch.cuda.is_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for backend, expected in (("auto", "torch"), ("triton", "triton")):
+        layer = cache_layer_factory(OmegaConf.merge(cfg, {"backend": backend}), 96, 16)()
+        assert isinstance(layer, TritonLatentCacheLayer)
+        c, r = torch.randn(2, 12, 96), torch.randn(2, 12, 16)
+        layer.attend(torch.randn(2, 4, 11, 96), torch.randn(2, 4, 11, 16), c[:, :11], r[:, :11], 0.1, None)
+        layer.attend(torch.randn(2, 4, 1, 96), torch.randn(2, 4, 1, 16), c[:, 11:], r[:, 11:], 0.1, None)
+        assert dict(layer.backend_steps) == {("prefill", "torch"): 1, ("decode", expected): 1}, backend
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match=r"quant.backend='cuda' is unknown; allowed: \['auto', 'torch', 'triton'\]"):
+        cache_layer_factory(OmegaConf.merge(load_quant_option("int4_joint"), {"backend": "cuda"}), 96, 16)
+
+
 def test_toy_model_decodes_the_same_through_the_kernel():
     """Greedy decode of the shipped toy model (batch of 2, left padding) with quant.backend=triton: the same tokens
     and logits as the PyTorch read path, for a quantized and a BF16 cache."""
@@ -184,9 +223,11 @@ def test_toy_model_decodes_the_same_through_the_kernel():
         for backend in ("torch", "triton"):
             cfg = OmegaConf.merge(load_quant_option(option),
                                   {"backend": backend, "content": {"group_size": 32}, "protected": {"recent": 16}})
+            cache = quantized_cache(model, cfg)
             out = model.generate(**enc, max_new_tokens=4, do_sample=False, output_scores=True,
-                                 return_dict_in_generate=True, **cache_kwargs(quantized_cache(model, cfg)))
+                                 return_dict_in_generate=True, **cache_kwargs(cache))
             runs[backend] = out
+            assert cache.backends_run() == {"prefill": "torch", "decode": backend}, (option, backend)
         assert torch.equal(runs["torch"].sequences, runs["triton"].sequences), option
         torch.testing.assert_close(torch.stack(runs["triton"].scores), torch.stack(runs["torch"].scores),
                                    rtol=1e-4, atol=1e-4)
@@ -214,3 +255,12 @@ def test_bench_kernel_stage_smoke(tmp_path, monkeypatch):
     rows = (tmp_path / "bench_kernel.csv").read_text().splitlines()
     assert len(rows) == 1 + 4 and "peak_share" in rows[0]
     assert (tmp_path / "bench_kernel.md").is_file() and (tmp_path / "bench_kernel.png").is_file()
+
+
+def test_record_names_the_backend_of_each_step_type():
+    from mla_quant.prepare import Prepared
+    from mla_quant.quant.formats import cache_format
+
+    fmt = cache_format(OmegaConf.merge(load_quant_option("int4_joint"), {"content": {"group_size": 32}}), 96, 16)
+    metrics = Prepared(torch.nn.Linear(2, 2), None, {}, fmt).cache_metrics()
+    assert (metrics["cache/backend/prefill"], metrics["cache/backend/decode"]) == ("torch", "torch")  # on the CPU

@@ -10,19 +10,26 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import torch
+
 from mla_quant.cache.layer import LatentCacheLayer
 from mla_quant.quant.formats import CacheFormat, cache_format
 
 
 def layer_factory(fmt: CacheFormat | None) -> Callable[[], LatentCacheLayer]:
-    """A zero-argument layer constructor for `fmt` (None: unquantized, torch backend)."""
+    """A zero-argument layer constructor for `fmt` (None: unquantized, torch backend). backend=triton: decode steps
+    through the kernel (a clear error where it cannot launch); backend=auto: a kernel-capable layer when a CUDA GPU
+    is visible and the kernel reads the format (each decode step then picks by the device of its tensors,
+    `CacheFormat.step_backends`), the PyTorch layer otherwise."""
     if fmt is None:
         return LatentCacheLayer
-    if fmt.backend == "triton":
+    auto_kernel = fmt.backend == "auto" and torch.cuda.is_available() and fmt.kernel_unsupported() is None
+    if fmt.backend == "triton" or auto_kernel:
         from mla_quant.cache.triton import TritonLatentCacheLayer
         from mla_quant.kernels.latent_decode import require_triton
 
-        require_triton(hint="; or use quant.backend=torch")
+        if fmt.backend == "triton":
+            require_triton(hint="; or use quant.backend=torch (or auto)")
         return functools.partial(TritonLatentCacheLayer, fmt)
     return functools.partial(LatentCacheLayer, fmt)
 

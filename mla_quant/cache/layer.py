@@ -22,6 +22,8 @@ protected region, the appending step included. "serving": the step that appends 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -42,6 +44,11 @@ def check_latents(content: torch.Tensor, rope: torch.Tensor) -> None:
         )
 
 
+def step_type(q_latent: torch.Tensor) -> str:
+    """"decode" for one query token per sequence, "prefill" for more (q_latent (B, H, T, d_c))."""
+    return "decode" if q_latent.shape[2] == 1 else "prefill"
+
+
 def _scatter_rows(dest: torch.Tensor, index: torch.Tensor, ok: torch.Tensor, src: torch.Tensor) -> None:
     """dest[b, index[b, j]] = src[b, j] where ok[b, j]. dest (B, L, d), index/ok (B, J), src (B, J, d)."""
     b, j = ok.nonzero(as_tuple=True)
@@ -60,6 +67,7 @@ class LatentCacheLayer(CacheLayerMixin):
         self.fmt = fmt
         self.layer_idx = layer_idx
         self.block_size = 64 if fmt is None else fmt.block_size
+        self.backend_steps: Counter = Counter()  # (step type, backend) -> attention steps run, over resets
         self._clear()
 
     def _clear(self) -> None:
@@ -328,6 +336,7 @@ class LatentCacheLayer(CacheLayerMixin):
     def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None) -> torch.Tensor:
         """Append this step's latents and attend over the whole cache. Returns o_latent (B, H, T, d_c)."""
         all_content, all_rope = self.update_and_read(content, rope, valid)
+        self.backend_steps[step_type(q_latent), "torch"] += 1
         return latent_attention(q_latent, q_rope, all_content, all_rope, scale, mask)
 
     # ------------------------------------------------------------------ bytes
@@ -478,6 +487,14 @@ class LatentCache(Cache):
     def held_bytes(self) -> int:
         """Bytes allocated by all layers (whole blocks, protected buffers)."""
         return sum(layer.held_bytes() for layer in self.layers)
+
+    def backends_run(self) -> dict[str, str]:
+        """{step type: backend(s) that ran it, "+"-joined} over every layer, for the run record."""
+        ran: dict[str, set] = {}
+        for layer in self.layers:
+            for step, backend in getattr(layer, "backend_steps", {}):
+                ran.setdefault(step, set()).add(backend)
+        return {step: "+".join(sorted(b)) for step, b in sorted(ran.items())}
 
     def bytes_per_token_per_layer(self, held: bool = False) -> float:
         tokens = self.layers[0].real_tokens()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_quant.cache.layer import PATHS, LatentCacheLayer
+from mla_quant.cache.layer import PATHS, LatentCacheLayer, step_type
 from mla_quant.kernels.attention import visible
 from mla_quant.kernels.latent_decode import PagedPath, Segment, latent_decode
 
@@ -37,15 +37,18 @@ def kernel_segments(layer: LatentCacheLayer) -> list[Segment]:
 
 
 class KernelDecode:
-    """Mixin for `LatentCacheLayer`: one-token decode steps attend through `latent_decode`."""
+    """Mixin for `LatentCacheLayer`: one-token decode steps attend through `latent_decode` where the format's
+    backend picks the kernel for the device of the step's tensors (`CacheFormat.step_backends`)."""
 
     def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None):
         fresh_needed = self.quantized and self.fmt.mode == "serving" and self.fmt.recent == 0
-        if q_latent.shape[2] != 1 or fresh_needed or not self._hides_only_padding(mask, valid):
+        chosen = self.fmt.step_backends(q_latent.device.type)[step_type(q_latent)]
+        if chosen != "triton" or fresh_needed or not self._hides_only_padding(mask, valid):
             return super().attend(q_latent, q_rope, content, rope, scale, mask, valid)
         self.append(content, rope, valid)
         self._drop_view()  # the kernel reads the stored tensors: no decoded copy lingers after a torch-path prefill
         out = latent_decode(q_latent[:, :, 0], q_rope[:, :, 0], scale, kernel_segments(self))
+        self.backend_steps["decode", "triton"] += 1
         return out.to(q_latent.dtype)[:, :, None]
 
     def _hides_only_padding(self, mask, valid) -> bool:

@@ -33,7 +33,9 @@ from mla_quant.quant import packing, quantizers
 
 GRANULARITIES = ("group", "tensor")
 MODES = ("simulated", "serving")
-BACKENDS = ("torch", "triton")
+BACKENDS = ("auto", "torch", "triton")  # auto: the Triton kernel for decode steps on a CUDA device when it reads
+                                         # the format, PyTorch otherwise (always on the CPU)
+STEP_TYPES = ("prefill", "decode")  # multi-token steps (prefill, scoring) / one query token per sequence
 SCALE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "pow2": 1}
 ZERO_BYTES = {name: torch.empty(0, dtype=dt).element_size() for name, dt in quantizers.ZERO_DTYPES.items()}
 TENSOR_SCALE_BYTES = 4  # one float32 per tensor-granularity path (or one shared by both paths), per sequence and layer
@@ -375,6 +377,14 @@ class CacheFormat:
                 return f"quant.{path}.{why}"
         return None
 
+    def step_backends(self, device_type: str) -> dict[str, str]:
+        """Which backend runs each step type (STEP_TYPES) on a device of `device_type` ("cpu", "cuda"): prefill
+        and multi-token steps always in PyTorch; decode steps through the Triton kernel with backend=triton, or
+        with backend=auto on a CUDA device when the kernel reads the format."""
+        kernel = self.backend == "triton" or (self.backend == "auto" and device_type == "cuda"
+                                              and self.kernel_unsupported() is None)
+        return {"prefill": "torch", "decode": "triton" if kernel else "torch"}
+
 
 TOP_KEYS = ("name", "mode", "backend", "protected", "content", "rope", "shared_scale", "block_size")
 
@@ -393,7 +403,7 @@ def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None) -> C
     """
     cfg = _plain(quant_cfg)
     _check_keys(cfg, TOP_KEYS, "quant")
-    mode, backend = cfg.get("mode", "simulated"), cfg.get("backend", "torch")
+    mode, backend = cfg.get("mode", "simulated"), cfg.get("backend", "auto")
     if mode not in MODES:
         raise ValueError(f"quant.mode={mode!r} is unknown; allowed: {list(MODES)}")
     if backend not in BACKENDS:
