@@ -235,6 +235,11 @@ class RunProgress:
         self.save()
         return value
 
+    def reuse(self, key: str) -> None:
+        """Count a unit a stage restored from its own store (e.g. a calibrated layer) as reused."""
+        if key not in self.reused:
+            self.reused.append(key)
+
     def add_metrics(self, metrics: Mapping[str, Any]) -> None:
         self.metrics.update(check_metrics(metrics))
         self.save()
@@ -281,13 +286,17 @@ def prior_runs(root: str | Path, identity: str, run_dir: str | Path) -> tuple[Pa
     complete, partial = None, []
     if not root.is_dir():
         return None, None
-    for path in root.rglob(RECORD_NAME):
+    # a run dir sits at <root>/<time>/ (single runs) or <root>/<sweep>/<job>/ (sweeps): look no deeper
+    def found(name):
+        return [p for pattern in (name, f"*/{name}", f"*/*/{name}") for p in root.glob(pattern)]
+
+    for path in found(RECORD_NAME):
         rec = read_json(path)
         if rec and rec.get("status") == "ok" and isinstance(rec.get("config"), Mapping) and \
                 (rec.get("identity") or run_identity(rec["config"])) == identity:
             complete = path
             break
-    for path in root.rglob(PROGRESS_NAME):
+    for path in found(PROGRESS_NAME):
         state = read_json(path)
         if not state or state.get("identity") != identity:
             continue

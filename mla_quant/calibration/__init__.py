@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from mla_quant.models.absorbed import attention_modules
 from mla_quant.models.build import _plain
 from mla_quant.models.families import family_for_config
 from mla_quant.quant.formats import CacheFormat, cache_format
+from mla_quant.record import progress
 from mla_quant.transforms import KINDS, LayerTransform, TransformSet, random_hadamard
 
 OBJECTIVES = {"content": CONTENT_OBJECTIVES, "rope": ROPE_OBJECTIVES}
@@ -140,9 +142,34 @@ def weights_sha256(model) -> str:
     return h.hexdigest()
 
 
+class LayerCheckpoints:
+    """Each fitted layer on disk as soon as it is done (`<folder>/layer<i>.safetensors`, tagged with the
+    configuration's SHA-256), so a killed or requeued calibration continues at the next layer, and jobs that need
+    the same calibration share the layers already fitted."""
+
+    def __init__(self, folder: Path, config_sha: str):
+        self.folder, self.config_sha = Path(folder), config_sha
+
+    def load(self, i: int) -> tuple[LayerTransform, list[dict]] | None:
+        tset = load_transforms(self.folder / f"layer{i}.safetensors", 1, self.config_sha)
+        if tset is None:
+            return None
+        progress().reuse(f"calibrate/layer{i}")
+        return tset.layers[0], json.loads(tset.meta.get("report", "[]"))
+
+    def save(self, i: int, lt: LayerTransform, rows: list[dict]) -> None:
+        save_transforms(self.folder / f"layer{i}.safetensors", TransformSet([lt]),
+                        {"config_sha256": self.config_sha, "report": json.dumps(rows)})
+        progress().add_metrics({k: v for k, v in report_metrics(rows).items() if k.startswith("calib/layer")})
+
+    def clear(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: CacheFormat, seed: int,
-            batch_size: int = 8) -> tuple[TransformSet, list[dict]]:
-    """Fit (or compute) every block's transforms; the per-layer report rows (objective error before and after)."""
+            batch_size: int = 8, checkpoints: LayerCheckpoints | None = None) -> tuple[TransformSet, list[dict]]:
+    """Fit (or compute) every block's transforms; the per-layer report rows (objective error before and after).
+    `checkpoints`: keep each fitted layer on disk and continue from the layers found there."""
     k = kinds(transform_cfg)
     objectives = {p: (_plain(objective_cfg).get(p) or {}).get("kind") or OBJECTIVES[p][0] for p in ("content", "rope")}
     opts = fit_options(transform_cfg, seed)
@@ -151,13 +178,13 @@ def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: 
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.requires_grad_(False)  # end-to-end objectives backpropagate through the model, never into its weights
     try:
-        return _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size, seed)
+        return _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size, seed, checkpoints)
     finally:
         for p in trainable:
             p.requires_grad_(True)
 
 
-def _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size, seed):
+def _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size, seed, checkpoints=None):
     layers, report = [], []
     for i in tqdm(range(len(modules)), desc="calibrate", unit="layer"):
         g = torch.Generator().manual_seed(seed * 1_000_003 + i)
@@ -166,6 +193,11 @@ def _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size
             if k["content"] == "hadamard":
                 lt.rotation = random_hadamard(modules[i].kv_lora_rank, g)
             layers.append(lt)
+            continue
+        done = checkpoints.load(i) if checkpoints is not None else None
+        if done is not None:  # fitted by an earlier, interrupted attempt of this configuration
+            layers.append(done[0])
+            report.extend(done[1])
             continue
         cap = capture_layer(model, ids, i, batch_size)
         start = time.perf_counter()
@@ -187,6 +219,8 @@ def _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size
                        "output_error": bound["measured"], "output_bound": bound["bound"]})
         layers.append(LayerTransform(*(None if v is None else v.detach().double().cpu()
                                        for v in (lt.rotation, lt.scale, lt.angle, lt.pair_scale))))
+        if checkpoints is not None:
+            checkpoints.save(i, layers[-1], report[-2:])
         del cap
     return TransformSet(layers), report
 
@@ -249,8 +283,9 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
     if use_data:
         vocab = model.config.get_text_config(decoder=True).vocab_size
         ids = calibration_ids(calib, source, tokenizer, vocab)
+    checkpoints = LayerCheckpoints(path.with_name(f"{path.stem}.partial"), config_sha)
     tset, rows = fit_all(model, ids, tcfg, cfg.get("objective"), fmt, int(cfg.seed),
-                         int((calib or {}).get("batch_size", 8)) if calib is not None else 8)
+                         int((calib or {}).get("batch_size", 8)) if calib is not None else 8, checkpoints)
     seconds = time.perf_counter() - start
     import transformers
 
@@ -259,6 +294,7 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
                   "format": fmt.name, "seconds": f"{seconds:.3f}", "report": json.dumps(rows),
                   "torch": torch.__version__, "transformers": transformers.__version__}
     save_transforms(Path(path), tset, provenance)
+    checkpoints.clear()  # the whole set is stored: the per-layer files are no longer needed
     tset.meta.update({k2: str(v) for k2, v in provenance.items()})
     print(f"[calibrate] {name}: {len(modules)} layers in {seconds:.1f} s -> {path}")
     return tset, {**metrics, "calib/reused": 0, "calib/seconds": seconds, **report_metrics(rows)}, rows

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from mla_quant.models.absorbed import new_cache  # noqa: E402
 from mla_quant.prepare import model_dims, prepare_model  # noqa: E402
 from mla_quant.stages import StageResult, refuse_overrides  # noqa: E402
-from mla_quant.record import atomic_path, write_text_atomic  # noqa: E402
+from mla_quant.record import atomic_path, progress, write_text_atomic  # noqa: E402
 from mla_quant.sensitivity.injection import InjectionSpec, check_nmse_target, injection_factory  # noqa: E402
 from mla_quant.sensitivity.study import (  # noqa: E402
     RecordingLatentLayer,
@@ -101,8 +101,19 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         key = dict(kind=kind, path=kw["path"], nmse_target=kw["nmse"], seed=kw.get("seed", 0),
                    layer=-1 if kw.get("layers") is None else min(kw["layers"]),
                    side=kw.get("side", "both"), pair=kw.get("pair", -1))
-        rows.extend(_rows(errors, **key))
-        specs.append((key, spec))
+        # what summarise reads: the rows, the achieved NMSE per layer, the error energy of an injected single layer
+        return {"rows": _rows(errors, **key), "key": key, "achieved": spec.achieved,
+                "error_energy": {i: spec.error_energy[i].tolist() for i in kw.get("layers") or ()}}
+
+    def kept(i: int, kind: str, kw: dict):
+        """One injection, kept in the run's progress (an interruption keeps it, a rerun does not redo it)."""
+        done = progress().unit(f"sensitivity/{kind}/{i}", lambda: inject(kind, **kw),
+                               metrics=lambda _: {"sensitivity/injections_done": i + 1})
+        spec = InjectionSpec(shape=task.noise, rope_layout=layout, quantizer=quantizers.get(kw["path"]), **kw)
+        spec.achieved = {int(k): v for k, v in done["achieved"].items()}
+        spec.error_energy = {int(k): torch.tensor(v, dtype=torch.float64) for k, v in done["error_energy"].items()}
+        rows.extend(done["rows"])
+        specs.append((done["key"], spec))
 
     jobs = [("all_layers", dict(path=p, nmse=t, seed=s)) for t in targets for s in seeds for p in ("content", "rope")]
     if task.per_layer:
@@ -114,8 +125,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     if task.rope_pairs:
         jobs += [("rope_pair", dict(path="rope", nmse=headline, seed=s, pair=i))
                  for i in range(dims["rope"] // 2) for s in seeds]
-    for kind, kw in tqdm(jobs, desc="sensitivity", unit="injection"):
-        inject(kind, **kw)
+    for i, (kind, kw) in enumerate(tqdm(jobs, desc="sensitivity", unit="injection")):
+        kept(i, kind, kw)
 
     df = pd.DataFrame(rows)
     with atomic_path(run_dir / "sensitivity_rows.csv") as tmp:
