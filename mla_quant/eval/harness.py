@@ -107,18 +107,25 @@ def rope_zeroed(model):
         rotary.inv_freq.copy_(saved)
 
 
-def evaluate_tasks(lm, tasks: list[str], include_path: str | Path | list, *, limit=None, metadata=None,
+def evaluate_tasks(lm, tasks: list, include_path: str | Path | list | None, *, limit=None, metadata=None,
                    include_defaults: bool = False, allow_code_execution: bool = False, gen_kwargs=None,
-                   seed: int = 0, bootstrap_iters: int = 1000) -> dict:
-    """lm_eval.simple_evaluate over `tasks` found in `include_path` (stock tasks only with include_defaults).
+                   num_fewshot: int | None = None, seed: int = 0, bootstrap_iters: int = 1000) -> dict:
+    """lm_eval.simple_evaluate over `tasks`: names found in `include_path` (stock tasks only with include_defaults),
+    or lm-eval Task objects already loaded (include_path None; mla_quant.eval.suites.load_stock_tasks).
     Standard errors: lm-eval's closed form for mean metrics (exact match), `bootstrap_iters` resamples otherwise."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    paths = include_path if isinstance(include_path, list) else [include_path]
-    tm = TaskManager(include_path=[str(p) for p in paths], include_defaults=include_defaults,
-                     metadata=metadata or None)
+    if include_path is None:
+        from mla_quant.eval.suites import registry
+
+        tm = registry()
+    else:
+        paths = include_path if isinstance(include_path, list) else [include_path]
+        tm = TaskManager(include_path=[str(p) for p in paths], include_defaults=include_defaults,
+                         metadata=metadata or None)
     return simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit, bootstrap_iters=bootstrap_iters,
-                           log_samples=False, confirm_run_unsafe_code=allow_code_execution,
+                           num_fewshot=num_fewshot, log_samples=False,
+                           confirm_run_unsafe_code=allow_code_execution,
                            gen_kwargs=gen_kwargs or None, random_seed=seed, numpy_random_seed=seed,
                            torch_random_seed=seed, fewshot_random_seed=seed, metadata=metadata or None)

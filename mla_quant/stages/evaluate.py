@@ -25,11 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 from mla_quant.eval.harness import ContextTooLong, LatentCacheHFLM, evaluate_tasks, rope_zeroed
 from mla_quant.eval.task_files import CODE_TASKS, TOY_TASKS, write_task_files
 from mla_quant.eval.task_utils import ALLOW_ENV, OPT_IN_HINT
-from mla_quant.prepare import prepare_model
+from mla_quant.eval.suites import CODE_STOCK_TASKS, load_stock_tasks, plan_tasks
+from mla_quant.models.build import load_tokenizer
+from mla_quant.prepare import model_dims, prepare_model
 from mla_quant.stages import StageResult
-from mla_quant.record import write_json_atomic, write_text_atomic
+from mla_quant.record import progress, write_json_atomic, write_text_atomic
 
-STOCK_NIAH = "niah_single_1"
 FILTER_NAMES = {"none": "", "strict-match": ""}  # the filter whose score is reported under the bare metric name
 
 
@@ -48,9 +49,36 @@ def flat_metrics(results: dict, prefix: str) -> dict[str, float]:
     return out
 
 
+RESULT_FIELDS = ("results", "n-shot", "n-samples", "versions")
+
+
+def evaluate_each(lm, tasks: list[str], folder, prefix: str, loaded: dict | None = None, **kwargs) -> dict:
+    """lm-eval one task at a time; each task's results go into the run's progress as soon as it finishes, so an
+    interrupted run keeps them and its rerun does not evaluate them again. -> lm-eval's result fields, merged."""
+    def one(task):
+        res = evaluate_tasks(lm, [(loaded or {}).get(task, task)], folder, **kwargs)
+        return json.loads(json.dumps({f: res.get(f) for f in RESULT_FIELDS}, default=str))
+
+    parts = [progress().unit(f"{prefix}/{t}", lambda t=t: one(t), metrics=lambda r: flat_metrics(r, prefix))
+             for t in tasks]
+    return {f: {k: v for part in parts for k, v in (part.get(f) or {}).items()} for f in RESULT_FIELDS}
+
+
+def check_lengths(cfg: DictConfig, plan) -> None:
+    """Toy needle lengths and RULER lengths within the model's positions (read from its config, no weights)."""
+    limit = model_dims(cfg.model)["context"]
+    asked = {"eval.data.niah_lengths": list(cfg.eval.data.niah_lengths) if plan.toy else [],
+             "eval.ruler.lengths": list(cfg.eval.ruler.lengths) if plan.ruler else []}
+    for key, lengths in asked.items():
+        too_long = [n for n in lengths if n > limit]
+        if too_long:
+            raise ContextTooLong(f"{key} {too_long} exceed the model's limit of {limit} positions "
+                                 f"(config.max_position_embeddings)")
+
+
 def code_tasks_allowed(tasks: list[str], allow: bool) -> list[str]:
     """The task list without code-executing tasks unless code execution was opted into (prints why)."""
-    code = [t for t in tasks if t in CODE_TASKS]
+    code = [t for t in tasks if t in CODE_TASKS or t in CODE_STOCK_TASKS]
     if code and not allow:
         print(f"[evaluate] refusing {code}: they execute model-written code; {OPT_IN_HINT}")
         return [t for t in tasks if t not in CODE_TASKS]
@@ -74,40 +102,43 @@ def table(metrics: dict[str, float]) -> pd.DataFrame:
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     ev = cfg.eval
     torch.set_num_threads(int(ev.get("threads", 2)))
-    tasks = list(ev.tasks)
-    unknown = sorted(set(tasks) - set(TOY_TASKS) - {STOCK_NIAH})
-    if unknown:
-        raise ValueError(f"eval.tasks has unknown tasks {unknown}; known: {TOY_TASKS + [STOCK_NIAH]}")
+    plan = plan_tasks(ev, TOY_TASKS)  # unknown names, RULER without lengths, idle data_files: refused here
     allow = bool(ev.get("allow_code_execution", False))
-    tasks = code_tasks_allowed(tasks, allow)
-    if not tasks:
+    plan.toy = code_tasks_allowed(plan.toy, allow)
+    plan.stock = code_tasks_allowed(plan.stock, allow)
+    if not plan.toy and not plan.stock:
         raise ValueError("eval.tasks is empty (after refusing code execution); nothing to evaluate")
-
     if cfg.model.get("tokenizer") is None:
         raise ValueError(f"model {cfg.model.get('_target_')} has no tokenizer (a random tiny model?); "
                          f"evaluate needs a trained model, e.g. model=toy_mla")
+    check_lengths(cfg, plan)
+    # The stock tasks' datasets before any weight is read: offline, the error names the task and its dataset.
+    stock = load_stock_tasks(plan, ev, load_tokenizer(cfg.model), run_dir / "lm_eval_tasks" / "local")
+
     prep = prepare_model(cfg)  # validates quant/transform/objective against the model before loading weights
     model, tokenizer = prep.model, prep.tokenizer
-    limit = int(model.config.max_position_embeddings)
-    too_long = [n for n in ev.data.niah_lengths if n > limit]
-    if too_long:
-        raise ContextTooLong(f"eval.data.niah_lengths {too_long} exceed the model's limit of {limit} positions "
-                             f"(config.max_position_embeddings)")
-    folder = write_task_files(run_dir / "lm_eval_tasks", tokenizer, **OmegaConf.to_container(ev.data, resolve=True))
+    folder = (write_task_files(run_dir / "lm_eval_tasks", tokenizer, **OmegaConf.to_container(ev.data, resolve=True))
+              if plan.toy else None)
     lm = LatentCacheHFLM(model, tokenizer, layer_factory=prep.layer_factory(),
                          batch_size=int(ev.batch_size))
     gen_kwargs = OmegaConf.to_container(ev.gen_kwargs, resolve=True) if ev.get("gen_kwargs") else None
     if allow:
-        os.environ[ALLOW_ENV] = "1"  # read by mla_quant.eval.task_utils.run_program
+        os.environ[ALLOW_ENV] = "1"  # read by mla_quant.eval.task_utils.run_program (toy_humaneval)
+        os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # read by the `code_eval` metric of lm-eval's humaneval
+    options = dict(limit=ev.limit, num_fewshot=ev.get("num_fewshot"), gen_kwargs=gen_kwargs, seed=cfg.seed)
 
     metrics: dict[str, float | str] = dict(prep.metrics())
+    progress().add_metrics(metrics)  # the calibration's metrics are finished: an interruption keeps them
     raw: dict = {}
-    toy = [t for t in tasks if t != STOCK_NIAH]
+    toy = plan.toy
     start = time.perf_counter()
     if toy:
-        res = evaluate_tasks(lm, toy, folder, limit=ev.limit, allow_code_execution=allow, gen_kwargs=gen_kwargs,
-                             seed=cfg.seed)
+        res = evaluate_each(lm, toy, folder, "eval", allow_code_execution=allow, **options)
         raw["toy"] = res
+        metrics.update(flat_metrics(res, "eval"))
+    if plan.stock:
+        res = evaluate_each(lm, plan.stock, None, "eval", loaded=stock, allow_code_execution=allow, **options)
+        raw["stock"] = res
         metrics.update(flat_metrics(res, "eval"))
     metrics["eval/seconds"] = time.perf_counter() - start
     metrics["eval/cache_calls"] = lm.cache_calls
@@ -117,27 +148,13 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     if control and control.enabled and control_tasks:
         start = time.perf_counter()
         with rope_zeroed(model):
-            res = evaluate_tasks(lm, control_tasks, folder, limit=ev.limit, gen_kwargs=gen_kwargs, seed=cfg.seed)
+            res = evaluate_each(lm, control_tasks, folder, "eval/control_no_rope", **options)
         raw["control_no_rope"] = res
         metrics.update(flat_metrics(res, "eval/control_no_rope"))
         metrics["eval/control_no_rope/seconds"] = time.perf_counter() - start
 
-    stock = ev.get("stock_niah")
-    if STOCK_NIAH in tasks or (stock and stock.enabled):
-        import lm_eval
-
-        ruler = Path(lm_eval.__file__).resolve().parent / "tasks" / "ruler"
-        start = time.perf_counter()
-        res = evaluate_tasks(lm, [STOCK_NIAH], ruler, limit=stock.limit, seed=cfg.seed,
-                             metadata={"tokenizer": tokenizer.name_or_path, "max_seq_lengths": list(stock.lengths)})
-        raw["stock_niah"] = res
-        for key, value in flat_metrics(res, "eval").items():
-            if value != -1.0:
-                metrics[key] = value
-        metrics["eval/niah_single_1/seconds"] = time.perf_counter() - start
-
     write_json_atomic(run_dir / "lm_eval_results.json",
-                      json.loads(json.dumps({k: {f: v.get(f) for f in ("results", "n-shot", "n-samples", "versions")}
+                      json.loads(json.dumps({k: {f: v.get(f) for f in RESULT_FIELDS}
                                              for k, v in raw.items()}, default=str)))
     df = table(metrics)
     text = df.to_markdown(index=False, floatfmt=".3f") if len(df) else "(no scores)"

@@ -1,0 +1,157 @@
+"""Which lm-eval tasks a run asks for, and loading them before any model work.
+
+Task names are either the toy suites (`toy_*`, task files generated into the run dir) or lm-eval's own tasks
+(`gsm8k`, `humaneval`, RULER's `niah_single_1` ... `ruler_qa_hotpot`), found in lm-eval's task registry. A stock task
+whose dataset cannot be had (offline, no cache) fails here, before the model loads, with an error naming the task
+and its dataset. `eval.data_files.<task>` points a stock task at local JSON/JSONL files instead of the Hub: a task file
+is written that includes lm-eval's own YAML (same prompts, filters and metrics) with `dataset_path: json`.
+
+    tasks = plan_tasks(cfg.eval, toy_tasks=TOY_TASKS)              # StockTasks(toy=[...], stock=[...], ruler=[...])
+    loaded = load_stock_tasks(plan, cfg.eval, tokenizer, run_dir)   # {name: lm_eval Task}, datasets fetched
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+RULER_PREFIXES = ("niah_", "ruler_")
+CODE_STOCK_TASKS = ("humaneval",)  # stock tasks that execute model-written code
+# Datasets stock tasks read through their own code rather than `dataset_path` (named in the offline error).
+HIDDEN_DATASETS = {
+    "niah_single_2": "baber/paul_graham_essays", "niah_single_3": "baber/paul_graham_essays",
+    "niah_multikey_1": "baber/paul_graham_essays", "niah_multiquery": "baber/paul_graham_essays",
+    "niah_multivalue": "baber/paul_graham_essays", "ruler_qa_squad": "rajpurkar/squad_v2",
+    "ruler_qa_hotpot": "hotpotqa/hotpot_qa", "humaneval": "openai/openai_humaneval and the `code_eval` metric",
+}
+
+
+class DatasetUnavailable(RuntimeError):
+    """A stock task's data cannot be loaded (offline, not cached, bad local file)."""
+
+
+def is_ruler(task: str) -> bool:
+    return task.startswith(RULER_PREFIXES)
+
+
+@dataclass
+class TaskPlan:
+    toy: list[str] = field(default_factory=list)
+    stock: list[str] = field(default_factory=list)
+
+    @property
+    def ruler(self) -> list[str]:
+        return [t for t in self.stock if is_ruler(t)]
+
+
+@functools.lru_cache(maxsize=1)
+def registry():
+    """lm-eval's task registry (a TaskManager over its own YAMLs: indexes them, downloads nothing)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
+
+
+def stock_yaml(task: str) -> Path | None:
+    entry = registry().task_index.get(task)
+    return None if entry is None or entry.yaml_path is None else Path(entry.yaml_path)
+
+
+def plan_tasks(ev, toy_tasks: list[str]) -> TaskPlan:
+    """Split eval.tasks into toy and stock tasks; refuse unknown names and settings no task reads."""
+    tasks = list(ev.tasks)
+    plan = TaskPlan(toy=[t for t in tasks if t in toy_tasks], stock=[t for t in tasks if t not in toy_tasks])
+    if plan.stock:
+        unknown = sorted(t for t in plan.stock if t not in registry().all_tasks)
+        if unknown:
+            raise ValueError(f"eval.tasks has unknown tasks {unknown}: neither a toy suite ({toy_tasks}) nor a task "
+                             f"in lm-eval's registry (e.g. gsm8k, humaneval, niah_single_1 ... ruler_qa_hotpot)")
+    if plan.toy and ev.get("data") is None:
+        raise ValueError(f"eval.tasks has toy suites {plan.toy} but eval={ev.name} has no `data` settings to "
+                         f"generate them; use eval=toy")
+    lengths = (ev.get("ruler") or {}).get("lengths")
+    if plan.ruler and not lengths:
+        raise ValueError(f"eval.tasks has RULER tasks {plan.ruler} but eval.ruler.lengths is not set; give the "
+                         f"context lengths, e.g. eval.ruler.lengths=[4096,8192]")
+    data_files = dict(ev.get("data_files") or {})
+    idle = sorted(set(data_files) - set(plan.stock))
+    if idle:
+        raise ValueError(f"eval.data_files names {idle}, which are not stock tasks of this run ({plan.stock}); "
+                         f"drop them")
+    return plan
+
+
+def ruler_metadata(ev, tokenizer) -> dict:
+    name = getattr(tokenizer, "name_or_path", None)
+    if not name:
+        raise ValueError("RULER tasks need the model's tokenizer by name or path (tokenizer.name_or_path is empty)")
+    return {"tokenizer": str(name), "max_seq_lengths": [int(n) for n in ev.ruler.lengths]}
+
+
+def local_task_file(task: str, splits: dict, folder: Path) -> Path:
+    """A task file `task` = lm-eval's own `task` YAML read from local JSON/JSONL files (one per split)."""
+    yaml_path = stock_yaml(task)
+    if yaml_path is None:
+        raise ValueError(f"eval.data_files.{task}: lm-eval has no YAML for task {task!r} to read local data into")
+    files = {}
+    for split, path in dict(splits).items():
+        p = Path(str(path)).expanduser().resolve()
+        if not p.is_file():
+            raise DatasetUnavailable(f"eval.data_files.{task}.{split}: no file at {p}")
+        files[str(split)] = str(p)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{task}.yaml"
+    spec = {"include": str(yaml_path.resolve()), "task": task, "dataset_path": "json", "dataset_name": None,
+            "dataset_kwargs": {"data_files": files}}
+    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return out
+
+
+def load_stock_tasks(plan: TaskPlan, ev, tokenizer, folder: Path) -> dict:
+    """lm-eval Task objects for the plan's stock tasks, their datasets loaded (downloaded on first use). Raises
+    DatasetUnavailable naming the task and its dataset when they cannot be had."""
+    from lm_eval.tasks import TaskManager
+
+    if not plan.stock:
+        return {}
+    metadata = ruler_metadata(ev, tokenizer) if plan.ruler else None
+    data_files = dict(ev.get("data_files") or {})
+    local = [local_task_file(t, data_files[t], folder) for t in plan.stock if t in data_files]
+    managers = {"stock": TaskManager(metadata=metadata) if metadata else registry()}
+    if local:
+        managers["local"] = TaskManager(include_path=str(folder), include_defaults=False, metadata=metadata)
+    loaded = {}
+    for task in plan.stock:
+        tm = managers["local" if task in data_files else "stock"]
+        try:
+            loaded.update(tm.load([task])["tasks"])
+        except Exception as exc:  # lm-eval / datasets raise ConnectionError, FileNotFoundError, ValueError, ...
+            where = (f"the local files {dict(data_files[task])}" if task in data_files
+                     else f"its dataset {dataset_of(task)!r}")
+            local_hint = ("" if task in HIDDEN_DATASETS else
+                          f", or point eval.data_files.{task} at local JSON/JSONL files ({{split: path}})")
+            raise DatasetUnavailable(
+                f"eval task {task!r} cannot load {where}: {type(exc).__name__}: {exc}. Without network, download it "
+                f"into the Hugging Face cache first{local_hint}") from exc
+    return loaded
+
+
+def dataset_of(task: str) -> str:
+    if task in HIDDEN_DATASETS:
+        return HIDDEN_DATASETS[task]
+    path = stock_yaml(task)
+    try:
+        spec = yaml.load(path.read_text(), Loader=_Lenient) if path else {}
+    except (OSError, yaml.YAMLError):
+        spec = {}
+    return str((spec or {}).get("dataset_path") or "(see the task's YAML)")
+
+
+class _Lenient(yaml.SafeLoader):
+    """Reads lm-eval task YAMLs without resolving their `!function` tags."""
+
+
+_Lenient.add_multi_constructor("!", lambda loader, suffix, node: None)
