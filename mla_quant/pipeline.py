@@ -185,6 +185,19 @@ def refuse_idle_calibration(cfg: DictConfig) -> None:
                          f"nothing; drop them")
 
 
+def refuse_idle_resources() -> None:
+    """model.resources.* only reaches a submitit launcher (hydra/launcher=slurm|local in a --multirun sweep)."""
+    bad = [o for o in user_overrides() if o.lstrip("+~").split("=", 1)[0].startswith("model.resources")]
+    if not bad or not HydraConfig.initialized():
+        return
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN or hc.runtime.choices.get("hydra/launcher") not in ("slurm", "local"):
+        raise ValueError(f"{bad}: model.resources is what a sweep job asks its launcher for; it takes effect only "
+                         f"with --multirun hydra/launcher=slurm or hydra/launcher=local, so drop it here")
+
+
 def _quietly(what: str, fn, *args, **kwargs):
     """Call a tracker method; any error is a warning, never a failed run (the record is the source of truth)."""
     try:
@@ -217,6 +230,7 @@ def main(cfg: DictConfig) -> StageResult:
     stage = get_method(cfg.task._target_)  # fails early, naming the target, if it does not exist
     refuse_unused_groups(cfg.task)  # an override of a group this experiment does not read is refused by name
     refuse_idle_calibration(cfg)
+    refuse_idle_resources()
     identity = run_identity(resolved)
     complete, prog = resume_state(cfg, run_dir, identity)
     if complete is not None:

@@ -31,7 +31,7 @@ from mla_quant.quant.formats import CacheFormat, cache_format
 from mla_quant.transforms import apply_transforms
 
 # Keys of a model YAML that describe the model for other config groups, not arguments of its builder.
-MODEL_METADATA_KEYS = ("tokenizer", "quant_group_size")
+MODEL_METADATA_KEYS = ("tokenizer", "quant_group_size", "resources")
 
 
 def _toy_config(node: Mapping):

@@ -258,7 +258,7 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
     if use_data:
         check_calib(calib, source)
     fit = _plain(tcfg).get("fit") or {}
-    payload = {"model": {k2: v for k2, v in _plain(cfg.model).items() if k2 not in ("device", "tokenizer")},
+    payload = {"model": {k2: v for k2, v in _plain(cfg.model).items() if k2 not in ("device", "tokenizer", "resources")},
                "weights": weights_sha256(model), "transform": {k2: v for k2, v in _plain(tcfg).items() if k2 != "fit"},
                "fit": {k2: v for k2, v in fit.items() if k2 not in ("cache_dir", "reuse")},
                "objective": _plain(cfg.get("objective")) if fitted_paths(tcfg) else None,

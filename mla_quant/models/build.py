@@ -8,7 +8,11 @@ These are the `_target_`s of `conf/model/*.yaml`; `mla_quant.prepare.prepare_mod
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -16,6 +20,7 @@ from torch import nn
 
 from mla_quant.models.absorbed import absorb
 from mla_quant.models.families import family_for_config, get_family
+from mla_quant.record import progress
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -136,6 +141,61 @@ def pretrained_config(family: str, hf_id: str, revision: str | None = None, path
     return fam.config_class.from_dict({**fields, **_plain(config)})
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def checkpoint_files(hf_id: str, revision: str | None, path: str | None) -> list[Path] | None:
+    """The checkpoint's weight files: those of `path`, or of its Hugging Face cache snapshot; None when the
+    checkpoint is not on this machine yet (from_pretrained will download it)."""
+    folder = Path(path) if path else None
+    if folder is None:
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = Path(snapshot_download(hf_id, revision=revision, local_files_only=True))
+        except Exception:  # noqa: BLE001 - not cached (or no such repo): nothing local to check yet
+            return None
+    return sorted(f for f in folder.iterdir() if f.name.endswith(WEIGHT_SUFFIXES) and f.is_file())
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)  # hashlib drops the GIL on large blocks: files hash in parallel threads
+    return h.hexdigest()
+
+
+def verify_weight_files(files: list[Path], expected: Mapping[str, str] | None = None) -> dict[str, str]:
+    """SHA-256 of every weight file, checked against `expected` (`model.sha256`: file name -> hex digest) or, for a
+    file in the Hugging Face cache, against the content hash its blob is named by. -> {file name: sha256}."""
+    expected = {k: str(v).lower() for k, v in _plain(expected).items()}
+    unknown = sorted(set(expected) - {f.name for f in files})
+    if unknown:
+        raise ValueError(f"model.sha256 names {unknown}, which are not weight files of the checkpoint; its weight "
+                         f"files: {[f.name for f in files]}")
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(files)))) as pool:
+        digests = dict(zip([f.name for f in files], pool.map(sha256_file, files)))
+    for f in files:
+        blob = Path(os.path.realpath(f)).name
+        want = expected.get(f.name) or (blob if _SHA256.fullmatch(blob) else None)
+        if want is not None and digests[f.name] != want:
+            source = "model.sha256" if f.name in expected else "the Hugging Face cache's blob name"
+            raise ValueError(f"weight file {f} has SHA-256 {digests[f.name]} but {source} says {want}: the file is "
+                             f"corrupted or incompletely downloaded; delete it and download it again")
+    return digests
+
+
+def check_finite(model: nn.Module, source: str) -> None:
+    """Refuse loaded weights holding NaN or inf (offloaded tensors on the meta device are not read)."""
+    bad = [name for name, t in model.state_dict().items()
+           if t.is_floating_point() and t.device.type != "meta" and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ValueError(f"checkpoint {source!r}: {len(bad)} weight tensor(s) hold NaN or inf, e.g. {bad[:3]}; "
+                         f"refusing to run with them")
+
+
 def pretrained_model(
     family: str,
     hf_id: str,
@@ -147,15 +207,20 @@ def pretrained_model(
     absorbed: bool = True,
     device_map: str | None = None,
     trust_remote_code: bool = False,
+    sha256: Mapping[str, str] | None = None,
 ) -> nn.Module:
     """A real checkpoint, loaded with the family's own transformers classes (no remote code needed).
 
-    `path` (a local folder) wins over `hf_id`; `config` overrides fields of the checkpoint's config.
+    `path` (a local folder) wins over `hf_id`; `config` overrides fields of the checkpoint's config. The weight
+    files are checked against their hashes (`verify_weight_files`; before loading when they are on this machine)
+    and the loaded weights for NaN/inf; the files' SHA-256 go into the run record (`weights`).
     """
     fam = get_family(family)
     source = path or hf_id
     kwargs = {} if path else {"revision": revision}
     hf_config = pretrained_config(family, hf_id, revision, path, config)
+    files = checkpoint_files(hf_id, revision, path)
+    hashes = verify_weight_files(files, sha256) if files is not None else None
     model, info = fam.model_class.from_pretrained(
         source,
         config=hf_config,
@@ -172,5 +237,9 @@ def pretrained_model(
             f"checkpoint {source!r} does not fit {fam.model_class_name} ({len(missing)} weights missing, e.g. "
             f"{missing[:3]}): refusing to run with randomly initialised weights"
         )
+    if hashes is None:  # downloaded by from_pretrained just now: check what landed in the cache
+        hashes = verify_weight_files(checkpoint_files(hf_id, revision, path) or [], sha256)
+    check_finite(model, source)
+    progress().note("weights", hashes)
     model.eval()
     return absorb(model) if absorbed else model
