@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mla_quant.kernels.layout import WORD_BITS, WordLayout
 from mla_quant.quant.packing import PACK_BITS, pack, pack_reference, packed_dim, unpack
 
 
@@ -54,3 +55,40 @@ def test_bad_inputs_name_the_value():
         pack(codes.int(), 4)
     with pytest.raises(ValueError, match="n=9"):
         unpack(torch.zeros(4, dtype=torch.uint8), 4, 9)
+
+
+# ------------------------------------------------------------------------------------------- the kernels' word layout
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from(WORD_BITS), lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+       d=st.integers(1, 130), seed=st.integers(0, 2**31 - 1))
+def test_word_layout_round_trip_and_field_rule(bits, lead, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (*lead, d), generator=gen, dtype=torch.uint8)
+    layout = WordLayout(bits, d)
+    words = layout.pack(codes)
+    assert words.dtype == torch.int32 and words.shape == (*lead, layout.words)
+    assert layout.row_bytes == 4 * -(-d * bits // 32)
+    assert torch.equal(layout.unpack(words), codes)
+    # the documented rule, one field at a time: field k of word j holds channel k W + j (0 past d)
+    w = words.reshape(-1, layout.words).long() & 0xFFFFFFFF
+    flat = codes.reshape(-1, d).long()
+    for k in range(layout.per_word):
+        for j in range(layout.words):
+            ch = k * layout.words + j
+            want = flat[:, ch] if ch < d else torch.zeros_like(flat[:, 0])
+            assert torch.equal((w[:, j] >> (k * bits)) & (2**bits - 1), want), f"bits={bits} d={d} field {k} word {j}"
+
+
+def test_word_layout_bytes_equal_the_bit_stream_where_words_fill():
+    for bits in WORD_BITS:
+        for d in (16, 64, 96, 512):
+            assert WordLayout(bits, d).row_bytes == packed_dim(d, bits), (bits, d)
+
+
+def test_word_layout_refuses_bad_input():
+    with pytest.raises(ValueError, match=r"bits=3; allowed: \[2, 4, 8\]"):
+        WordLayout(3, 64)
+    with pytest.raises(ValueError, match=r"codes \(\.\.\., 64\) expected"):
+        WordLayout(4, 64).pack(torch.zeros(2, 63, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"int32 \(\.\.\., 8\) expected"):
+        WordLayout(4, 64).unpack(torch.zeros(2, 8, dtype=torch.uint8))

@@ -242,9 +242,9 @@ def test_protected_region_exact_and_tokens_quantized_once():
         for k, v in one_shot.stored_parts(path).items():
             assert torch.equal(layer.stored_parts(path)[k], v), f"{path}.{k} depends on the append chunking"
     parts = layer.stored_parts("content")
-    assert parts["codes"].dtype == torch.uint8 and parts["codes"].shape == (2, 50, 16)  # 64 int2 codes = 16 bytes
+    assert parts["codes"].dtype == torch.int32 and parts["codes"].shape == (2, 50, 4)  # 64 int2 codes = 4 words
     assert parts["scales"].dtype == torch.float16 and parts["scales"].shape == (2, 50, 4)
-    assert parts["zeros"].dtype == torch.float16 and layer.stored_parts("rope")["codes"].shape == (2, 50, 8)
+    assert parts["zeros"].dtype == torch.float16 and layer.stored_parts("rope")["codes"].shape == (2, 50, 2)
 
 
 def test_serving_layer_sees_fresh_then_stored():

@@ -20,8 +20,9 @@ compile-time, per segment. Stage 2 (Triton) merges every split of every segment 
 The split count follows FlashMLA's get_mla_metadata: enough programs to fill the GPU's SMs about twice, never
 splits shorter than a few tiles (`split_plan`).
 
-Per path: float values (bits=0) or int codes with bits 2, 4, 8, packed LSB-first (codes per byte = 8 // bits), with
-`group` values per scale (a multiple of the codes per byte), symmetric (x = (q - 2^(b-1)) s) or asymmetric
+Per path: float values (bits=0) or int codes with bits 2, 4, 8 in int32 words chunked along channels
+(`WordLayout`, kernels/layout.py: a tile unpacks from one load of its words by a broadcast shift and mask, in channel
+order), with `group` values per scale (any divisor of d), symmetric (x = (q - 2^(b-1)) s) or asymmetric
 (x = q s + z), scales float or pow2 (int8 exponents). Stored tensors must be contiguous. Anything else is refused
 before launch, naming the argument and what is allowed. Products run in float32 (`dot="ieee"`) or with bfloat16
 operands and float32 accumulation (`dot="bf16"`, the default for bfloat16 queries on a GPU, as FlashMLA does).
@@ -39,6 +40,7 @@ import triton
 import triton.language as tl
 
 from mla_quant.kernels.attention import latent_attention
+from mla_quant.kernels.layout import WordLayout
 
 KERNEL_BITS = (0, 2, 4, 8)  # 0 = float values
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -48,8 +50,8 @@ DOTS = ("auto", "ieee", "bf16")
 
 @dataclass
 class PagedPath:
-    """One path's stored tensors, each a contiguous pool (num_blocks, block_size, *): `data` is uint8 packed codes
-    (.., ceil(d * bits / 8)) or float values (.., d); `scales`/`zeros` (.., d / group) for codes."""
+    """One path's stored tensors, each a contiguous pool (num_blocks, block_size, *): `data` is int32 code words
+    (.., WordLayout(bits, d).words) or float values (.., d); `scales`/`zeros` (.., d / group) for codes."""
 
     data: torch.Tensor
     scales: torch.Tensor | None = None
@@ -102,13 +104,12 @@ def _check_path(p: PagedPath, d: int, name: str, blocks: tuple[int, int], device
                              f"expected for bits=0, got {p.data.dtype} {tuple(p.data.shape)}")
         parts = [("data", p.data)]
     else:
-        per_byte = 8 // p.bits
-        if p.data.dtype != torch.uint8 or p.data.shape[-1] != math.ceil(d / per_byte):
-            raise ValueError(f"{name}.data: uint8 codes (.., {math.ceil(d / per_byte)}) expected for bits={p.bits}, "
-                             f"got {p.data.dtype} {tuple(p.data.shape)}")
-        if p.group <= 0 or d % p.group or p.group % per_byte:
-            raise ValueError(f"{name}.group={p.group}: must divide d={d} and be a multiple of {per_byte} "
-                             f"(codes per byte at bits={p.bits})")
+        words = WordLayout(p.bits, d).words
+        if p.data.dtype != torch.int32 or p.data.shape[-1] != words:
+            raise ValueError(f"{name}.data: int32 code words (.., {words}) expected for bits={p.bits} "
+                             f"(WordLayout), got {p.data.dtype} {tuple(p.data.shape)}")
+        if p.group <= 0 or d % p.group:
+            raise ValueError(f"{name}.group={p.group}: must be a positive divisor of d={d}")
         groups = d // p.group
         parts = [("data", p.data)]
         for part, t in [("scales", p.scales)] + ([] if p.symmetric else [("zeros", p.zeros)]):
@@ -182,14 +183,6 @@ def bytes_read(q_latent: torch.Tensor, q_rope: torch.Tensor, segments) -> int:
 
 
 # --------------------------------------------------------------------------------------------------- reference
-def _unpack(codes: torch.Tensor, bits: int, d: int) -> torch.Tensor:
-    """uint8 (..., ceil(d*bits/8)) LSB-first -> (..., d) float32 codes (the kernel's read, spelled out)."""
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.uint8) * bits
-    q = (codes[..., None] >> shifts) & ((1 << bits) - 1)  # (..., bytes, per_byte)
-    return q.reshape(*codes.shape[:-1], -1)[..., :d].float()
-
-
 def _gather_path(p: PagedPath, table: torch.Tensor, d: int) -> torch.Tensor:
     """(B, max_blocks * block_size, d) float32 tokens of one path, read through the block table."""
     idx = table.long()
@@ -200,7 +193,7 @@ def _gather_path(p: PagedPath, table: torch.Tensor, d: int) -> torch.Tensor:
 
     if p.bits == 0:
         return rows(p.data).float()
-    q = _unpack(rows(p.data), p.bits, d)
+    q = WordLayout(p.bits, d).unpack(rows(p.data)).float()
     s = rows(p.scales)
     s = torch.exp2(s.float()) if p.pow2 else s.float()
     s = s.repeat_interleave(p.group, dim=-1)
@@ -230,22 +223,52 @@ def latent_decode_reference(q_latent: torch.Tensor, q_rope: torch.Tensor, scale:
 
 # ------------------------------------------------------------------------------------------------------ kernel
 @triton.jit
-def _dequant_tile(base, sc_base, z_base, row, ok_t, d_offs, d_ok, D: tl.constexpr,
-                  BITS: tl.constexpr, GROUP: tl.constexpr, SYM: tl.constexpr, POW2: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] float32 tile of one path for the tokens at pool rows `row` (block * block_size + slot);
-    the pools are contiguous, so a row's offset follows from D and the format (BITS=0: float values)."""
-    ok = ok_t[:, None] & d_ok[None, :]
+def _layout(D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Positions of a path's tile in its storage order and the channel each holds: position k * BLOCK_W + j is
+    field k of word j, channel k W + j (WordLayout; float values: P = 1, the identity). Returns (channel, valid)."""
     if BITS == 0:
-        x = tl.load(base + (row * D)[:, None] + d_offs[None, :], mask=ok, other=0.0).to(tl.float32)
+        ch = tl.arange(0, BLOCK_D)
+        ok = ch < D
     else:
-        per_byte: tl.constexpr = 8 // BITS
-        row_bytes: tl.constexpr = D // per_byte
+        PW: tl.constexpr = 32 // BITS
+        W: tl.constexpr = (D + PW - 1) // PW
+        BLOCK_W: tl.constexpr = BLOCK_D // PW
+        pos = tl.arange(0, BLOCK_D)
+        j = pos % BLOCK_W
+        ch = (pos // BLOCK_W) * W + j
+        ok = (j < W) & (ch < D)
+    return ch, ok
+
+
+@triton.jit
+def _dequant_tile(base, sc_base, z_base, row, ok_t, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BITS: tl.constexpr, GROUP: tl.constexpr, SYM: tl.constexpr, POW2: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] float32 tile of one path for the tokens at pool rows `row` (block * block_size + slot), in
+    the path's storage order (`_layout`); the pools are contiguous, so a row's offset follows from D and the format.
+    Codes: one load of the tile's int32 words, a broadcast shift and mask into (N, P, BLOCK_W) runs of channels, the
+    scale and zero applied per run where a run lies in one group (per value otherwise), flattened in place."""
+    if BITS == 0:
+        ch, ch_ok = _layout(D, BITS, BLOCK_D)
+        x = tl.load(base + (row * D)[:, None] + ch[None, :], mask=ok_t[:, None] & ch_ok[None, :],
+                    other=0.0).to(tl.float32)
+    else:
+        PW: tl.constexpr = 32 // BITS
+        W: tl.constexpr = (D + PW - 1) // PW
+        BLOCK_W: tl.constexpr = BLOCK_D // PW
         groups: tl.constexpr = D // GROUP
-        byte = tl.load(base + (row * row_bytes)[:, None] + (d_offs // per_byte)[None, :], mask=ok, other=0)
-        shift = ((d_offs % per_byte) * BITS).to(tl.uint8)
-        q = ((byte >> shift[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-        g = (row * groups)[:, None] + (d_offs // GROUP)[None, :]
-        s = tl.load(sc_base + g, mask=ok, other=0)
+        j = tl.arange(0, BLOCK_W)
+        k = tl.arange(0, PW)
+        words = tl.load(base + (row * W)[:, None] + j[None, :], mask=ok_t[:, None] & (j < W)[None, :], other=0)
+        q = ((words[:, None, :] >> (k * BITS)[None, :, None]) & ((1 << BITS) - 1)).to(tl.float32)  # [N, PW, BW]
+        if GROUP % W == 0:  # each run of W channels lies in one group: one scale (and zero) per token and run
+            g = ((row * groups)[:, None] + ((k * W) // GROUP)[None, :])[:, :, None]  # [N, PW, 1]
+            g_ok = (ok_t[:, None] & (k * W < D)[None, :])[:, :, None]
+            s = tl.load(sc_base + g, mask=g_ok, other=0)
+        else:
+            ch = k[:, None] * W + j[None, :]  # [PW, BW]
+            g = (row * groups)[:, None, None] + (ch // GROUP)[None, :, :]
+            g_ok = ok_t[:, None, None] & ((j < W)[None, :] & (ch < D))[None, :, :]
+            s = tl.load(sc_base + g, mask=g_ok, other=0)
         if POW2:
             s = tl.exp2(s.to(tl.float32))
         else:
@@ -253,7 +276,8 @@ def _dequant_tile(base, sc_base, z_base, row, ok_t, d_offs, d_ok, D: tl.constexp
         if SYM:
             x = (q - (1 << (BITS - 1))) * s
         else:
-            x = q * s + tl.load(z_base + g, mask=ok, other=0.0).to(tl.float32)
+            x = q * s + tl.load(z_base + g, mask=g_ok, other=0.0).to(tl.float32)
+        x = tl.reshape(x, [x.shape[0], BLOCK_D])
     return x
 
 
@@ -271,13 +295,21 @@ def _dot(a, b, MODE: tl.constexpr):
 
 
 @triton.jit
-def _split_partial(q, qr, b, h, h_ok, dc, dc_ok, dr, dr_ok, out_slot, local_split, scale,
+def _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot, local_split, scale,
                    O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
                    C, C_SC, C_Z, R, R_SC, R_Z, TABLE, TABLE_W, LENS, BS, TPS,
-                   DC: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
+                   DC: tl.constexpr, DR: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
                    C_BITS: tl.constexpr, C_GROUP: tl.constexpr, C_SYM: tl.constexpr, C_POW2: tl.constexpr,
                    R_BITS: tl.constexpr, R_GROUP: tl.constexpr, R_SYM: tl.constexpr, R_POW2: tl.constexpr):
-    """Attend the heads `h` of sequence b over one split of one segment; store its partial output and LSE."""
+    """Attend the heads `h` of sequence b over one split of one segment; store its partial output and LSE. The
+    queries are read, and the output written, in the storage order of the segment's paths (`_layout`)."""
+    dc, dc_ok = _layout(DC, C_BITS, BLOCK_DC)
+    dr, dr_ok = _layout(DR, R_BITS, BLOCK_DR)
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + dc[None, :],
+                mask=h_ok[:, None] & dc_ok[None, :], other=0.0).to(tl.float32)
+    qr = tl.load(QR + b.to(tl.int64) * stride_qrb + h[:, None] * stride_qrh + dr[None, :],
+                 mask=h_ok[:, None] & dr_ok[None, :], other=0.0).to(tl.float32)
     n_tokens = tl.load(LENS + b).to(tl.int32)
     start = local_split * TPS
     end = tl.minimum(start + TPS, n_tokens)
@@ -289,8 +321,8 @@ def _split_partial(q, qr, b, h, h_ok, dc, dc_ok, dr, dr_ok, out_slot, local_spli
         tok_ok = tok < end
         blk = tl.load(TABLE + b.to(tl.int64) * TABLE_W + tok // BS, mask=tok_ok, other=0).to(tl.int64)
         row = blk * BS + (tok % BS)
-        c = _dequant_tile(C, C_SC, C_Z, row, tok_ok, dc, dc_ok, DC, C_BITS, C_GROUP, C_SYM, C_POW2)
-        r = _dequant_tile(R, R_SC, R_Z, row, tok_ok, dr, dr_ok, DR, R_BITS, R_GROUP, R_SYM, R_POW2)
+        c = _dequant_tile(C, C_SC, C_Z, row, tok_ok, DC, BLOCK_DC, C_BITS, C_GROUP, C_SYM, C_POW2)
+        r = _dequant_tile(R, R_SC, R_Z, row, tok_ok, DR, BLOCK_DR, R_BITS, R_GROUP, R_SYM, R_POW2)
         s = (_dot(q, tl.trans(c), DOT_MODE) + _dot(qr, tl.trans(r), DOT_MODE)) * scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -329,30 +361,29 @@ def _stage1_kernel(
     b = tl.program_id(1)
     split = tl.program_id(2)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    dc = tl.arange(0, BLOCK_DC)
-    dr = tl.arange(0, BLOCK_DR)
-    h_ok, dc_ok, dr_ok = h < H, dc < DC, dr < DR
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + dc[None, :],
-                mask=h_ok[:, None] & dc_ok[None, :], other=0.0).to(tl.float32)
-    qr = tl.load(QR + b.to(tl.int64) * stride_qrb + h[:, None] * stride_qrh + dr[None, :],
-                 mask=h_ok[:, None] & dr_ok[None, :], other=0.0).to(tl.float32)
+    h_ok = h < H
     out_slot = split_base + split
     if split < NS0:
-        _split_partial(q, qr, b, h, h_ok, dc, dc_ok, dr, dr_ok, out_slot, split, scale,
+        _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot, split, scale,
                        O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                       C0, C0_SC, C0_Z, R0, R0_SC, R0_Z, T0, T0_W, L0, BS0, TPS0, DC, DR, BLOCK_N, DOT_MODE,
+                       C0, C0_SC, C0_Z, R0, R0_SC, R0_Z, T0, T0_W, L0, BS0, TPS0, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
+                       DOT_MODE,
                        F0_CB, F0_CG, F0_CS, F0_CP, F0_RB, F0_RG, F0_RS, F0_RP)
     if NSEG > 1:
         if (split >= NS0) & (split < NS0 + NS1):
-            _split_partial(q, qr, b, h, h_ok, dc, dc_ok, dr, dr_ok, out_slot, split - NS0, scale,
+            _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot, split - NS0,
+                           scale,
                            O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                           C1, C1_SC, C1_Z, R1, R1_SC, R1_Z, T1, T1_W, L1, BS1, TPS1, DC, DR, BLOCK_N, DOT_MODE,
+                           C1, C1_SC, C1_Z, R1, R1_SC, R1_Z, T1, T1_W, L1, BS1, TPS1, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
+                       DOT_MODE,
                            F1_CB, F1_CG, F1_CS, F1_CP, F1_RB, F1_RG, F1_RS, F1_RP)
     if NSEG > 2:
         if split >= NS0 + NS1:
-            _split_partial(q, qr, b, h, h_ok, dc, dc_ok, dr, dr_ok, out_slot, split - NS0 - NS1, scale,
+            _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot,
+                           split - NS0 - NS1, scale,
                            O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                           C2, C2_SC, C2_Z, R2, R2_SC, R2_Z, T2, T2_W, L2, BS2, TPS2, DC, DR, BLOCK_N, DOT_MODE,
+                           C2, C2_SC, C2_Z, R2, R2_SC, R2_Z, T2, T2_W, L2, BS2, TPS2, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
+                       DOT_MODE,
                            F2_CB, F2_CG, F2_CS, F2_CP, F2_RB, F2_RG, F2_RS, F2_RP)
 
 

@@ -14,7 +14,8 @@ with which arguments) the Triton decode kernel reads it. Adding a format = one `
 Codecs (`format`), see docs/cache.md "Formats":
     bf16  kept unquantized, in the activation dtype (BF16 on real models; the formulas count 2 B/value)
     int   `bits` in {2,3,4,8}, per-token groups of `group_size` (null = whole vector), symmetric or scale + zero,
-          codes packed (packing.py), scales/zeros in `scale_dtype` (fp16 | bf16 | fp32 | pow2 = int8 exponent)
+          codes in int32 words (kernels/layout.py; INT3: the byte stream of packing.py), scales/zeros in
+          `scale_dtype` (fp16 | bf16 | fp32 | pow2 = int8 exponent)
     fp8   e4m3 (torch.float8_e4m3fn), bits 8; granularity "group": one scale per group_size values
           (null = per token, 128 = FlashMLA tiles), or "tensor": one float32 scale per sequence and layer, the
           amax/448 of that sequence's first append, optionally shared by both paths (`shared_scale`)
@@ -29,6 +30,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from mla_quant.kernels.layout import WORD_BITS, WordLayout
 from mla_quant.quant import packing, quantizers
 
 GRANULARITIES = ("group", "tensor")
@@ -39,7 +41,7 @@ STEP_TYPES = ("prefill", "decode")  # multi-token steps (prefill, scoring) / one
 SCALE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "pow2": 1}
 ZERO_BYTES = {name: torch.empty(0, dtype=dt).element_size() for name, dt in quantizers.ZERO_DTYPES.items()}
 TENSOR_SCALE_BYTES = 4  # one float32 per tensor-granularity path (or one shared by both paths), per sequence and layer
-TRITON_INT_BITS = (2, 4, 8)  # what the decode kernel unpacks
+TRITON_INT_BITS = WORD_BITS  # what the decode kernel unpacks: the int32 word layout (kernels/layout.py)
 
 
 def _plain(cfg) -> dict:
@@ -144,27 +146,36 @@ class IntCodec(Codec):
     def n_groups(self, fmt, d):
         return quantizers.n_groups(d, fmt.group_size)
 
+    @staticmethod
+    def code_bytes(fmt, d) -> int:
+        """Bytes of one token's codes: whole int32 words (WordLayout) at 2/4/8 bits, the LSB-first stream at 3."""
+        return WordLayout(fmt.bits, d).row_bytes if fmt.bits in WORD_BITS else packing.packed_dim(d, fmt.bits)
+
     def bytes_per_token(self, fmt, d, act_bytes):
         zeros = 0 if fmt.symmetric else ZERO_BYTES[fmt.scale_dtype]
-        return packing.packed_dim(d, fmt.bits) + self.n_groups(fmt, d) * (SCALE_BYTES[fmt.scale_dtype] + zeros)
+        return self.code_bytes(fmt, d) + self.n_groups(fmt, d) * (SCALE_BYTES[fmt.scale_dtype] + zeros)
 
     def encode(self, fmt, x, tensor_scale):
         codes, scales, zeros = quantizers.group_quantize(x, fmt.bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype)
-        parts = {"codes": packing.pack(codes, fmt.bits, check=False), "scales": scales}
+        if fmt.bits in WORD_BITS:
+            packed = WordLayout(fmt.bits, x.shape[-1]).pack(codes)
+        else:
+            packed = packing.pack(codes, fmt.bits, check=False)
+        parts = {"codes": packed, "scales": scales}
         if zeros is not None:
             parts["zeros"] = zeros
         return parts
 
     def decode(self, fmt, parts, d, dtype, tensor_scale):
-        codes = packing.unpack(parts["codes"], fmt.bits, d)
+        if fmt.bits in WORD_BITS:
+            codes = WordLayout(fmt.bits, d).unpack(parts["codes"])
+        else:
+            codes = packing.unpack(parts["codes"], fmt.bits, d)
         return quantizers.group_dequantize(codes, parts["scales"], parts.get("zeros"), fmt.bits, dtype)
 
     def kernel_unsupported(self, fmt, d):
         if fmt.bits not in TRITON_INT_BITS:
             return f"bits={fmt.bits} (the kernel unpacks {list(TRITON_INT_BITS)})"
-        per_byte = 8 // fmt.bits
-        if (fmt.group_size or d) % per_byte:
-            return f"group_size={fmt.group_size or d} (a multiple of {per_byte}, the codes in one byte, is needed)"
         return None
 
     def kernel_spec(self, fmt, d):

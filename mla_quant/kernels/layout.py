@@ -1,0 +1,83 @@
+"""The storage layout of integer codes that the kernels read and write: whole int32 words, chunked along channels.
+
+One spec for the encoder (mla_quant/quant/formats.py), the decode and store kernels and the byte accounting:
+
+    layout = WordLayout(bits=4, d=512)      # P = 32 // bits codes per word, W = ceil(d / P) words per token
+    words = layout.pack(codes)              # codes (..., d) uint8 < 2^bits -> (..., W) int32
+    codes = layout.unpack(words)            # and back
+    layout.row_bytes                        # 4 W: the bytes of one token's codes (256 at int4, d = 512)
+
+Field k (bits [k b, (k + 1) b), LSB first) of word j holds the code of channel k W + j; fields of channels >= d are
+0. So a tile of N tokens unpacks from one load of its (N, W) words with a broadcast shift and mask,
+`(words[:, None, :] >> b k) & (2^b - 1)` for k < P, into (N, P, W) codes whose row-major flattening is channel
+order: each field of a word is a contiguous run of W channels. No code is gathered per element, no interleave is
+needed, and each run is a whole operand of a `tl.dot` against the matching W channels of the query. When the scale
+group is a multiple of W (every release format at d_c = 512: W = 64 at int4, 32 at int2, 128 at int8), a run lies
+inside one group, so its scale and zero are one value per token and run.
+
+Widths: 2, 4 and 8 bits (16, 8 and 4 codes per word). Other widths (INT3) keep the LSB-first byte stream of
+mla_quant/quant/packing.py and are not read by the kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+WORD_BITS = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class WordLayout:
+    """Codes of one path of `d` values at `bits` bits as int32 words (see the module docstring)."""
+
+    bits: int
+    d: int
+
+    def __post_init__(self):
+        if self.bits not in WORD_BITS:
+            raise ValueError(f"WordLayout bits={self.bits!r}; allowed: {list(WORD_BITS)}")
+        if self.d < 1:
+            raise ValueError(f"WordLayout d={self.d!r}; allowed: an integer >= 1")
+
+    @property
+    def per_word(self) -> int:
+        """P: codes per int32 word."""
+        return 32 // self.bits
+
+    @property
+    def words(self) -> int:
+        """W: words per token, also the length of each channel run."""
+        return -(-self.d // self.per_word)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's codes."""
+        return 4 * self.words
+
+    def channels(self, device=None) -> torch.Tensor:
+        """(P, W) int64: the channel each field of each word holds (>= d: padding, stored as 0)."""
+        k = torch.arange(self.per_word, device=device)[:, None]
+        return k * self.words + torch.arange(self.words, device=device)[None, :]
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes (..., d) uint8 < 2^bits -> (..., W) int32."""
+        if codes.shape[-1] != self.d:
+            raise ValueError(f"WordLayout(bits={self.bits}, d={self.d}).pack: codes (..., {self.d}) expected, got "
+                             f"{tuple(codes.shape)}")
+        pad = self.per_word * self.words - self.d
+        v = torch.cat([codes, codes.new_zeros(*codes.shape[:-1], pad)], -1) if pad else codes
+        v = v.to(torch.int64).reshape(*codes.shape[:-1], self.per_word, self.words)  # (..., P, W): run k, word j
+        shifts = (torch.arange(self.per_word, device=codes.device) * self.bits)[:, None]
+        word = (v << shifts).sum(-2)  # (..., W): disjoint bit fields, so the sum is their OR (< 2^32)
+        return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+
+    def unpack(self, words: torch.Tensor) -> torch.Tensor:
+        """(..., W) int32 -> codes (..., d) uint8."""
+        if words.dtype != torch.int32 or words.shape[-1] != self.words:
+            raise ValueError(f"WordLayout(bits={self.bits}, d={self.d}).unpack: int32 (..., {self.words}) expected, "
+                             f"got {words.dtype} {tuple(words.shape)}")
+        shifts = (torch.arange(self.per_word, device=words.device) * self.bits)[:, None]
+        v = (words.to(torch.int64)[..., None, :] >> shifts) & ((1 << self.bits) - 1)  # (..., P, W)
+        return v.reshape(*words.shape[:-1], -1)[..., : self.d].to(torch.uint8)
