@@ -50,25 +50,31 @@ def check_calib(calib_cfg, source: str, min_seq_len: int = 16) -> None:
         raise ValueError("calib.source=text needs calib.dataset (e.g. wikitext with calib.subset=wikitext-2-raw-v1)")
 
 
-def toy_ids(tokenizer, n: int, t: int, seed: int, split: str = "train") -> torch.Tensor:
-    """n rows of t tokens packed with documents of the toy's training mix (the last document of a row is cut)."""
-    from mla_quant.toy.train import TrainOptions, encode_doc, sample_doc
+def toy_ids(tokenizer, n: int, t: int, seed: int, split: str = "train", scored: bool = False):
+    """n rows of t tokens packed with documents of the toy's training mix (the last document of a row is cut).
+    scored=True: also the (n, t) bool mask of the tokens the toy was trained to predict (answers, not prompts)."""
+    from mla_quant.toy.train import IGNORE, TrainOptions, encode_doc, sample_doc
 
     opts = TrainOptions()
-    rows = []
+    rows, masks = [], []
     for row in range(n):
         rng = random.Random(f"toy-calib:{seed}:{row}")
         ids: list[int] = []
+        mask: list[bool] = []
         while len(ids) < t:
-            d_ids, _ = encode_doc(tokenizer, *sample_doc(rng, tokenizer, opts, max(t - len(ids), 64), split=split))
+            d_ids, labels = encode_doc(tokenizer, *sample_doc(rng, tokenizer, opts, max(t - len(ids), 64), split=split))
             ids += d_ids
+            mask += [label != IGNORE for label in labels]
         rows.append(ids[:t])
-    return torch.tensor(rows, dtype=torch.long)
+        masks.append(mask[:t])
+    ids = torch.tensor(rows, dtype=torch.long)
+    return (ids, torch.tensor(masks, dtype=torch.bool)) if scored else ids
 
 
-def text_ids(calib_cfg, tokenizer, n: int, t: int) -> torch.Tensor:
+def text_ids(calib_cfg, tokenizer, n: int, t: int, purpose: str = "calibration") -> torch.Tensor:
+    """n rows of t tokens of a text dataset (`calib_cfg`: dataset, subset, split, text_field, seed, data_files)."""
     if tokenizer is None:
-        raise ValueError("calib.source=text needs a model with a tokenizer")
+        raise ValueError(f"{purpose} data from a text dataset needs a model with a tokenizer")
     try:
         from datasets import load_dataset
 
@@ -76,16 +82,16 @@ def text_ids(calib_cfg, tokenizer, n: int, t: int) -> torch.Tensor:
         subset = None if kwargs else calib_cfg.get("subset")
         data = load_dataset(calib_cfg.dataset, subset, split=calib_cfg.get("split", "train"), **kwargs)
     except Exception as err:  # offline, unknown dataset, missing package: one clear message
-        raise OSError(f"cannot load the calibration dataset {calib_cfg.dataset!r} (subset {calib_cfg.get('subset')!r}, "
-                      f"split {calib_cfg.get('split', 'train')!r}): {type(err).__name__}: {err}. Calibration of a "
-                      f"checkpoint needs this text on the machine (the Hugging Face datasets cache, or network).") from err
+        raise OSError(f"cannot load the {purpose} dataset {calib_cfg.dataset!r} (subset {calib_cfg.get('subset')!r}, "
+                      f"split {calib_cfg.get('split', 'train')!r}): {type(err).__name__}: {err}. This text must be on the "
+                      f"machine (the Hugging Face datasets cache, or network).") from err
     texts = [x for x in data[calib_cfg.get("text_field", "text")] if x and x.strip()]
     rng = random.Random(int(calib_cfg.seed))
     rng.shuffle(texts)
     ids = tokenizer("\n\n".join(texts[: 40 * n]), return_tensors="pt").input_ids[0]
     if ids.numel() < n * t:
-        raise ValueError(f"calibration dataset {calib_cfg.dataset!r} gave {ids.numel()} tokens; calib.samples x "
-                         f"calib.seq_len needs {n * t}")
+        raise ValueError(f"{purpose} dataset {calib_cfg.dataset!r} gave {ids.numel()} tokens; samples x "
+                         f"seq_len needs {n * t}")
     return ids[: n * t].view(n, t)
 
 

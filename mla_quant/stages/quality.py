@@ -1,0 +1,104 @@
+"""Stage: perplexity and next-token KL of a cache format against the unquantized cache (the quick quality check).
+
+    python run.py experiment=quality quant=int2_content_int4_rope
+    python run.py experiment=quality quant=int4_joint transform=quantmla
+    python run.py experiment=quality model=deepseek_v2_lite quant=int4_joint          # WikiText-2 test split
+
+The same prepared model (transform folded, absorbed) scores held-out sequences twice: over a fresh unquantized latent
+cache (the reference: a fitted transform leaves the function unchanged, so this is the original model) and over a
+fresh cache in the configured format. Per scored token (on the toy's documents the
+answers it was trained to predict, on text every token): the negative log-likelihood of the next token under each,
+KL(reference || quantized) of the next-token distributions and whether their top-1 tokens agree. Metrics:
+quality/ppl, quality/ppl_unquantized, quality/ppl_ratio, quality/kl (mean), quality/kl_p99, quality/top1_agree,
+quality/tokens; quality.md beside the record.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from mla_quant.calibration.data import resolve_source, text_ids, toy_ids
+from mla_quant.models.absorbed import cache_kwargs, new_cache
+from mla_quant.prepare import model_dims, prepare_model
+from mla_quant.record import write_text_atomic
+from mla_quant.stages import StageResult
+
+
+def held_out_ids(data: DictConfig, source: str, tokenizer, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (N, T), scored (N, T) bool): which tokens count. The toy was trained to predict answers only (its
+    prompts hold random keys, numbers and filler), so on its documents only the answer tokens are scored."""
+    n, t, seed = int(data.samples), int(data.seq_len), int(data.seed)
+    if n < 1 or t < 2:
+        raise ValueError(f"task.data.samples={n}, task.data.seq_len={t}: need at least 1 sequence of 2 tokens")
+    if source == "toy":
+        return toy_ids(tokenizer, n, t, seed, split=data.split, scored=True)
+    if source == "text":
+        ids = text_ids(data, tokenizer, n, t, purpose="quality")
+    elif source == "random":
+        ids = torch.randint(3, vocab_size, (n, t), generator=torch.Generator().manual_seed(seed))
+    else:
+        raise ValueError(f"task.data.source={source!r}; allowed: auto, toy, text, random")
+    return ids, torch.ones_like(ids, dtype=torch.bool)
+
+
+@torch.no_grad()
+def logits_over_cache(model, ids: torch.Tensor, factory, chunk: int | None) -> torch.Tensor:
+    """float32 logits of `ids` (B, T) run over one fresh cache, `chunk` tokens per forward (None: all at once)."""
+    cache = new_cache(model, factory)
+    step = ids.shape[1] if not chunk else int(chunk)
+    out = [model(ids[:, s:s + step], use_cache=True, **cache_kwargs(cache)).logits.float()
+           for s in range(0, ids.shape[1], step)]
+    return torch.cat(out, dim=1)
+
+
+def token_stats(ref: torch.Tensor, quant: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per predicted token: NLL under each, KL(ref || quant), top-1 agreement. Logits (B, T, V), targets (B, T)."""
+    lr, lq = ref.log_softmax(-1), quant.log_softmax(-1)
+    idx = targets.unsqueeze(-1)
+    return {"nll_ref": -lr.gather(-1, idx).squeeze(-1), "nll": -lq.gather(-1, idx).squeeze(-1),
+            "kl": (lr.exp() * (lr - lq)).sum(-1).clamp_min(0), "agree": (ref.argmax(-1) == quant.argmax(-1)).float()}
+
+
+def run(cfg: DictConfig, run_dir: Path) -> StageResult:
+    t = cfg.task
+    torch.set_num_threads(int(t.threads))
+    chunk = t.get("chunk")
+    if chunk is not None and int(chunk) < 1:
+        raise ValueError(f"task.chunk={chunk}: give a positive number of tokens per forward, or null")
+    source = resolve_source(t.data, cfg.model.get("_target_"))
+    context = model_dims(cfg.model)["context"]  # from the config alone: refused before any weight is read
+    if int(t.data.seq_len) > context:
+        raise ValueError(f"task.data.seq_len={t.data.seq_len} exceeds the model's limit of {context} positions")
+    prep = prepare_model(cfg, tokenizer=source in ("toy", "text"))
+    model = prep.model
+    ids, scored = held_out_ids(t.data, source, prep.tokenizer, int(model.config.vocab_size))
+    device = next(model.parameters()).device
+    factory = prep.layer_factory()
+    parts: dict[str, list[torch.Tensor]] = {}
+    batch = int(t.batch_size)
+    for s in tqdm(range(0, len(ids), batch), desc="quality", unit="batch"):
+        x = ids[s:s + batch].to(device)
+        ref = logits_over_cache(model, x, None, chunk)[:, :-1]
+        quant = logits_over_cache(model, x, factory, chunk)[:, :-1]
+        keep = scored[s:s + batch, 1:].to(device)
+        for k, v in token_stats(ref, quant, x[:, 1:]).items():
+            parts.setdefault(k, []).append(v[keep].cpu())
+    stats = {k: torch.cat(v).double() for k, v in parts.items()}
+    ppl, ppl_ref = stats["nll"].mean().exp().item(), stats["nll_ref"].mean().exp().item()
+    metrics = {**prep.metrics(), "quality/source": source, "quality/tokens": int(stats["kl"].numel()),
+               "quality/ppl": ppl, "quality/ppl_unquantized": ppl_ref, "quality/ppl_ratio": ppl / ppl_ref,
+               "quality/kl": stats["kl"].mean().item(), "quality/kl_p99": stats["kl"].quantile(0.99).item(),
+               "quality/top1_agree": stats["agree"].mean().item()}
+    df = pd.DataFrame([{"cache": cfg.quant.name, "transform": (cfg.get("transform") or {}).get("name", "none"),
+                        "data": source, "tokens": metrics["quality/tokens"], "ppl": ppl, "ppl unquantized": ppl_ref,
+                        "KL": metrics["quality/kl"], "KL p99": metrics["quality/kl_p99"],
+                        "top-1 agree": metrics["quality/top1_agree"]}])
+    text = df.to_markdown(index=False, floatfmt=".4g")
+    write_text_atomic(run_dir / "quality.md", text + "\n")
+    print(text)
+    return StageResult(metrics=metrics)

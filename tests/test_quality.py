@@ -1,0 +1,45 @@
+"""experiment=quality: perplexity and next-token KL of a cache format against the unquantized cache."""
+
+import pytest
+from conftest import compose
+
+from mla_quant import pipeline
+from mla_quant.record import load_records
+
+
+def _quality(tmp_path, monkeypatch, name, overrides):
+    run_dir = tmp_path / name
+    monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: run_dir)
+    pipeline.main(compose(["experiment=quality", "logger=none", "task.data.samples=2", "task.data.seq_len=160",
+                           "task.batch_size=2", *overrides]))
+    (rec,) = load_records(run_dir)
+    return rec["metrics"]
+
+
+def test_quality_orders_formats_and_is_exact_unquantized(tmp_path, monkeypatch):
+    bf16 = _quality(tmp_path, monkeypatch, "bf16", ["quant=bf16"])
+    assert bf16["quality/kl"] == 0 and bf16["quality/top1_agree"] == 1 and bf16["quality/ppl_ratio"] == 1
+    assert bf16["quality/source"] == "toy" and bf16["quality/tokens"] > 50  # the answers of held-out documents
+    low = ["quant.protected.n_sink=0", "quant.protected.recent=0"]
+    int4 = _quality(tmp_path, monkeypatch, "int4", ["quant=int4_joint", *low])
+    int2 = _quality(tmp_path, monkeypatch, "int2", ["quant=int2_joint", *low])
+    assert 0 < int4["quality/kl"] < int2["quality/kl"]
+    assert int4["quality/ppl"] < int2["quality/ppl"] and int2["quality/ppl_ratio"] > 1
+    assert int4["quality/ppl_unquantized"] == pytest.approx(bf16["quality/ppl"], rel=1e-6)
+
+
+def test_serving_mode_sees_quantization_only_across_chunks(tmp_path, monkeypatch):
+    """Serving mode: a forward attends to its own tokens unquantized, so one whole-sequence forward equals the
+    reference, while chunked prefill reads earlier chunks from the quantized cache."""
+    base = ["model=tiny_deepseek_v2", "quant=int2_joint", "quant.mode=serving", "quant.protected.recent=0"]
+    whole = _quality(tmp_path, monkeypatch, "whole", base)
+    chunked = _quality(tmp_path, monkeypatch, "chunked", [*base, "task.chunk=32"])
+    assert whole["quality/source"] == "random"
+    assert whole["quality/kl"] == pytest.approx(0, abs=1e-9) and chunked["quality/kl"] > 1e-4
+
+
+def test_bad_quality_settings_are_refused(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="task.chunk=0"):
+        _quality(tmp_path, monkeypatch, "c", ["task.chunk=0"])
+    with pytest.raises(ValueError, match="seq_len=2048.*1024"):
+        _quality(tmp_path, monkeypatch, "l", ["task.data.seq_len=2048"])
