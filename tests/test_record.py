@@ -92,3 +92,14 @@ def test_load_records_finds_runs(tmp_path):
         write_json_atomic(tmp_path / f"run{i}" / "record.json", {"metrics": {"x": i}})
     recs = load_records(tmp_path)
     assert [r["metrics"]["x"] for r in recs] == [0, 1, 2]
+
+
+def test_record_keeps_identity_determinism_and_resume(tmp_path, run_in):
+    import torch
+
+    pipeline.main(run_in("ok_stage"))
+    rec = _record(tmp_path)
+    assert len(rec["identity"]) == 16 and rec["identity"] != rec["config_hash"]  # logger settings left out
+    det = rec["determinism"]
+    assert det["torch_threads"] == torch.get_num_threads() and det["deterministic_algorithms"] is False
+    assert rec["resume"] == {"attempt": 1, "resumed_from": None, "units_done": 0, "units_reused": 0, "reused": []}

@@ -1,0 +1,370 @@
+"""Fault injection: runs and sweeps that are terminated, rerun, resumed; corrupted checkpoints; unreachable trackers."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, compose
+
+from mla_quant import pipeline
+from mla_quant.pipeline import Interrupted, StageResult
+from mla_quant.record import RunProgress, active_progress, progress, run_identity
+
+SENSITIVITY = ["experiment=sensitivity", "model=tiny_deepseek_v2", "task.seeds=2", "logger=none"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _units(run_dir: Path) -> int:
+    return len((_read(run_dir / "progress.json") or {}).get("units", {}))
+
+
+def _kill_when(run_dir: Path, units: int, proc: subprocess.Popen, timeout: float = 240) -> int:
+    """SIGTERM the process working in `run_dir` once its progress holds `units` finished units."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and _units(run_dir) < units:
+        assert proc.poll() is None, f"the run ended before {units} units: {proc.communicate()}"
+        time.sleep(0.1)
+    pid = _read(run_dir / "progress.json")["pid"]
+    os.kill(pid, signal.SIGTERM)
+    return pid
+
+
+def _run(args, **kw):
+    return subprocess.run([sys.executable, "run.py", *args], cwd=REPO, capture_output=True, text=True, env=ENV,
+                          timeout=600, **kw)
+
+
+@pytest.mark.slow
+def test_sigterm_leaves_an_interrupted_record_and_the_rerun_resumes_to_the_same_metrics(tmp_path):
+    root = tmp_path / "outputs"
+    proc = subprocess.Popen([sys.executable, "run.py", *SENSITIVITY, f"hydra.run.dir={root}/a"], cwd=REPO, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _kill_when(root / "a", 6, proc)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    rec = _read(root / "a" / "record.json")
+    assert rec is not None, out[-2000:]
+    assert rec["status"] == "interrupted" and rec["signal"] == "SIGTERM", (rec["status"], rec.get("error"))
+    done = rec["metrics"]["sensitivity/injections_done"]
+    assert done >= 6 and rec["resume"]["units_done"] == done
+
+    resumed = _run([*SENSITIVITY, f"hydra.run.dir={root}/b"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "continuing" in resumed.stdout
+    rec_b = _read(root / "b" / "record.json")
+    assert rec_b["status"] == "ok" and rec_b["resume"]["attempt"] == 2
+    assert rec_b["resume"]["units_reused"] >= done and rec_b["resume"]["resumed_from"] == str(root / "a")
+
+    fresh = _run([*SENSITIVITY, f"hydra.run.dir={root}/c", "force=true"])  # uninterrupted, from zero
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    rec_c = _read(root / "c" / "record.json")
+    assert rec_c["resume"]["units_reused"] == 0
+    diff = {k: (v, rec_c["metrics"].get(k)) for k, v in rec_b["metrics"].items() if rec_c["metrics"].get(k) != v}
+    assert not diff and set(rec_b["metrics"]) == set(rec_c["metrics"]), diff
+    assert (root / "b" / "sensitivity_rows.csv").read_text() == (root / "c" / "sensitivity_rows.csv").read_text()
+
+    skipped = _run([*SENSITIVITY, f"hydra.run.dir={root}/d"])  # complete now: skipped, nothing recomputed
+    assert skipped.returncode == 0 and "skipped, this configuration" in skipped.stdout and not (root / "d" / "record.json").exists()
+
+
+@pytest.mark.slow
+def test_local_sweep_with_one_job_killed_reruns_only_that_job(tmp_path):
+    root = tmp_path / "multirun"
+    sweep = ["--multirun", "hydra/launcher=local", "experiment=sensitivity", "task.seeds=2", "logger=none",
+             "model=tiny_deepseek_v2,tiny_deepseek_v3,tiny_minicpm3"]
+    proc = subprocess.Popen([sys.executable, "run.py", *sweep, f"hydra.sweep.dir={root}/first"], cwd=REPO, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _kill_when(root / "first" / "1", 4, proc)
+    out, _ = proc.communicate(timeout=300)
+    records = {i: _read(root / "first" / str(i) / "record.json") for i in range(3)}
+    assert records[1]["status"] == "interrupted", out[-3000:]
+    assert records[0]["status"] == records[2]["status"] == "ok"
+
+    again = _run([*sweep, f"hydra.sweep.dir={root}/second"])
+    logs = "".join(p.read_text() for p in (root / "second" / ".submitit").rglob("*.out"))
+    assert logs.count("skipped, this configuration") == 2, logs[-3000:]
+    assert [i for i in range(3) if (root / "second" / str(i) / "record.json").exists()] == [1]
+    rec = _read(root / "second" / "1" / "record.json")
+    assert again.returncode == 0 and rec["status"] == "ok", again.stderr[-3000:]
+    assert rec["resume"]["units_reused"] >= 4 and rec["resume"]["resumed_from"] == str(root / "first" / "1")
+
+
+# --- in-process: signals, skip and force, identity, trackers -------------------------------------------------------
+
+def stage_with_units(cfg, run_dir):
+    """Five units; sends the signal named by STOP_SIGNAL to itself after the third (when set)."""
+    for i in range(5):
+        progress().unit(f"demo/{i}", lambda i=i: i * i, metrics=lambda v, i=i: {f"demo/square/{i}": v})
+        if i == 2 and os.environ.get("STOP_SIGNAL"):
+            os.kill(os.getpid(), getattr(signal, os.environ["STOP_SIGNAL"]))
+            time.sleep(5)  # the handler raises before this returns
+    return StageResult(metrics={"demo/sum": sum(progress().units[f"demo/{i}"] for i in range(5))})
+
+
+def _demo_cfg(overrides=()):
+    cfg = compose(["logger=none", "experiment=equivalence", *overrides])
+    cfg.task._target_ = f"{__name__}.stage_with_units"
+    return cfg
+
+
+@pytest.fixture
+def in_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("name,status", [("SIGTERM", "interrupted"), ("SIGUSR2", "timeout")])
+def test_signals_end_in_a_record_with_the_finished_metrics(in_dir, monkeypatch, name, status):
+    monkeypatch.setenv("STOP_SIGNAL", name)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Interrupted):
+        pipeline.main(_demo_cfg())
+    rec = json.loads((in_dir / "record.json").read_text())
+    assert rec["status"] == status and rec["signal"] == name
+    assert rec["metrics"] == {"demo/square/0": 0, "demo/square/1": 1, "demo/square/2": 4}
+    assert signal.getsignal(signal.SIGTERM) is before, "the pipeline left its handler installed"
+
+    monkeypatch.delenv("STOP_SIGNAL")
+    result = pipeline.main(_demo_cfg())  # requeued in the same run dir: continues at unit 3
+    rec = json.loads((in_dir / "record.json").read_text())
+    assert rec["status"] == "ok" and result.metrics["demo/sum"] == 30
+    assert rec["resume"]["units_reused"] == 3 and rec["resume"]["attempt"] == 2
+
+
+def test_timeout_signal_runs_submitits_handler_first(in_dir, monkeypatch):
+    """Under submitit the timeout signal's own handler (checkpoint + requeue, then exit) runs; the record says
+    timeout."""
+    calls = []
+
+    def submitit_handler(signum, frame):
+        calls.append(signum)
+        sys.exit(-1)
+
+    previous = signal.signal(signal.SIGUSR2, submitit_handler)
+    monkeypatch.setenv("STOP_SIGNAL", "SIGUSR2")
+    try:
+        with pytest.raises(SystemExit):
+            pipeline.main(_demo_cfg())
+        assert signal.getsignal(signal.SIGUSR2) is submitit_handler
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    rec = json.loads((in_dir / "record.json").read_text())
+    assert calls == [signal.SIGUSR2] and rec["status"] == "timeout" and rec["error"].startswith("SIGUSR2")
+    assert len(rec["metrics"]) == 3
+
+
+def test_complete_runs_are_skipped_and_force_reruns(in_dir, capsys):
+    pipeline.main(_demo_cfg())
+    first = (in_dir / "record.json").read_text()
+    assert pipeline.main(_demo_cfg(["logger=wandb", "logger.mode=disabled"])).metrics["demo/sum"] == 30
+    assert "skipped, this configuration" in capsys.readouterr().out
+    assert (in_dir / "record.json").read_text() == first
+    pipeline.main(_demo_cfg(["force=true"]))
+    assert json.loads((in_dir / "record.json").read_text())["status"] == "ok"
+    assert "skipped, this configuration" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match="force='yes'; allowed: true"):
+        pipeline.main(_demo_cfg(["force=yes"]))
+
+
+def test_identity_ignores_outputs_and_trackers_only():
+    from omegaconf import OmegaConf
+
+    def identity(*overrides):
+        return run_identity(OmegaConf.to_container(compose(["model=tiny_deepseek_v2", "transform=quantmla",
+                                                            *overrides]), resolve=True))
+
+    base = identity()
+    assert identity("logger=none", "force=true", "transform.fit.cache_dir=/elsewhere", "model.resources.gpus=4") == base
+    assert identity("quant=int4_joint") != base and identity("seed=1") != base
+
+
+class BrokenLogger:
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            raise ConnectionError(f"tracker down ({name})")
+        return fail
+
+
+def test_a_failing_tracker_costs_neither_the_record_nor_the_run(in_dir):
+    cfg = _demo_cfg()
+    cfg.logger = {"_target_": f"{__name__}.BrokenLogger"}
+    with pytest.warns(UserWarning, match="tracker start failed"):
+        pipeline.main(cfg)
+    assert json.loads((in_dir / "record.json").read_text())["status"] == "ok"
+
+
+def _silent_server():
+    """A port that accepts connections and never answers."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    return srv
+
+
+@pytest.mark.parametrize("server", ["closed", "silent"])
+def test_unreachable_online_tracker_falls_back_to_offline_within_its_bound(tmp_path, monkeypatch, server):
+    from mla_quant.tracking import WandbLogger
+
+    srv = _silent_server()
+    port = srv.getsockname()[1]
+    if server == "closed":
+        srv.close()
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    bound = 3.0
+    logger = WandbLogger(mode="online", init_timeout=bound)
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logger.start({"a": 1}, tmp_path, name="t", group="g", tags=["model:x"])
+    seconds = time.perf_counter() - start
+    try:
+        assert any("tracking offline instead" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert logger.run is not None and logger.run.settings.mode == "offline"
+        assert logger.run.group == "g" and "model:x" in logger.run.tags
+        # the online attempt is bounded by init_timeout; the rest is W&B's own start-up, offline
+        assert seconds < bound + 30, f"{seconds:.1f} s"
+    finally:
+        logger.finish("ok")
+        srv.close()
+
+
+# --- checkpoint integrity ------------------------------------------------------------------------------------------
+
+def _fake_hub_cache(root: Path, repo: str) -> Path:
+    """A tiny model saved with save_pretrained into the Hugging Face cache layout: snapshot files are links to
+    blobs named by their content's SHA-256. -> the weights blob."""
+    import hashlib
+
+    from mla_quant.prepare import build_model
+
+    saved = root / "saved"
+    build_model(compose(["model=tiny_deepseek_v2"]).model, absorbed=False).save_pretrained(saved)
+    base = root / "hub" / f"models--{repo.replace('/', '--')}"
+    commit = "0" * 40
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(commit)
+    snap = base / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (base / "blobs").mkdir()
+    weights = None
+    for f in saved.iterdir():
+        blob = base / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        blob.write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(os.path.relpath(blob, snap))
+        if f.suffix == ".safetensors":
+            weights = blob
+    return weights
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # inside the tensor data, past the safetensors header
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+
+
+def test_hub_cache_weights_are_checked_against_their_blob_hashes(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    from mla_quant.models.build import pretrained_model
+
+    weights = _fake_hub_cache(tmp_path, "test/tiny-v2")
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    prog = RunProgress()
+    with active_progress(prog):
+        pretrained_model("deepseek_v2", hf_id="test/tiny-v2", dtype="float32", absorbed=False)
+    assert prog.fields["weights"] == {"model.safetensors": weights.name}
+    _flip_byte(weights)
+    with pytest.raises(ValueError, match="corrupted"):
+        pretrained_model("deepseek_v2", hf_id="test/tiny-v2", dtype="float32", absorbed=False)
+
+
+def test_model_sha256_map_and_nan_weights_are_checked(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from mla_quant.models.build import pretrained_model
+    from mla_quant.prepare import build_model
+
+    build_model(compose(["model=tiny_deepseek_v2"]).model, absorbed=False).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="model.sha256 says"):
+        pretrained_model("deepseek_v2", hf_id="x", path=str(tmp_path), sha256={"model.safetensors": "0" * 64})
+    with pytest.raises(ValueError, match="not weight files"):
+        pretrained_model("deepseek_v2", hf_id="x", path=str(tmp_path), sha256={"other.safetensors": "0" * 64})
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = next(k for k in tensors if k.endswith("kv_a_proj_with_mqa.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="NaN or inf"):
+        pretrained_model("deepseek_v2", hf_id="x", path=str(tmp_path), dtype="float32")
+
+
+# --- calibration: per-layer checkpoints ----------------------------------------------------------------------------
+
+def test_interrupted_calibration_continues_at_the_next_layer(tmp_path, monkeypatch):
+    from mla_quant.calibration import LayerCheckpoints, calibrated_transforms
+    from mla_quant.prepare import build_model
+
+    over = ["model=tiny_minicpm3", "quant=int4_joint", "transform=quantmla", "calib.samples=4", "calib.seq_len=32",
+            "transform.fit.steps=3"]
+    clean_cfg = compose([*over, f"transform.fit.cache_dir={tmp_path}/clean"])
+    clean, _, clean_rows = calibrated_transforms(build_model(clean_cfg.model, absorbed=False), clean_cfg, None, None)
+
+    cfg = compose([*over, f"transform.fit.cache_dir={tmp_path}/store"])
+    save = LayerCheckpoints.save
+
+    def save_then_stop(self, i, lt, rows):
+        save(self, i, lt, rows)
+        raise KeyboardInterrupt  # killed right after the first layer is on disk
+
+    monkeypatch.setattr(LayerCheckpoints, "save", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        calibrated_transforms(build_model(cfg.model, absorbed=False), cfg, None, None)
+    monkeypatch.setattr(LayerCheckpoints, "save", save)
+    prog = RunProgress()
+    with active_progress(prog):
+        again, metrics, rows = calibrated_transforms(build_model(cfg.model, absorbed=False), cfg, None, None)
+    assert prog.reused == ["calibrate/layer0"] and metrics["calib/reused"] == 0
+    timeless = [[{k: v for k, v in r.items() if k != "seconds"} for r in rs] for rs in (rows, clean_rows)]
+    assert timeless[0] == timeless[1]
+    for a, b in zip(again.layers, clean.layers):
+        assert torch.equal(a.rotation, b.rotation) and torch.equal(a.angle, b.angle)
+    assert not list((tmp_path / "store").glob("*.partial")), "per-layer files left after the set was stored"
+
+
+# --- resources per model -------------------------------------------------------------------------------------------
+
+def test_every_model_asks_for_resources_by_size():
+    from conftest import options
+
+    from hydra_plugins.mla_quant_launcher.launcher import RESOURCE_PARAMS, job_resources, launcher_overrides
+
+    asked = {m: job_resources(compose([f"model={m}"]).model.resources, set()) for m in options("model")}
+    assert all(set(r) == set(RESOURCE_PARAMS.values()) for r in asked.values())
+    assert asked["toy_mla"]["gpus_per_node"] == 0 and asked["deepseek_v2_lite"]["gpus_per_node"] == 1
+    assert asked["kimi_k2"]["gpus_per_node"] == 8 and asked["kimi_k2"]["mem_gb"] > asked["deepseek_v2_lite"]["mem_gb"]
+    fixed = launcher_overrides(["hydra.launcher.gpus_per_node=2", "hydra/launcher=slurm"])
+    assert fixed == {"gpus_per_node"} and "gpus_per_node" not in job_resources({"gpus": 8}, fixed)
+    with pytest.raises(ValueError, match="unknown key"):
+        job_resources({"gpu": 1}, set())
+
+
+def test_resources_override_outside_a_sweep_is_refused():
+    out = _run([*SENSITIVITY, "model.resources.gpus=2", "hydra.run.dir=/tmp/unused-resources-run"])
+    assert out.returncode != 0 and "model.resources" in out.stderr and "--multirun" in out.stderr
