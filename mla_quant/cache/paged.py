@@ -35,20 +35,32 @@ class PagedStore:
     # ------------------------------------------------------------------ writing
     def append(self, rows: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
         """Append N tokens: rows (N,) ascending (a row's tokens in order), parts {name: (N, *)}."""
+        if rows.numel():
+            self.write(rows, self.reserve(rows), parts)
+
+    def reserve(self, rows: torch.Tensor) -> torch.Tensor:
+        """Make room for N new tokens of sequences rows (N,) ascending and count them in; their positions (N,) in
+        their sequences. The caller writes them (`write`, or a kernel through `block_table()`)."""
         n = rows.numel()
-        if n == 0:
-            return
         counts = torch.bincount(rows, minlength=self.batch)  # (B,)
         new_lengths = self.lengths + counts
         self._allocate(new_lengths)
         starts = torch.cumsum(counts, 0) - counts  # (B,) first flat index of each row
         pos = self.lengths[rows] + torch.arange(n, device=rows.device) - starts[rows]  # (N,) position in its row
+        self.lengths = new_lengths
+        return pos
+
+    def write(self, rows: torch.Tensor, pos: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+        """Token pos[i] of sequence rows[i] takes parts {name: (N, *)} (its blocks reserved)."""
         blocks, offsets = self._locate(rows, pos)
         for name, x in parts.items():
-            if name not in self.pool:
-                self.pool[name] = x.new_zeros(self.num_blocks, self.block_size, *x.shape[1:])
-            self.pool[name][blocks, offsets] = x
-        self.lengths = new_lengths
+            self.part(name, x.shape[1:], x.dtype)[blocks, offsets] = x
+
+    def part(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The pool (num_blocks, block_size, *shape) of part `name`, created (zeros) on first use."""
+        if name not in self.pool:
+            self.pool[name] = torch.zeros(self.num_blocks, self.block_size, *shape, dtype=dtype, device=self.device)
+        return self.pool[name]
 
     def _allocate(self, new_lengths: torch.Tensor) -> None:
         needed = ((new_lengths + self.block_size - 1) // self.block_size).tolist()

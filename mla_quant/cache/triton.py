@@ -4,6 +4,8 @@ The layer hands the kernel tensors only (mla_quant/kernels/latent_decode.py): it
 codes, scales, zeros or values per path, the block table, tokens per sequence) and its protected sinks and recent
 window as dense segments. Prefill and multi-token steps, masks that hide real tokens (DeepSeek-V3.2's sparse
 indexer), and serving mode without a recent window (the step must see its own fresh latent) take the PyTorch path.
+Tokens leaving the recent window are quantized and written into the paged pool by the Triton store kernel
+(mla_quant/kernels/quant_store.py) where decode steps run the kernel.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import torch
 from mla_quant.cache.layer import PATHS, LatentCacheLayer, step_type
 from mla_quant.kernels.attention import visible
 from mla_quant.kernels.latent_decode import PagedPath, Segment, latent_decode
+from mla_quant.kernels.layout import WordLayout
+from mla_quant.kernels.quant_store import kernel_store_unsupported, quantize_append
+from mla_quant.quant.formats import check_finite
+from mla_quant.quant.quantizers import SCALE_DTYPES, ZERO_DTYPES
 
 
 def kernel_segments(layer: LatentCacheLayer) -> list[Segment]:
@@ -50,6 +56,39 @@ class KernelDecode:
         out = latent_decode(q_latent[:, :, 0], q_rope[:, :, 0], scale, kernel_segments(self))
         self.backend_steps["decode", "triton"] += 1
         return out.to(q_latent.dtype)[:, :, None]
+
+    def _store(self, rows, tokens):
+        """New tokens into the paged store: where decode steps run the kernel, int paths are quantized and written
+        into the pool by the Triton store kernel (bit-exact with the PyTorch encoder), float paths copied; formats
+        the store kernel does not encode (and every format on the torch path) go through the PyTorch encoder."""
+        if (rows.numel() == 0 or not self.quantized or self.fmt.step_backends(self.device.type)["decode"] != "triton"
+                or any(self._store_unsupported(p) for p in PATHS)):
+            return super()._store(rows, tokens)
+        pos = self.store.reserve(rows)
+        table = self.store.block_table()
+        for p in PATHS:
+            fmt, d = self.path_format(p), self._dim(p)
+            if not fmt.quantized:
+                self.store.write(rows, pos, {f"{p}/values": tokens[p]})
+                continue
+            groups = fmt.n_groups(d)
+            pools = {part: self.store.part(f"{p}/{part}", (width,), dtype) for part, width, dtype in
+                     [("codes", WordLayout(fmt.bits, d).words, torch.int32),
+                      ("scales", groups, SCALE_DTYPES[fmt.scale_dtype])]
+                     + ([] if fmt.symmetric else [("zeros", groups, ZERO_DTYPES[fmt.scale_dtype])])}
+            quantize_append(tokens[p].contiguous(), rows, pos, table, self.store.block_size, pools["codes"],
+                            pools["scales"], pools.get("zeros"), bits=fmt.bits, group=fmt.group_size,
+                            symmetric=fmt.symmetric, scale_dtype=fmt.scale_dtype)
+            written = self.store.gather(rows, pos, [f"{p}/scales"] + ([] if fmt.symmetric else [f"{p}/zeros"]))
+            check_finite(written, f"{self.where}, quant.{p} ({fmt.describe()})")
+
+    def _store_unsupported(self, path: str) -> str | None:
+        fmt = self.path_format(path)
+        if fmt.format == "bf16":
+            return None
+        if fmt.format != "int":
+            return f"format={fmt.format}"
+        return kernel_store_unsupported(fmt.bits, self._dim(path), fmt.group_size)
 
     def _hides_only_padding(self, mask, valid) -> bool:
         """True when the one query's mask hides padding slots and nothing else (the kernel never sees padding)."""

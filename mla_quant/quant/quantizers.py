@@ -80,7 +80,9 @@ def store_scale(s: torch.Tensor, scale_dtype: str) -> torch.Tensor:
     check_scale_dtype(scale_dtype)
     s = s.float()
     if scale_dtype == "pow2":
-        e = torch.ceil(torch.log2(s)).clamp(_POW2_MIN_EXP, _POW2_MAX_EXP)
+        # ceil(log2 s) exactly, from the float's exponent: s = m 2^e with m in [0.5, 1), a power of two when m = 0.5
+        m, e = torch.frexp(s)
+        e = torch.where(m == 0.5, e - 1, e).clamp(_POW2_MIN_EXP, _POW2_MAX_EXP)
         return e.to(torch.int8)
     dtype = SCALE_DTYPES[scale_dtype]
     r = s.to(dtype)
