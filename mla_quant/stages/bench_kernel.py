@@ -11,8 +11,10 @@ kernel is timed as the GPU runs it: one CUDA graph of the call, replayed after a
 the replay, the median of task.iters (on the CPU interpreter: wall time, meaningless). Reported per case:
 microseconds, the bytes one call reads measured from the stored tensors (`bytes_read`: every valid token's codes,
 scales, zeros or values, the block table, the queries), the bandwidth that implies and its share of
-task.peak_bandwidth, the speed-up vs our BF16 kernel on the same case, and vs the PyTorch path (dequantize all,
-then attend; task.torch_reference). With task.tune, launch configurations are tried per head count and format on
+task.peak_bandwidth, the speed-up vs our BF16 kernel on the same case, vs the PyTorch path (dequantize all,
+then attend; task.torch_reference), and vs FlashInfer's MLA paged decode over the same BF16 pools (task.flashinfer:
+`flashinfer.mla.BatchMLAPagedAttentionWrapper`, the external BF16 peer; where it cannot run, the record and the
+table say why, e.g. not installed). With task.tune, launch configurations are tried per head count and format on
 the first case, and the fastest is used throughout. bench_kernel.csv / .md / .png in the run dir.
 """
 
@@ -97,6 +99,29 @@ def filled_layer(option: str, task, context: int, batch: int, device: str, dtype
     return layer
 
 
+def flashinfer_peer(layer, q, qr, scale: float):
+    """FlashInfer's MLA decode (`flashinfer.mla.BatchMLAPagedAttentionWrapper`, the external BF16 peer) over the
+    same paged BF16 pools as our kernel's bf16 case: (a zero-argument call, None), or (None, why it cannot run)."""
+    if not q.is_cuda:
+        return None, "needs a CUDA GPU"
+    try:
+        import flashinfer
+    except ImportError as err:
+        return None, f"not installed ({err}; pip install flashinfer-python)"
+    store = layer.store
+    b, h, d_c = q.shape
+    pages = -(-store.lengths // store.block_size)  # (B,) pages per sequence
+    table = store.block_table()
+    kv_indices = torch.cat([table[i, : int(n)] for i, n in enumerate(pages.tolist())])
+    kv_indptr = torch.cat([pages.new_zeros(1), pages.cumsum(0)]).to(torch.int32)
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.int8, device=q.device))
+    wrapper.plan(torch.arange(b + 1, dtype=torch.int32, device=q.device), kv_indptr.to(q.device), kv_indices,
+                 store.lengths.to(torch.int32), h, d_c, qr.shape[-1], store.block_size, False, scale, q.dtype,
+                 store.pool["content/values"].dtype)
+    ckv, kpe = store.pool["content/values"], store.pool["rope/values"]
+    return (lambda: wrapper.run(q, qr, ckv, kpe)), None
+
+
 def _cases(task) -> list[tuple[str, int, int]]:
     """(mode, context, batch) in order: throughput cases first (the first one tunes)."""
     out = []
@@ -120,7 +145,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     fixed = {k: v for k, v in OmegaConf.to_container(task.launch or {}).items() if v is not None}
     tuned: dict[tuple[int, str], dict] = {}
     scale = (task.d_c + task.d_r) ** -0.5
-    rows = []
+    rows, skipped = [], {}
     cases = _cases(task)
     for mode, ctx, batch in tqdm(cases, desc="bench_kernel", unit="case"):
         layers = {option: filled_layer(option, task, ctx, batch, device, dtype, g) for option in task.formats}
@@ -143,13 +168,22 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                                                  graph=False) * 1e6
                 ref = latent_decode_reference(q, qr, scale, segments)
                 row["max_rel_err"] = ((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+                if option == "bf16" and task.flashinfer:
+                    peer, why = flashinfer_peer(layers[option], q, qr, scale)
+                    if peer is None:
+                        skipped["flashinfer"] = why
+                    else:
+                        row["flashinfer_us"] = time_it(peer) * 1e6
+                        peer_ref = peer().float()
+                        row["flashinfer_max_rel_err"] = ((peer_ref - ref).abs().max()
+                                                         / ref.abs().max().clamp(min=1e-30)).item()
                 rows.append({**row, **launch_config(heads, task.d_c, **launch)})
             del q, qr, segs
         del layers
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     df = _with_speedups(pd.DataFrame(rows))
-    return _report(df, task, device, run_dir)
+    return _report(df, task, device, run_dir, skipped)
 
 
 def _tune(task, fixed: dict, option: str, q, qr, scale, segments, time_it) -> dict:
@@ -173,20 +207,26 @@ def _with_speedups(df: pd.DataFrame) -> pd.DataFrame:
         df["speedup_vs_bf16_kernel"] = df["speedup_vs_bf16_kernel"] / df.kernel_us
     if "torch_us" in df:
         df["speedup_vs_torch"] = df.torch_us / df.kernel_us
+    if "flashinfer_us" in df:  # every format of a case against FlashInfer's BF16 decode of that case
+        peer = df[df.format == "bf16"].set_index(keys)["flashinfer_us"]
+        df["speedup_vs_flashinfer"] = [peer.get(tuple(r), math.nan) for r in df[keys].itertuples(index=False)]
+        df["speedup_vs_flashinfer"] = df["speedup_vs_flashinfer"] / df.kernel_us
     return df
 
 
-def _report(df: pd.DataFrame, task, device: str, run_dir: Path) -> StageResult:
-    metrics = {}
+def _report(df: pd.DataFrame, task, device: str, run_dir: Path, skipped: dict | None = None) -> StageResult:
+    metrics = {f"bench_kernel/{peer}": f"not run: {why}" for peer, why in (skipped or {}).items()}
     for row in df.to_dict("records"):
         name = f"bench_kernel/{row['mode']}/h{row['heads']}/ctx{row['context']}/{row['format']}"
         for key in ("kernel_us", "bytes_read", "GBps", "peak_share", "speedup_vs_bf16_kernel", "torch_us",
-                    "speedup_vs_torch", "max_rel_err"):
+                    "speedup_vs_torch", "max_rel_err", "flashinfer_us", "speedup_vs_flashinfer",
+                    "flashinfer_max_rel_err"):
             if key in row and not pd.isna(row[key]):
                 metrics[f"{name}/{key}"] = float(row[key])
     df.to_csv(run_dir / "bench_kernel.csv", index=False)
     table = df.to_markdown(index=False, floatfmt=".4g")
     note = "" if device.startswith("cuda") else "\n(CPU interpreter: times are not kernel figures)\n"
+    note += "".join(f"\n{peer}: not run: {why}\n" for peer, why in (skipped or {}).items())
     write_text_atomic(run_dir / "bench_kernel.md", f"# Triton decode kernel, {device}, {task.dtype}, peak "
                                                    f"{task.peak_bandwidth:.3g} B/s\n\n{table}\n{note}")
     _plot(df, task, run_dir / "bench_kernel.png")
