@@ -10,6 +10,8 @@ from mla_quant.quant.quantizers import (
     FP8_DTYPE,
     INT_BITS,
     SCALE_DTYPES,
+    channel_block_dequantize,
+    channel_block_quantize,
     fake_quantize,
     fp8_dequantize,
     fp8_fake_quantize,
@@ -159,3 +161,42 @@ def test_bad_inputs_name_the_value():
         fp8_quantize(x, 5)
     with pytest.raises(ValueError, match="-1.0"):
         fp8_quantize(x, per_tensor=True, scale=-1.0)
+
+
+# ------------------------------------------------------------------------- KIVI: per channel over blocks of tokens
+def outlier_latent(tokens: int = 256, d: int = 64, seed: int = 0) -> torch.Tensor:
+    """A latent whose few outlier channels are large in every token (what per-channel scales are for)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, d, generator=g)
+    x[:, :4] = x[:, :4] * 3 + 25 * torch.tensor([1.0, -1.0, 1.0, -1.0])
+    return x
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_channel_block_round_trip_and_bound(bits):
+    x = outlier_latent()
+    codes, scales, zeros = channel_block_quantize(x, bits, block=32)
+    assert codes.shape == x.shape and scales.shape == zeros.shape == (256 // 32, 64)
+    x_hat = channel_block_dequantize(codes, scales, zeros, bits)
+    # per channel and block: |x_hat - x| <= s / 2 + the zero's fp16 rounding
+    step = scales.float().repeat_interleave(32, 0)
+    zero_err = (zeros.float() - x.reshape(8, 32, 64).amin(1)).abs().repeat_interleave(32, 0)
+    assert bool(((x_hat - x).abs() <= step / 2 + zero_err + 1e-5).all())
+    again = channel_block_dequantize(*channel_block_quantize(x_hat, bits, block=32), bits)
+    assert float((again - x_hat).abs().max()) < 0.51 * float(step.max())
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_channel_block_beats_per_token_rtn_on_outlier_channels(bits):
+    x = outlier_latent()
+    kivi = channel_block_dequantize(*channel_block_quantize(x, bits, block=32), bits)
+    mse = {"kivi": float(((kivi - x) ** 2).mean())}
+    for group in (None, 16):
+        rtn = group_dequantize(*group_quantize(x, bits, group), bits)
+        mse[f"rtn g={group}"] = float(((rtn - x) ** 2).mean())
+    assert mse["kivi"] < min(v for k, v in mse.items() if k != "kivi"), mse
+
+
+def test_channel_block_refuses_a_partial_block():
+    with pytest.raises(ValueError, match=r"30 tokens do not fill blocks of block=32"):
+        channel_block_quantize(torch.randn(30, 8), 2, 32)

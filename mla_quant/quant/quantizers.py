@@ -162,6 +162,30 @@ def fake_quantize(
     return group_dequantize(codes, scales, zeros, bits, x.dtype)
 
 
+def channel_block_quantize(x: torch.Tensor, bits: int, block: int, scale_dtype: str = "fp16") -> Quantized:
+    """KIVI's key quantization: per channel over blocks of `block` consecutive tokens (asymmetric).
+    x (..., T, d), T a multiple of block -> codes (..., T, d) uint8, scales and zeros (..., T / block, d): one scale
+    and zero per channel and block, so a channel whose values are large everywhere (an outlier channel) gets its own
+    step instead of widening every token's step."""
+    t = x.shape[-2]
+    if block < 1 or t % block:
+        raise ValueError(f"channel_block_quantize: {t} tokens do not fill blocks of block={block}; allowed: a "
+                         f"positive divisor of the token count")
+    xb = x.reshape(*x.shape[:-2], t // block, block, x.shape[-1]).transpose(-1, -2)  # (..., nb, d, block)
+    codes, scales, zeros = group_quantize(xb, bits, None, False, scale_dtype)  # one group: a channel's block
+    codes = codes.transpose(-1, -2).reshape(x.shape)
+    return Quantized(codes, scales[..., 0], zeros[..., 0])
+
+
+def channel_block_dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes (..., T, d), scales/zeros (..., T / block, d) -> x_hat (..., T, d) in `dtype`."""
+    nb, d = scales.shape[-2:]
+    cb = codes.reshape(*codes.shape[:-2], nb, -1, d).transpose(-1, -2)  # (..., nb, d, block)
+    x = group_dequantize(cb, scales[..., None], zeros[..., None], bits, dtype)
+    return x.transpose(-1, -2).reshape(codes.shape)
+
+
 def group_quantize_reference(
     x: torch.Tensor,
     bits: int,

@@ -93,12 +93,16 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                 cache_bytes_per_token_per_layer=n_bytes / (task.batch_size * ctx * layers),
                 materialised_values_per_token_per_layer=expanded_values if path == "transformers" else 0,
             )
+            if hasattr(cache, "backends_run"):  # which backend ran each step type of this path
+                per_path[path].update({f"backend_{step}": b for step, b in cache.backends_run().items()})
             rows.append(per_path[path])
         speedup = per_path["absorbed_latent"]["tokens_per_s"] / per_path["transformers"]["tokens_per_s"]
         byte_ratio = (per_path["absorbed_latent"]["cache_bytes_per_token_per_layer"]
                       / per_path["transformers"]["cache_bytes_per_token_per_layer"])
         for path, row in per_path.items():
             metrics[f"bench/decode/ctx{ctx}/{path}/tokens_per_s"] = row["tokens_per_s"]
+            metrics.update({f"bench/decode/ctx{ctx}/{path}/backend/{key[8:]}": value for key, value in row.items()
+                            if key.startswith("backend_")})
             metrics[f"bench/decode/ctx{ctx}/{path}/cache_bytes_per_token_per_layer"] = row[
                 "cache_bytes_per_token_per_layer"]
         metrics[f"bench/decode/ctx{ctx}/speedup_absorbed_vs_transformers"] = speedup
