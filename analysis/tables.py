@@ -1,144 +1,273 @@
-"""Tables from run records only: python -m analysis.tables [outputs/ multirun/ ...] [--out analysis/out]
+"""Tables from the records' DataFrame (analysis.records). Each builder returns a `Table`: the rows to print (numbers
+formatted, standard errors beside the scores), the numeric long form the figures use, and the records it came from.
 
-Reads every record.json under the given folders (mla_quant.record.load_records) and writes markdown tables:
-  amplification.md   RoPE/content amplification per model (sensitivity runs), mean ± std over seeds, per layer
-  equivalence.md     absorbed vs transformers max |logit diff| per model (equivalence runs)
-  cache_bytes.md     bytes per token per layer per quant option and context (cache_bytes runs)
-  calibration.md     mean objective error per path, without (RTN) and with each transform (calibrate runs)
-  accuracy.md        lm-eval score per task, per model and cache format (evaluate runs; `rope=0` rows: the
-                     positional control)
-The latest successful run of each configuration wins. Nothing is typed in by hand: every number is a record's.
+    amplification   RoPE/content amplification per model (sensitivity runs), mean ± std over seeds, per layer
+    accuracy        lm-eval score ± standard error per task, per model x method x cache format (evaluate runs)
+    ruler           accuracy per context length per needle/RULER task (evaluate runs with per-length metrics)
+    memory          bytes per token per layer, used and held, per format and context (cache_bytes runs)
+    calibration     mean objective error per path without (RTN) and with each transform (calibrate runs)
+    quality         perplexity and next-token KL against the unquantized cache (quality runs)
+    equivalence     absorbed path vs transformers, max |logit diff| per family (equivalence runs)
+
+The newest complete record of each configuration wins; a cell no record fills stays empty (never 0). Where the paper
+published the same cell (analysis/paper_results.csv), its figure stands beside ours in a `paper` column.
+`python -m analysis.tables` is kept as another name for `python -m analysis`.
 """
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
-from mla_quant.record import load_records, write_text_atomic
+from analysis.records import newest_complete
+
+PAPER = Path(__file__).with_name("paper_results.csv")
+HEADLINE_METRICS = ("exact_match", "pass@1", "acc")  # the first a task reports is its column in the accuracy table
 
 
-def latest_ok(records: list[dict], task: str) -> list[dict]:
-    """Successful records of one experiment, the newest per config hash."""
-    runs = [r for r in records if r.get("status") == "ok" and r["config"]["task"]["name"] == task]
-    by_hash = {r["config_hash"]: r for r in sorted(runs, key=lambda r: r["run_dir"])}
-    return sorted(by_hash.values(), key=lambda r: r["run_dir"])
+@dataclass
+class Table:
+    name: str
+    title: str
+    rows: pd.DataFrame  # what the markdown / LaTeX show
+    long: pd.DataFrame = field(default_factory=pd.DataFrame)  # numeric, for figures
+    sources: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return self.rows.empty
 
 
-def amplification_table(records: list[dict]) -> pd.DataFrame:
-    rows = []
-    for r in latest_ok(records, "sensitivity"):
-        m, model = r["metrics"], r["config"]["model"]
-        layers = sorted(int(k.split("/")[1][5:]) for k in m if k.endswith("/predicted_amplification"))
-        rows.append({
-            "model": r.get("choices", {}).get("model") or model.get("hf_id") or model["family"],
-            "family": model["family"],
-            "noise": r["config"]["task"]["noise"],
-            "cache NMSE": r["config"]["task"]["nmse"],
-            "seeds": r["config"]["task"]["seeds"],
-            "A logits": f"{m['sensitivity/amplification/logits']:.2f} ± {m['sensitivity/amplification/logits_std']:.2f}",
-            "A KL": f"{m['sensitivity/amplification/kl']:.2f}",
-            "A attn output per layer": " ".join(f"{m[f'sensitivity/layer{i}/amplification/attn_output']:.2f}" for i in layers),
-            "predicted per layer": " ".join(f"{m[f'sensitivity/layer{i}/predicted_amplification']:.2f}" for i in layers),
-            "run": Path(r["run_dir"]).name,
-        })
-    return _newest(rows, ["model", "noise", "cache NMSE"])
+def paper_results() -> pd.DataFrame:
+    return pd.read_csv(PAPER, dtype={"value": float}).fillna("")
 
 
 def _newest(rows: list[dict], key: list[str]) -> pd.DataFrame:
-    """One row per key: the newest run (rows arrive oldest first)."""
+    """One row per key: the newest record's (rows arrive oldest first)."""
     df = pd.DataFrame(rows)
     return df if df.empty else df.drop_duplicates(subset=key, keep="last").reset_index(drop=True)
 
 
-def equivalence_table(records: list[dict]) -> pd.DataFrame:
-    rows = []
-    for r in latest_ok(records, "equivalence"):
-        m = r["metrics"]
-        for name in r["config"]["task"]["models"]:
-            key = f"equivalence/{name}/max_abs_logit_diff"
-            if key in m:
-                rows.append({"model": name, "max |logit diff|": f"{m[key]:.2g}",
-                             "passed": m[f"equivalence/{name}/passed"], "run": Path(r["run_dir"]).name})
-    return _newest(rows, ["model"])
-
-
-def bytes_table(records: list[dict]) -> pd.DataFrame:
-    rows = []
-    for r in latest_ok(records, "cache_bytes"):
-        for key, value in r["metrics"].items():
-            _, option, ctx, name = key.split("/")
-            rows.append({"option": option, "context": int(ctx[3:]), name: value})
-    if not rows:
-        return pd.DataFrame()
-    df = pd.DataFrame(rows).groupby(["option", "context"], sort=False).first().reset_index()
-    return df
-
-
-HEADLINE_METRICS = ("exact_match", "pass@1", "acc")  # the first a task reports is its column in accuracy.md
+def _used(df: pd.DataFrame, long: pd.DataFrame) -> list[str]:
+    return sorted(set(long["source"])) if "source" in long else []
 
 
 def path_format(path: dict) -> str:
     """One cache path of a quant config in a few characters: bf16, fp8, int4 g32, int2 tok (per token)."""
-    if path["format"] != "int":
-        return path["format"]
+    if path.get("format") != "int":
+        return str(path.get("format"))
     return f"int{path['bits']} " + (f"g{path['group_size']}" if path.get("group_size") else "tok")
 
 
-def accuracy_table(records: list[dict]) -> pd.DataFrame:
+def _pm(mean, err, digits=3) -> str:
+    if mean is None or pd.isna(mean):
+        return ""
+    return f"{mean:.{digits}f}" if err is None or pd.isna(err) else f"{mean:.{digits}f} ± {err:.{digits}f}"
+
+
+# -- sensitivity -------------------------------------------------------------------------------------------------
+
+def amplification(df: pd.DataFrame) -> Table:
+    rows, per_layer, sweep = [], [], []
+    paper = paper_results()
+    for _, r in newest_complete(df, "sensitivity").iterrows():
+        m, task = r.metrics, r.config["task"]
+        if "sensitivity/amplification/logits" not in m:
+            continue
+        base = {"model": r.model, "noise": task.get("noise"), "cache NMSE": task.get("nmse"), "source": r.source}
+        rows.append({**base, "A logits": m["sensitivity/amplification/logits"],
+                     "A logits std": m.get("sensitivity/amplification/logits_std"),
+                     "A KL": m.get("sensitivity/amplification/kl"), "seeds": task.get("seeds")})
+        layers = sorted({int(k.split("/")[1][5:]) for k in m if k.startswith("sensitivity/layer")})
+        for i in layers:
+            per_layer.append({**base, "layer": i,
+                              "measured": m.get(f"sensitivity/layer{i}/amplification/attn_output"),
+                              "measured std": m.get(f"sensitivity/layer{i}/amplification/attn_output_std"),
+                              "predicted": m.get(f"sensitivity/layer{i}/predicted_amplification")})
+        for k, v in m.items():
+            parts = k.split("/")
+            if len(parts) == 5 and parts[1] == "sweep" and parts[3] in ("content", "rope"):
+                sweep.append({**base, "injected NMSE": float(parts[2][5:]), "path": parts[3], "output NMSE": v})
+    long = _newest(rows, ["model", "noise", "cache NMSE"])
+    if long.empty:
+        return Table("amplification", "RoPE/content amplification", long)
+    keep = set(long["source"])
+    pl = pd.DataFrame(per_layer)
+    pl = pl[pl["source"].isin(keep)] if not pl.empty else pl
+    ref = paper[(paper.table == "amplification")].set_index("model")["value"].to_dict()
+    shown = pd.DataFrame({
+        "model": long["model"], "noise": long["noise"], "cache NMSE": long["cache NMSE"], "seeds": long["seeds"],
+        "A logits": [_pm(a, s, 2) for a, s in zip(long["A logits"], long["A logits std"])],
+        "A KL": [_pm(a, None, 2) for a in long["A KL"]],
+        "paper A": [ref.get(m, "") for m in long["model"]],
+        "A attn output per layer": [" ".join(f"{v:.2f}" for v in pl[pl.source == s]["measured"]) if not pl.empty
+                                    else "" for s in long["source"]],
+        "predicted per layer": [" ".join(f"{v:.3g}" for v in pl[pl.source == s]["predicted"]) if not pl.empty
+                                else "" for s in long["source"]],
+    })
+    if not any(shown["paper A"]):
+        shown = shown.drop(columns="paper A")
+    sw = pd.DataFrame(sweep)
+    t = Table("amplification", "RoPE/content amplification at the logits (fixed cache NMSE)", shown, long,
+              sorted(keep))
+    t.per_layer = pl  # type: ignore[attr-defined]
+    t.sweep = sw[sw["source"].isin(keep)] if not sw.empty else sw  # type: ignore[attr-defined]
+    return t
+
+
+# -- evaluation --------------------------------------------------------------------------------------------------
+
+def _eval_base(r) -> dict:
+    quant = r.config.get("quant") or {}
+    protected = quant.get("protected") or {}
+    return {"model": r.model, "method": r["transform"] or "none", "cache": quant.get("name", r.quant),
+            "content": path_format(quant.get("content") or {}), "rope": path_format(quant.get("rope") or {}),
+            "protected": f"{protected.get('n_sink', 0)}+{protected.get('recent', 0)}",
+            "bytes/token/layer": r.metrics.get("cache/bytes_per_token_per_layer"), "source": r.source}
+
+
+EVAL_KEY = ["model", "method", "cache", "content", "rope", "protected", "run as", "task"]
+
+
+def accuracy_long(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (record, setting, task): the task's headline score and its standard error."""
     rows = []
-    for r in latest_ok(records, "evaluate"):
-        quant, m = r["config"]["quant"], r["metrics"]
+    for _, r in newest_complete(df, "evaluate").iterrows():
+        m = r.metrics
         for prefix, label in (("eval/", "model"), ("eval/control_no_rope/", "rope=0")):
-            scores = {}
+            seen = set()
             for key, value in m.items():
                 rest = key[len(prefix):] if key.startswith(prefix) else ""
-                if rest.count("/") == 1:
-                    task, metric = rest.split("/")
-                    if task not in scores and metric in HEADLINE_METRICS:
-                        scores[task] = value
-            if scores:
-                protected = quant.get("protected") or {}
-                rows.append({"model": r.get("choices", {}).get("model", "?"),
-                             "method": (r["config"].get("transform") or {}).get("name", "none"), "cache": quant["name"],
-                             "content": path_format(quant["content"]), "rope": path_format(quant["rope"]),
-                             "protected": f"{protected.get('n_sink', 0)}+{protected.get('recent', 0)}",
-                             "run as": label, **scores, "run": Path(r["run_dir"]).name})
-    return _newest(rows, ["model", "method", "cache", "content", "rope", "protected", "run as"])
+                if rest.count("/") != 1:
+                    continue
+                task, metric = rest.split("/")
+                if task in seen or metric not in HEADLINE_METRICS:
+                    continue
+                seen.add(task)
+                rows.append({**_eval_base(r), "run as": label, "task": task, "metric": metric, "score": value,
+                             "stderr": m.get(f"{prefix}{task}/{metric}_stderr")})
+    return _newest(rows, EVAL_KEY)
 
 
-def calibration_table(records: list[dict]) -> pd.DataFrame:
-    """Mean objective error over layers per path, without and with the transform (calibrate runs)."""
+def accuracy(df: pd.DataFrame) -> Table:
+    long = accuracy_long(df)
+    if long.empty:
+        return Table("accuracy", "Accuracy", long)
+    paper = paper_results()
+    paper = paper[paper.table == "accuracy"]
+    long["paper"] = [next((p.value for p in paper.itertuples() if (p.model, p.method, p.cache, p.task, p.metric)
+                           == (r.model, r.method, r.cache, r.task, r.metric)), None) for r in long.itertuples()]
+    long["cell"] = [_pm(s, e) for s, e in zip(long["score"], long["stderr"])]
+    index = ["model", "method", "cache", "content", "rope", "protected", "run as"]
+    shown = long.pivot_table(index=index, columns="task", values="cell", aggfunc="last", sort=False).reset_index()
+    if long["paper"].notna().any():
+        ref = long.dropna(subset=["paper"]).pivot_table(index=index, columns="task", values="paper", aggfunc="last")
+        ref.columns = [f"paper {c}" for c in ref.columns]
+        shown = shown.merge(ref.reset_index(), on=index, how="left")
+    shown.columns.name = None
+    return Table("accuracy", "Accuracy per task (score ± standard error)", shown.fillna(""), long,
+                 _used(df, long))
+
+
+def ruler(df: pd.DataFrame) -> Table:
+    """Per-length scores: RULER's eval/<task>/<length> and the toy needles' eval/<task>/em_<length>."""
     rows = []
-    for r in latest_ok(records, "calibrate"):
-        m = r["metrics"]
+    for _, r in newest_complete(df, "evaluate").iterrows():
+        for key, value in r.metrics.items():
+            parts = key.split("/")
+            if len(parts) != 3 or parts[0] != "eval":
+                continue
+            length = parts[2][3:] if parts[2].startswith("em_") else parts[2]
+            if length.isdigit():
+                rows.append({**_eval_base(r), "run as": "model", "task": parts[1], "length": int(length),
+                             "score": value})
+    long = _newest(rows, [*EVAL_KEY, "length"])
+    if long.empty:
+        return Table("ruler", "Accuracy per context length", long)
+    index = ["model", "method", "cache", "protected", "task"]
+    shown = long.pivot_table(index=index, columns="length", values="score", aggfunc="last", sort=False)
+    shown = shown.map(lambda v: "" if pd.isna(v) else f"{v:.3f}").reset_index()
+    shown.columns = [str(c) for c in shown.columns]
+    return Table("ruler", "Accuracy per context length (tokens)", shown, long, _used(df, long))
+
+
+# -- memory, calibration, quality, equivalence -------------------------------------------------------------------
+
+def memory(df: pd.DataFrame) -> Table:
+    rows = []
+    for _, r in newest_complete(df, "cache_bytes").iterrows():
+        per: dict = {}
+        for key, value in r.metrics.items():
+            parts = key.split("/")
+            if len(parts) == 4 and parts[0] == "bytes" and parts[2].startswith("ctx"):
+                per.setdefault((parts[1], int(parts[2][3:])), {})[parts[3]] = value
+        for (option, ctx), v in per.items():
+            rows.append({"format": option, "context": ctx, "d_c": r.config["task"].get("d_c"),
+                         "used": v.get("used_bytes_per_token_per_layer"),
+                         "held": v.get("held_bytes_per_token_per_layer"),
+                         "formula": v.get("formula_bytes_per_token_per_layer"), "% of BF16": v.get("pct_of_bf16"),
+                         "source": r.source})
+    long = _newest(rows, ["format", "context", "d_c"])
+    if long.empty:
+        return Table("memory", "Cache bytes", long)
+    shown = long.drop(columns="source").copy()
+    for c in ("used", "held", "formula", "% of BF16"):
+        shown[c] = shown[c].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.1f}")
+    return Table("memory", "Bytes per token per layer (protected region included), used and held", shown, long,
+                 _used(df, long))
+
+
+def calibration(df: pd.DataFrame) -> Table:
+    rows = []
+    for _, r in newest_complete(df, "calibrate").iterrows():
+        m = r.metrics
         for path in ("content", "rope"):
             if f"calib/{path}/error" in m:
-                rows.append({"model": r.get("choices", {}).get("model", "?"), "method": m.get("calib/transform", "?"),
+                rows.append({"model": r.model, "method": m.get("calib/transform", r["transform"]),
                              "format": m.get("calib/format", "?"), "path": path,
-                             "error_rtn": m[f"calib/{path}/error_none"], "error": m[f"calib/{path}/error"],
-                             "run": Path(r["run_dir"]).name})
-    return _newest(rows, ["model", "method", "format", "path"])
+                             "error RTN": m[f"calib/{path}/error_none"], "error": m[f"calib/{path}/error"],
+                             "seconds": m.get("calib/seconds"), "source": r.source})
+    long = _newest(rows, ["model", "method", "format", "path"])
+    shown = long.drop(columns="source") if not long.empty else long
+    return Table("calibration", "Objective error per path (mean over layers), without and with the transform",
+                 shown, long, _used(df, long))
+
+
+def quality(df: pd.DataFrame) -> Table:
+    rows = []
+    for _, r in newest_complete(df, "quality").iterrows():
+        m = r.metrics
+        rows.append({**{k: v for k, v in _eval_base(r).items()}, "data": m.get("quality/source"),
+                     "ppl": m.get("quality/ppl"), "ppl unquantized": m.get("quality/ppl_unquantized"),
+                     "KL": m.get("quality/kl"), "top-1 agree": m.get("quality/top1_agree")})
+    long = _newest(rows, ["model", "method", "cache", "content", "rope", "protected", "data"])
+    shown = long.drop(columns="source") if not long.empty else long
+    return Table("quality", "Perplexity and next-token KL against the unquantized cache", shown, long,
+                 _used(df, long))
+
+
+def equivalence(df: pd.DataFrame) -> Table:
+    rows = []
+    for _, r in newest_complete(df, "equivalence").iterrows():
+        for name in r.config["task"].get("models", []):
+            key = f"equivalence/{name}/max_abs_logit_diff"
+            if key in r.metrics:
+                rows.append({"model": name, "max |logit diff|": f"{r.metrics[key]:.2g}",
+                             "passed": r.metrics.get(f"equivalence/{name}/passed"), "source": r.source})
+    long = _newest(rows, ["model"])
+    shown = long.drop(columns="source") if not long.empty else long
+    return Table("equivalence", "Absorbed path vs transformers' forward", shown, long, _used(df, long))
+
+
+BUILDERS = (amplification, accuracy, ruler, memory, calibration, quality, equivalence)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("roots", nargs="*", default=["outputs", "multirun"])
-    parser.add_argument("--out", default="analysis/out")
-    args = parser.parse_args(argv)
-    records = [r for root in args.roots if Path(root).exists() for r in load_records(root)]
-    out = Path(args.out)
-    for name, table in (("amplification", amplification_table(records)), ("equivalence", equivalence_table(records)),
-                        ("cache_bytes", bytes_table(records)), ("accuracy", accuracy_table(records)),
-                        ("calibration", calibration_table(records))):
-        if table.empty:
-            print(f"{name}: no successful runs found under {args.roots}")
-            continue
-        text = table.to_markdown(index=False, floatfmt=".4g")
-        write_text_atomic(out / f"{name}.md", text + "\n")
-        print(f"## {name}\n\n{text}\n")
+    from analysis.__main__ import main as run
+
+    run(argv)
 
 
 if __name__ == "__main__":

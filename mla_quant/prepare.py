@@ -125,19 +125,24 @@ class Prepared:
         """What this preparation did, for the run record: cache format per path and the transforms."""
         return {**self.cache_metrics(), **(self.transform_metrics or {})}
 
-    def cache_metrics(self) -> dict[str, str]:
+    def cache_metrics(self) -> dict[str, str | float]:
         """What the cache stores per path, with the dtype actually stored (the toy runs in float32, so its
         unquantized tokens are float32, not bf16)."""
         param = next(self.model.parameters())
         dtype = str(param.dtype).replace("torch.", "")
         backends = {} if self.fmt is None else {f"cache/backend/{step}": backend for step, backend
                                                 in self.fmt.step_backends(param.device.type).items()}
+        d_c, d_r = self.dims["d_c"], self.dims["d_r"]
+        bf16 = (d_c + d_r) * 2  # bytes per token per layer of the BF16 cache the analysis compares against
         if self.fmt is None or not self.fmt.quantized:
             return {"cache/content": f"{dtype} values", "cache/rope": f"{dtype} values", "cache/protected": "none",
-                    **backends}
+                    "cache/bytes_per_token_per_layer": float(bf16), **backends}
         out = {f"cache/{p}": (self.fmt.path(p).describe() if self.fmt.path(p).quantized else f"{dtype} values")
                for p in ("content", "rope")}
         out["cache/protected"] = f"{self.fmt.n_sink} sinks + {self.fmt.recent} recent per sequence, {dtype}"
+        # outside the protected region, with BF16 for unquantized paths (as stored on real checkpoints)
+        out["cache/bytes_per_token_per_layer"] = float(self.fmt.content.bytes_per_token(d_c, 2)
+                                                       + self.fmt.rope.bytes_per_token(d_r, 2))
         return {**out, **backends}
 
 

@@ -21,6 +21,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import time
 from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -164,6 +165,7 @@ def write_record(
         "seed": seed,
         "seconds": round(float(seconds), 3),
         "status": status,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),  # when this record was written (analysis: newest wins)
     }
     if error is not None:
         record["error"] = error

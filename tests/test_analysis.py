@@ -1,31 +1,127 @@
-"""analysis/ builds its tables from run records alone."""
+"""analysis/ regenerates every table and figure from run records alone."""
 
+import json
+import shutil
+
+import pandas as pd
+import pytest
 from conftest import compose
 
-from analysis import tables
+from analysis import figures, tables
+from analysis.__main__ import main as analysis_main
+from analysis.records import load_frame, newest_complete
 from mla_quant import pipeline
 
 
-def _run(tmp_path, monkeypatch, name, overrides):
-    run_dir = tmp_path / "outputs" / name
+def _run(root, monkeypatch, name, overrides):
+    run_dir = root / name
     monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: run_dir)
     pipeline.main(compose(["logger=none", *overrides]))
+    return run_dir
 
 
-def test_tables_from_records(tmp_path, monkeypatch):
-    _run(tmp_path, monkeypatch, "bytes", ["experiment=cache_bytes", "task.contexts=[512]", "task.chunk=256",
-                                          "task.options=[bf16,fp8_ds_mla]"])
-    _run(tmp_path, monkeypatch, "sens", ["experiment=sensitivity", "model=tiny_minicpm3", "task.seeds=1",
-                                         "task.sweep_nmse=[]", "task.rope_pairs=false", "task.mechanism=false",
-                                         "task.probe.num_sequences=1", "task.probe.seq_len=32"])
-    _run(tmp_path, monkeypatch, "eval", ["experiment=evaluate", "quant=int4_joint", "quant.content.group_size=32",
-                                         "eval.tasks=[toy_niah_single_1]", "eval.limit=2",
-                                         "eval.data.niah_lengths=[256]", "eval.data.niah_per_length=2"])
-    out = tmp_path / "tables"
-    tables.main([str(tmp_path / "outputs"), "--out", str(out)])
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("records") / "outputs"
+    mp = pytest.MonkeyPatch()
+    try:
+        _run(root, mp, "bytes", ["experiment=cache_bytes", "task.contexts=[512,2048]", "task.chunk=256",
+                                 "task.options=[bf16,fp8_ds_mla]"])
+        _run(root, mp, "sens", ["experiment=sensitivity", "model=tiny_minicpm3", "task.seeds=1",
+                                "task.sweep_nmse=[0.005,0.02]", "task.rope_pairs=false", "task.mechanism=false",
+                                "task.probe.num_sequences=1", "task.probe.seq_len=32"])
+        _run(root, mp, "eval", ["experiment=evaluate", "quant=int4_joint", "quant.content.group_size=32",
+                                "eval.tasks=[toy_niah_single_1]", "eval.limit=2", "eval.data.niah_lengths=[256]",
+                                "eval.data.niah_per_length=2"])
+    finally:
+        mp.undo()
+    return root
+
+
+def test_every_table_and_figure_from_records(runs, tmp_path):
+    out = tmp_path / "out"
+    analysis_main([str(runs), "--out", str(out)])
     acc = (out / "accuracy.md").read_text()
     assert "int4_joint" in acc and "int4 g32" in acc and "int4 tok" in acc and "toy_niah_single_1" in acc
-    assert "rope=0" in acc  # the positional control's row
-    assert "656" in (out / "cache_bytes.md").read_text()
+    assert "rope=0" in acc and "±" in acc  # the positional control's row; standard errors beside the scores
+    assert str(runs / "eval" / "record.json") in acc  # the records each artifact came from
+    assert "656" in (out / "memory.md").read_text()
     amp = (out / "amplification.md").read_text()
-    assert "minicpm3" in amp and "gaussian" in amp
+    assert "tiny_minicpm3" in amp and "gaussian" in amp
+    for name in ("accuracy", "memory", "amplification", "ruler"):
+        assert (out / f"{name}.tex").read_text().count("\\begin{tabular}") == 1
+        assert (out / f"{name}.csv").stat().st_size > 0
+    for name in ("amplification_by_model", "amplification_per_layer_tiny_minicpm3_gaussian",
+                 "output_vs_injected_nmse", "memory_bytes_vs_context", "ruler_accuracy_vs_length_toy_mla",
+                 "accuracy_vs_bytes"):
+        assert (out / f"{name}.png").stat().st_size > 1000 and (out / f"{name}.pdf").stat().st_size > 1000
+        assert "record.json" in (out / f"{name}.sources.txt").read_text()
+    ruler = pd.read_csv(out / "ruler.csv")
+    assert set(ruler["length"]) == {256} and ruler["task"].tolist() == ["toy_niah_single_1"]
+    assert "accuracy" in (out / "index.md").read_text()
+
+
+def test_newest_complete_record_wins_by_time_and_bad_records_are_skipped(runs, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(runs / "eval", root / "b_old")
+    shutil.copytree(runs / "eval", root / "a_new")  # sorts first by path, but is the newer record
+    rec = json.loads((root / "a_new" / "record.json").read_text())
+    rec["finished"] = "2099-01-01T00:00:00+0000"
+    rec["metrics"]["eval/toy_niah_single_1/exact_match"] = 0.123
+    (root / "a_new" / "record.json").write_text(json.dumps(rec))
+    rec["status"], rec["finished"] = "interrupted", "2100-01-01T00:00:00+0000"  # newer but not complete
+    rec["metrics"]["eval/toy_niah_single_1/exact_match"] = 0.5
+    (root / "c_partial").mkdir()
+    (root / "c_partial" / "record.json").write_text(json.dumps(rec))
+    shutil.copytree(runs / "eval", root / "a_new" / "wandb" / "files")  # W&B's copy is not a record
+    (root / "d_corrupt").mkdir()
+    (root / "d_corrupt" / "record.json").write_text('{"config": {"task": ')
+    (root / "e_partial").mkdir()
+    (root / "e_partial" / "record.json").write_text(json.dumps({"config": {}, "status": "ok"}))
+    with pytest.warns(UserWarning) as caught:
+        df = load_frame([root])
+    warned = " ".join(str(w.message) for w in caught)
+    assert "d_corrupt" in warned and "e_partial" in warned
+    assert len(df) == 3  # b_old, a_new, c_partial; not the wandb copy
+    latest = newest_complete(df, "evaluate")
+    assert len(latest) == 1 and latest.iloc[0]["source"].endswith("a_new/record.json")
+    acc = tables.accuracy(df).long
+    assert acc[acc["run as"] == "model"]["score"].tolist() == [0.123]
+
+
+def test_missing_cells_stay_empty_and_log_scale_when_values_span_decades(runs, tmp_path):
+    shutil.copytree(runs / "eval", tmp_path / "other")  # a second method that ran a different task
+    rec = json.loads((tmp_path / "other" / "record.json").read_text())
+    rec["metrics"] = {k.replace("toy_niah_single_1", "toy_gsm8k"): v for k, v in rec["metrics"].items()}
+    rec["config"]["transform"]["name"], rec["identity"] = "quarot", "other"
+    (tmp_path / "other" / "record.json").write_text(json.dumps(rec))
+    acc = tables.accuracy(load_frame([runs, tmp_path])).rows
+    rows = acc[acc["run as"] == "model"].set_index("method")
+    assert rows.loc["quarot", "toy_niah_single_1"] == "" and rows.loc["none", "toy_gsm8k"] == ""
+    assert rows.loc["none", "toy_niah_single_1"] != "" and rows.loc["quarot", "toy_gsm8k"] != ""
+    df = load_frame([runs])
+    amp = tables.amplification(df)
+    layer = amp.per_layer.copy()
+    layer["predicted"] = [1000.0 * (i + 1) for i in range(len(layer))]
+    layer["measured"] = [3.0] * len(layer)
+    amp.per_layer = layer
+    figs = figures.amplification_figures(amp)
+    fig, _ = figs["amplification_per_layer_tiny_minicpm3_gaussian"]
+    assert fig.axes[0].get_yscale() == "log"
+    layer["predicted"] = [2.0] * len(layer)
+    figs = figures.amplification_figures(amp)
+    assert figs["amplification_per_layer_tiny_minicpm3_gaussian"][0].axes[0].get_yscale() == "linear"
+
+
+def test_wandb_export_reads_into_the_same_frame(runs, tmp_path):
+    rec = json.loads((runs / "eval" / "record.json").read_text())
+    flat = pd.json_normalize(rec["config"], sep=".").iloc[0].to_dict()
+    row = {"Name": "toy_mla/int4_joint/none", "State": "finished", "Created": "2026-01-01T00:00:00Z",
+           **{k: v for k, v in flat.items() if not isinstance(v, (list, dict))},
+           **{k: v for k, v in rec["metrics"].items()}}
+    pd.DataFrame([row]).to_csv(tmp_path / "export.csv", index=False)
+    df = load_frame([], wandb_exports=[tmp_path / "export.csv"])
+    assert len(df) == 1 and df.iloc[0]["status"] == "ok" and df.iloc[0]["experiment"] == "evaluate"
+    ours = tables.accuracy(load_frame([runs])).long
+    theirs = tables.accuracy(df).long
+    assert theirs["score"].tolist() == ours["score"].tolist() and set(theirs["cache"]) == {"int4_joint"}
