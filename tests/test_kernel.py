@@ -265,5 +265,5 @@ def test_record_names_the_backend_of_each_step_type():
     from mla_quant.quant.formats import cache_format
 
     fmt = cache_format(OmegaConf.merge(load_quant_option("int4_joint"), {"content": {"group_size": 32}}), 96, 16)
-    metrics = Prepared(torch.nn.Linear(2, 2), None, {}, fmt).cache_metrics()
+    metrics = Prepared(torch.nn.Linear(2, 2), None, {"d_c": 96, "d_r": 16}, fmt).cache_metrics()
     assert (metrics["cache/backend/prefill"], metrics["cache/backend/decode"]) == ("torch", "torch")  # on the CPU
