@@ -263,6 +263,8 @@ def main(cfg: DictConfig) -> StageResult:
             status, error = "interrupted", "KeyboardInterrupt"
             raise
         except BaseException as exc:  # Interrupted, or submitit's exit after it requeued the job on its signal
+            if isinstance(exc, Interrupted) and signals.signum is None:  # caught by a run nested in this one
+                signals.signum = exc.signum
             status = signals.status() or "failed"
             error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             if signals.signum is not None and not isinstance(exc, Interrupted):
