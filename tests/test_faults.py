@@ -104,6 +104,42 @@ def test_local_sweep_with_one_job_killed_reruns_only_that_job(tmp_path):
     assert rec["resume"]["units_reused"] >= 4 and rec["resume"]["resumed_from"] == str(root / "first" / "1")
 
 
+EVALUATE = ["experiment=evaluate", "model=toy_mla", "logger=none", "eval.limit=2", "eval.data.niah_lengths=[256]",
+            "eval.control_no_rope.enabled=false"]
+
+
+@pytest.mark.slow
+def test_evaluate_keeps_each_finished_task_and_resumes_from_it(tmp_path, monkeypatch):
+    from mla_quant.stages import evaluate
+
+    real, calls = evaluate.evaluate_tasks, []
+
+    def sigterm_at_third_task(lm, tasks, *args, **kwargs):
+        calls.append(list(tasks))
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this returns
+        return real(lm, tasks, *args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "evaluate_tasks", sigterm_at_third_task)
+    dirs = iter(["a", "a", "b"])
+    monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: tmp_path / next(dirs))
+    with pytest.raises(Interrupted):
+        pipeline.main(compose(EVALUATE))
+    rec = json.loads((tmp_path / "a" / "record.json").read_text())
+    finished = sorted({k.split("/")[1] for k in rec["metrics"] if k.startswith("eval/toy_")})
+    assert rec["status"] == "interrupted" and finished == sorted(t for [t] in calls[:2]), (finished, calls)
+
+    pipeline.main(compose(EVALUATE))  # requeued into the same run dir: the first two tasks are not evaluated again
+    resumed = json.loads((tmp_path / "a" / "record.json").read_text())
+    assert resumed["status"] == "ok" and resumed["resume"]["units_reused"] == 2 and len(calls) == 3 + 3
+    pipeline.main(compose([*EVALUATE, "force=true"]))  # uninterrupted, in a fresh dir
+    fresh = json.loads((tmp_path / "b" / "record.json").read_text())
+    scores = [{k: v for k, v in r["metrics"].items() if not k.endswith(("seconds", "cache_calls"))}
+              for r in (resumed, fresh)]
+    assert scores[0] == scores[1] and len(scores[0]) > 10
+
+
 # --- in-process: signals, skip and force, identity, trackers -------------------------------------------------------
 
 def stage_with_units(cfg, run_dir):
