@@ -37,7 +37,8 @@ from mla_quant.models.build import resolve_device
 from mla_quant.record import (PROGRESS_NAME, RunProgress, active_progress, prior_runs, read_json, run_identity,
                               write_record)
 from mla_quant.calibration import fitted_paths, needs_data
-from mla_quant.stages import StageFailed, StageResult, refuse_overrides, refuse_unused_groups, user_overrides
+from mla_quant.stages import (StageFailed, StageResult, nested_overrides, refuse_overrides, refuse_unused_groups,
+                              user_overrides)
 
 __all__ = ["Interrupted", "StageFailed", "StageResult", "main"]
 
@@ -167,19 +168,22 @@ def config_choices() -> dict[str, str]:
     return {k: v for k, v in choices.items() if not k.startswith("hydra") and v is not None}
 
 
-def refuse_idle_calibration(cfg: DictConfig) -> None:
+def refuse_idle_calibration(cfg: DictConfig, overrides: list[str] | None = None) -> None:
     """objective.* without a fitted transform, calib.* without a transform that reads data: refused by name."""
-    if "transform" not in (cfg.task.get("uses") or []) or cfg.task.name == "calibrate":
-        return  # experiment=calibrate reports every transform's objectives on calibration data
+    if "transform" not in (cfg.task.get("uses") or []) or cfg.task.name in ("calibrate", "pipeline"):
+        return  # calibrate reports every transform's objectives; pipeline passes each setting to the steps reading it
     name = cfg.transform.get("name")
     idle_fit = []  # transform.fit.* keys this transform does not read
     if not fitted_paths(cfg.transform):
-        refuse_overrides(["objective"], f"transform={name} fits nothing, so objective settings would do nothing")
+        refuse_overrides(["objective"], f"transform={name} fits nothing, so objective settings would do nothing",
+                         overrides)
         idle_fit += ["steps", "lr", "batch", "eval_every"]
     if not needs_data(cfg.transform):
-        refuse_overrides(["calib"], f"transform={name} reads no calibration data, so calib settings would do nothing")
+        refuse_overrides(["calib"], f"transform={name} reads no calibration data, so calib settings would do nothing",
+                         overrides)
         idle_fit += ["alpha", "format"]
-    bad = [o for o in user_overrides() if o.lstrip("+~").split("=", 1)[0] in {f"transform.fit.{k}" for k in idle_fit}]
+    given = user_overrides() if overrides is None else overrides
+    bad = [o for o in given if o.lstrip("+~").split("=", 1)[0] in {f"transform.fit.{k}" for k in idle_fit}]
     if bad:
         raise ValueError(f"{bad}: transform={name} does not read these transform.fit settings, so they would do "
                          f"nothing; drop them")
@@ -222,23 +226,32 @@ def resume_state(cfg: DictConfig, run_dir: Path, identity: str) -> tuple[Path | 
     return (None if force else complete), prog
 
 
-def main(cfg: DictConfig) -> StageResult:
-    run_dir = run_dir_of(cfg)
+def main(cfg: DictConfig, run_dir: Path | None = None, choices: dict[str, str] | None = None,
+         overrides: list[str] | None = None) -> StageResult:
+    """Run `cfg`'s experiment. A run nested in another (experiment=pipeline's steps) passes its own run dir, the
+    options chosen for it and its overrides; a top-level run takes them from Hydra."""
+    with nested_overrides(overrides):
+        return _main(cfg, run_dir, choices, overrides)
+
+
+def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None,
+          overrides: list[str] | None) -> StageResult:
+    run_dir = Path(run_dir) if run_dir is not None else run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.device)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     stage = get_method(cfg.task._target_)  # fails early, naming the target, if it does not exist
-    refuse_unused_groups(cfg.task)  # an override of a group this experiment does not read is refused by name
-    refuse_idle_calibration(cfg)
+    refuse_unused_groups(cfg.task, overrides)  # an override of a group this experiment does not read is refused
+    refuse_idle_calibration(cfg, overrides)
     refuse_idle_resources()
     identity = run_identity(resolved)
     complete, prog = resume_state(cfg, run_dir, identity)
-    if complete is not None:
+    if complete is not None and cfg.task.get("skip_complete", True):  # experiment=pipeline reruns (its steps skip)
         print(f"[mla-quant] {cfg.task.name}: skipped, this configuration (identity {identity}) already has a "
               f"complete record: {complete}; force=true reruns it")
-        return StageResult(metrics=dict((read_json(complete) or {}).get("metrics") or {}))
+        return StageResult(metrics=dict((read_json(complete) or {}).get("metrics") or {}), reused=str(complete))
     seed_everything(cfg.seed)
-    choices = config_choices()
+    choices = config_choices() if choices is None else dict(choices)
     start = time.perf_counter()
 
     def record(status: str, error: str | None, metrics: dict, signum: int | None = None) -> Path:
@@ -275,6 +288,10 @@ def main(cfg: DictConfig) -> StageResult:
             metrics = {**prog.metrics, **result.metrics}  # every metric finished so far
             path = record(status, error, metrics, signals.signum)
             _quietly("log_metrics", tracker.log_metrics, metrics)
+            for name, table in result.tables.items():
+                _quietly("log_table", tracker.log_table, name, table)
+            for name, image in result.images.items():
+                _quietly("log_image", tracker.log_image, name, image)
             _quietly("log_file", tracker.log_file, path)
             _quietly("finish", tracker.finish, status)
             reused = f", {len(prog.reused)} units reused" if prog.reused else ""

@@ -78,8 +78,9 @@ class WandbLogger(NullLogger):
 
         import wandb
 
+        # reinit="create_new": a run nested in another (experiment=pipeline's steps) gets its own W&B run
         kwargs = dict(project=self.project, entity=self.entity, config=dict(config), dir=str(run_dir), name=name,
-                      group=self.group or group, tags=[*tags, *self.tags], reinit="finish_previous")
+                      group=self.group or group, tags=[*tags, *self.tags], reinit="create_new")
         mode = self.mode
         if mode == "online":
             base = os.environ.get("WANDB_BASE_URL", DEFAULT_BASE_URL)

@@ -65,8 +65,9 @@ def test_documented_command_composes_and_validates(cmd):
             validate(cfg, model_dims(cfg.model), quant="quant" in uses)
 
 
-@pytest.mark.parametrize("cmd", ["python run.py experiment=cache_bytes", "python run.py quant=int4_joint",
-                                 "python run.py quant=int2_content_int4_rope transform=quantmla"])
+@pytest.mark.parametrize("cmd", ["python run.py experiment=cache_bytes",
+                                 "python run.py experiment=evaluate quant=int4_joint",
+                                 "python run.py experiment=evaluate quant=int2_content_int4_rope transform=quantmla"])
 def test_cheap_documented_commands_run(cmd, tmp_path):
     assert cmd in COMMANDS or any(c.startswith(cmd + " ") for c in COMMANDS), f"{cmd!r} is not documented"
     extra = ["logger=none", f"hydra.run.dir={tmp_path}"]

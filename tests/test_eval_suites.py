@@ -53,17 +53,17 @@ def test_offline_stock_task_fails_before_model_work_naming_the_dataset(tmp_path,
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     _refuse_model_work(monkeypatch)
-    cfg = compose(["logger=none", "eval=gsm8k"])
+    cfg = compose(["experiment=evaluate", "logger=none", "eval=gsm8k"])
     with pytest.raises(DatasetUnavailable, match="'gsm8k'.*openai/gsm8k.*eval.data_files.gsm8k"):
         evaluate.run(cfg, tmp_path)
-    bad = compose(["logger=none", "eval=gsm8k", f"eval.data_files={{gsm8k:{{test:{tmp_path}/missing.jsonl}}}}"])
+    bad = compose(["experiment=evaluate", "logger=none", "eval=gsm8k", f"eval.data_files={{gsm8k:{{test:{tmp_path}/missing.jsonl}}}}"])
     with pytest.raises(DatasetUnavailable, match="missing.jsonl"):
         evaluate.run(bad, tmp_path)
 
 
 def test_ruler_lengths_beyond_the_model_are_refused_before_model_work(tmp_path, monkeypatch):
     _refuse_model_work(monkeypatch)
-    cfg = compose(["logger=none", "eval=ruler", "eval.ruler.lengths=[512,4096]"])
+    cfg = compose(["experiment=evaluate", "logger=none", "eval=ruler", "eval.ruler.lengths=[512,4096]"])
     with pytest.raises(ValueError, match=r"eval.ruler.lengths \[4096\].*1024"):
         evaluate.run(cfg, tmp_path)
 
@@ -73,7 +73,7 @@ def test_local_gsm8k_runs_through_the_stock_task_with_the_quantized_cache(tmp_pa
     run_dir = tmp_path / "run"
     monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: run_dir)
     files = f"eval.data_files={{gsm8k:{{train:{FIXTURE}/train.jsonl,test:{FIXTURE}/test.jsonl}}}}"
-    pipeline.main(compose(["logger=none", "eval=gsm8k", files, "eval.num_fewshot=1", "eval.limit=2",
+    pipeline.main(compose(["experiment=evaluate", "logger=none", "eval=gsm8k", files, "eval.num_fewshot=1", "eval.limit=2",
                            "eval.gen_kwargs={max_gen_toks:24}", "quant=int4_joint", "quant.protected.recent=0"]))
     (rec,) = load_records(run_dir)
     m = rec["metrics"]
@@ -88,7 +88,7 @@ def test_local_gsm8k_runs_through_the_stock_task_with_the_quantized_cache(tmp_pa
 def test_stock_ruler_task_runs_at_the_configured_length(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: run_dir)
-    pipeline.main(compose(["logger=none", "eval=ruler", "eval.tasks=[niah_single_1]", "eval.ruler.lengths=[512]",
+    pipeline.main(compose(["experiment=evaluate", "logger=none", "eval=ruler", "eval.tasks=[niah_single_1]", "eval.ruler.lengths=[512]",
                            "eval.limit=2", "eval.batch_size=2", "eval.gen_kwargs={max_gen_toks:12}",
                            "quant=int2_content_int4_rope"]))
     (rec,) = load_records(run_dir)

@@ -52,6 +52,7 @@ def _make_hflm_class():
         """HFLM whose every model call runs over a fresh latent cache (see the module docstring)."""
 
         def __init__(self, model, tokenizer, layer_factory=None, **kwargs):
+            logging.getLogger("lm_eval.models.huggingface").setLevel(logging.ERROR)  # warns that we pass a model
             self.max_positions = int(model.config.max_position_embeddings)
             kwargs.setdefault("max_length", self.max_positions)
             super().__init__(pretrained=model, tokenizer=tokenizer, **kwargs)
@@ -116,6 +117,7 @@ def evaluate_tasks(lm, tasks: list, include_path: str | Path | list | None, *, l
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task INFO lines would bury the results
     if include_path is None:
         from mla_quant.eval.suites import registry
 

@@ -63,9 +63,10 @@ metadata:
 def niah_yaml(task: str, data: Path, lengths: list[int]) -> str:
     from mla_quant.eval.task_utils import LENGTHS
 
-    metrics = ["exact_match", "string_match"] + [f"em_{n}" for n in LENGTHS if n in lengths]
+    metrics = ["exact_match", "string_match"] + [f"em_{n}" for n in LENGTHS]
     # exact_match / string_match: every sample has them, so lm-eval's `mean` (with its closed-form standard error);
-    # em_<length>: only samples of that length, averaged ignoring the others
+    # em_<length>: only samples of that length, averaged ignoring the others (-1, dropped from the record, for a
+    # length this task does not have; every length process_results reports is listed, so none lacks an aggregation)
     metric_list = "".join(
         f"  - metric: {m}\n    aggregation: "
         f"{'mean' if not m.startswith('em_') else '!function toy_utils.mean_ignoring_missing'}\n"

@@ -7,6 +7,7 @@ other group on the command line is refused by name (no setting does nothing).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,16 +19,37 @@ class StageResult:
     metrics: dict[str, Any] = field(default_factory=dict)
     ok: bool = True
     message: str = ""
+    tables: dict[str, Any] = field(default_factory=dict)  # name -> pandas DataFrame, logged to the tracker as tables
+    images: dict[str, Any] = field(default_factory=dict)  # name -> image file, logged to the tracker as images
+    reused: str | None = None  # the complete record of the same configuration this run was skipped for
 
 
 class StageFailed(RuntimeError):
     """A stage ran to the end but its checks failed (the record is written first)."""
 
 
+_NESTED: list[list[str]] = []  # the overrides of runs nested in another (experiment=pipeline's steps), innermost last
+
+
+@contextmanager
+def nested_overrides(overrides: list[str] | None):
+    """While a nested run works, `user_overrides()` is its own overrides, not the top-level command line's."""
+    if overrides is None:
+        yield
+        return
+    _NESTED.append(list(overrides))
+    try:
+        yield
+    finally:
+        _NESTED.pop()
+
+
 def user_overrides() -> list[str]:
-    """The command line's overrides of this run (empty outside a Hydra run)."""
+    """The command line's overrides of this run (a nested run's own; empty outside a Hydra run)."""
     from hydra.core.hydra_config import HydraConfig
 
+    if _NESTED:
+        return list(_NESTED[-1])
     if not HydraConfig.initialized():
         return []
     return list(HydraConfig.get().overrides.task)

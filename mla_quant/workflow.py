@@ -1,0 +1,185 @@
+"""experiment=pipeline (the default run): the whole study on one model as a sequence of runs, each with its own run
+dir and record, then every table and figure from those records and a one-screen summary.
+
+    python run.py                                   # toy: sensitivity, calibration, evaluation, tables and figures
+    python run.py experiment=pipeline model=deepseek_v2_lite task.evaluate=[] eval=gsm8k
+
+Steps (conf/experiment/pipeline.yaml): sensitivity -> calibrate (method x format) -> evaluate (the reference, then
+method x format) -> analysis. A step is `mla_quant.pipeline.main` on the step's experiment composed with the run's
+overrides that the step reads, so a step that finished in an earlier pipeline run of the same configuration is reused
+(force=true reruns). A failed step is recorded and the others still run; the pipeline's record lists every step.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+
+from hydra import compose
+from omegaconf import DictConfig, open_dict
+
+from mla_quant import pipeline
+from mla_quant.record import write_text_atomic
+from mla_quant.stages import GROUPS, StageResult, override_group, refuse_unused_groups, user_overrides
+
+ALWAYS = ("seed", "device", "logger", "force")  # top-level settings every step takes from the command line
+
+
+SELECTS = ("quant", "transform")  # `quant=X` / `transform=Y` on the command line pick the pipeline's formats / methods
+
+
+def steps(methods: list[str], formats: list[str], t: DictConfig) -> list[tuple[str, list[str]]]:
+    """(step name, overrides) in order."""
+    out: list[tuple[str, list[str]]] = []
+    if t.sensitivity is not None:
+        out.append(("sensitivity", ["experiment=sensitivity", *t.sensitivity]))
+    if t.calibrate is not None:
+        out += [(f"calibrate-{m}-{f}", ["experiment=calibrate", f"transform={m}", f"quant={f}", *t.calibrate])
+                for m in methods for f in formats]
+    if t.evaluate is not None:
+        if t.reference:
+            out.append((f"evaluate-{t.reference}", ["experiment=evaluate", f"quant={t.reference}", *t.evaluate]))
+        out += [(f"evaluate-{m}-{f}", ["experiment=evaluate", f"transform={m}", f"quant={f}", *t.evaluate])
+                for m in methods for f in formats]
+    return out
+
+
+def reads(cfg: DictConfig, override: str) -> bool:
+    """Whether the step composed as `cfg` reads the command-line override (else it would do nothing there)."""
+    group = override_group(override)
+    if group in ALWAYS:
+        return True
+    if group == "quant" and cfg.task.name == "sensitivity" and cfg.task.get("noise") == "gaussian":
+        return False  # Gaussian injection reads no quant setting (the stage refuses them)
+    try:
+        refuse_unused_groups(cfg.task, [override])
+        pipeline.refuse_idle_calibration(cfg, [override])
+    except ValueError:
+        return False
+    return True
+
+
+def step_config(overrides: list[str], passed: list[str], reference: bool) -> tuple[DictConfig, dict, list[str]]:
+    """The step's config (composed as `python run.py <overrides>` would, with the command-line overrides it reads),
+    its chosen options, and those overrides. The reference run takes no quant/transform settings."""
+    probe = compose("config", overrides=overrides)
+    mine = [o for o in passed if not (reference and override_group(o) in SELECTS) and reads(probe, o)]
+    cfg = compose("config", overrides=[*overrides, *mine], return_hydra_config=True)
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra") and v is not None}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, choices, [*mine, *[o for o in overrides if not o.startswith("experiment=")]]
+
+
+def selection(t: DictConfig, given: list[str]) -> tuple[list[str], list[str]]:
+    """The methods and formats to compare: task.methods / task.formats, or the one `transform=` / `quant=` names."""
+    picked = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in given if o.split("=", 1)[0] in SELECTS}
+    for group, key in (("quant", "task.formats"), ("transform", "task.methods")):
+        if group in picked and any(o.lstrip("+~").startswith(key) for o in given):
+            raise ValueError(f"both {group}={picked[group]} and {key} choose what the pipeline compares; give one")
+    methods = [picked["transform"]] if "transform" in picked else list(t.methods)
+    formats = [picked["quant"]] if "quant" in picked else list(t.formats)
+    if not methods or not formats:
+        raise ValueError(f"task.methods={methods} and task.formats={formats} must name at least one transform and "
+                         f"one quant option")
+    return methods, formats
+
+
+def headline(metrics: dict) -> float | None:
+    """Mean over tasks of each task's headline score (exact_match or pass@1) of an evaluate record."""
+    scores = {}
+    for key, value in metrics.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "eval" and parts[2] in ("exact_match", "pass@1"):
+            scores.setdefault(parts[1], value)
+    return sum(scores.values()) / len(scores) if scores else None
+
+
+def summary(t: DictConfig, methods: list[str], formats: list[str], results: dict, report,
+            seconds: float) -> tuple[str, dict]:
+    lines, metrics = [], {}
+    sens = results.get("sensitivity")
+    if sens and "sensitivity/amplification/logits" in sens:
+        a = sens["sensitivity/amplification/logits"]
+        metrics["pipeline/amplification/logits"] = a
+        lines.append(f"RoPE/content amplification at the logits (equal cache NMSE): {a:.2f}")
+    rows = []
+    for m in methods:
+        row = {"method": m}
+        for f in formats:
+            cal = results.get(f"calibrate-{m}-{f}") or {}
+            acc = headline(results.get(f"evaluate-{m}-{f}") or {})
+            err = cal.get("calib/content/error")
+            cell = f"{acc:.3f}" if acc is not None else "-"
+            if err is not None:
+                cell += f" (obj. {err:.2g}/{cal.get('calib/rope/error', float('nan')):.2g})"
+            row[f] = cell
+            if acc is not None:
+                metrics[f"pipeline/accuracy/{m}/{f}"] = acc
+        rows.append(row)
+    ref = headline(results.get(f"evaluate-{t.reference}") or {}) if t.reference else None
+    if ref is not None:
+        metrics[f"pipeline/accuracy/{t.reference}"] = ref
+    import pandas as pd
+
+    if any(len(r) > 1 for r in rows) and t.evaluate is not None:
+        lines.append(f"Accuracy, mean over tasks (objective error content/rope, mean over layers)"
+                     + (f"; {t.reference} reference {ref:.3f}" if ref is not None else "") + ":")
+        lines.append(pd.DataFrame(rows).to_markdown(index=False))
+    if report is not None:
+        lines.append(f"Tables and figures ({len(report.tables)} tables, {len(report.figures)} figures): "
+                     f"{report.out}/index.md")
+    lines.append(f"{len(results)} steps in {seconds / 60:.1f} min")
+    return "\n".join(lines), metrics
+
+
+def run(cfg: DictConfig, run_dir: Path) -> StageResult:
+    t = cfg.task
+    given = user_overrides()
+    methods, formats = selection(t, given)
+    passed = [o for o in given if override_group(o) in (*GROUPS, *ALWAYS) and o.split("=", 1)[0] not in SELECTS]
+    configs, used = [], set()
+    for i, (name, overrides) in enumerate(steps(methods, formats, t), 1):  # all compose first: bad options fail now
+        try:
+            step_cfg, choices, step_overrides = step_config(overrides, passed, reference=name == f"evaluate-"
+                                                            f"{t.reference}")
+        except Exception as exc:
+            raise ValueError(f"step {name} ({' '.join(overrides)}): {exc}") from exc
+        used.update(o for o in step_overrides if o in passed)
+        configs.append((f"{i:02d}_{name}", name, step_cfg, choices, step_overrides))
+    idle = [o for o in passed if o not in used]
+    if idle:
+        raise ValueError(f"{idle}: no step of this pipeline reads these settings, so they would do nothing; drop them")
+    start = time.perf_counter()
+    results: dict[str, dict] = {}
+    metrics: dict = {"pipeline/steps": len(configs)}
+    failed, roots = [], [run_dir]
+    for folder, name, step_cfg, choices, overrides in configs:
+        print(f"[pipeline] step {folder}: {' '.join(overrides) or '(defaults)'}")
+        try:
+            res = pipeline.main(step_cfg, run_dir=run_dir / folder, choices=choices, overrides=overrides)
+            results[name] = res.metrics
+            metrics[f"pipeline/{name}/status"] = "reused" if res.reused else "ok"
+            if res.reused:  # finished in an earlier run of the same configuration: its record counts
+                roots.append(Path(res.reused).parent)
+        except Exception as exc:  # a failed step is in its own record; the others still run
+            failed.append(name)
+            metrics[f"pipeline/{name}/status"] = "failed"
+            print(f"[pipeline] step {name} failed: {''.join(traceback.format_exception_only(type(exc), exc)).strip()}")
+    report = None
+    result = StageResult()
+    if t.analysis:
+        from analysis.report import regenerate
+
+        report = regenerate(roots, run_dir / "analysis")
+        result.tables = {name: tab.rows for name, tab in report.tables.items()}
+        result.images = {name: paths[0] for name, paths in report.figures.items()}
+    text, extra = summary(t, methods, formats, results, report, time.perf_counter() - start)
+    metrics.update(extra)
+    print("\n" + text)
+    write_text_atomic(run_dir / "summary.md", text + "\n")
+    result.metrics = metrics
+    if failed:
+        result.ok, result.message = False, f"steps failed: {failed} (each has its record under {run_dir})"
+    return result

@@ -1,0 +1,68 @@
+"""experiment=pipeline (the default run): every step a run with its own record, then the tables and figures."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, compose
+
+from mla_quant.workflow import selection
+
+SMALL = ["experiment=pipeline", "logger=none", "task.methods=[none,quarot]", "task.formats=[int4_joint]",
+         'task.sensitivity=["task.seeds=1","task.sweep_nmse=[0.01,0.04]","task.probe.num_sequences=2"]',
+         'task.evaluate=["eval.control_no_rope.enabled=false","eval.tasks=[toy_niah_single_1,toy_niah_multikey_1]",'
+         '"eval.data.niah_lengths=[256,512]","eval.data.niah_per_length=2"]']
+
+
+def _run(args, timeout=900):
+    return subprocess.run([sys.executable, "run.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_the_default_run_is_the_pipeline():
+    cfg = compose([])
+    assert cfg.task.name == "pipeline" and cfg.model._target_.endswith("load_toy_model")
+
+
+def test_pipeline_runs_every_step_then_reuses_them(tmp_path):
+    root = tmp_path / "outputs"
+    first = _run([*SMALL, f"hydra.run.dir={root}/first"])
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    steps = ["01_sensitivity", "02_calibrate-none-int4_joint", "03_calibrate-quarot-int4_joint", "04_evaluate-bf16",
+             "05_evaluate-none-int4_joint", "06_evaluate-quarot-int4_joint"]
+    for step in steps:
+        rec = json.loads((root / "first" / step / "record.json").read_text())
+        assert rec["status"] == "ok", step
+    ev = json.loads((root / "first" / "05_evaluate-none-int4_joint" / "record.json").read_text())
+    assert ev["choices"]["quant"] == "int4_joint" and ev["choices"]["transform"] == "none"
+    assert ev["choices"]["model"] == "toy_mla"
+    top = json.loads((root / "first" / "record.json").read_text())
+    scores = [ev["metrics"][f"eval/{t}/exact_match"] for t in ("toy_niah_single_1", "toy_niah_multikey_1")]
+    assert top["metrics"]["pipeline/accuracy/none/int4_joint"] == pytest.approx(sum(scores) / 2)
+    index = (root / "first" / "analysis" / "index.md").read_text()
+    for artifact in ("amplification", "accuracy", "calibration", "ruler", "output_vs_injected_nmse",
+                     "accuracy_vs_bytes"):
+        assert f"`{artifact}" in index, index
+    assert "Accuracy, mean over tasks" in first.stdout and "analysis/index.md" in first.stdout
+    # a second run of the same configuration reuses every finished step and still builds every table
+    second = _run([*SMALL, f"hydra.run.dir={root}/second"])
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert second.stdout.count("skipped, this configuration") == len(steps)
+    again = json.loads((root / "second" / "record.json").read_text())["metrics"]
+    assert again["pipeline/accuracy/none/int4_joint"] == top["metrics"]["pipeline/accuracy/none/int4_joint"]
+    assert again["pipeline/sensitivity/status"] == "reused"
+    assert (root / "second" / "analysis" / "accuracy.md").read_text().count("int4_joint") >= 2
+
+
+def test_pipeline_selection_and_idle_settings_are_refused(tmp_path):
+    t = compose([]).task
+    assert selection(t, ["quant=int2_joint"]) == (list(t.methods), ["int2_joint"])
+    assert selection(t, ["transform=quantmla"]) == (["quantmla"], list(t.formats))
+    with pytest.raises(ValueError, match="quant=int2_joint and task.formats"):
+        selection(t, ["quant=int2_joint", "task.formats=[int4_joint]"])
+    # calibration data settings where only RTN is evaluated (no calibrate step): no step would use them
+    run = _run(["logger=none", "task.methods=[none]", "task.calibrate=null", "calib.samples=4",
+                f"hydra.run.dir={tmp_path}"], timeout=300)
+    assert run.returncode != 0 and "calib.samples=4" in run.stderr and "no step" in run.stderr, run.stderr[-2000:]
+    assert not (tmp_path / "01_sensitivity").exists()  # refused before any step ran
