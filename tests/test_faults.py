@@ -401,6 +401,33 @@ def test_every_model_asks_for_resources_by_size():
         job_resources({"gpu": 1}, set())
 
 
+@pytest.mark.parametrize("model,expect", [
+    ("kimi_k2", ["--gpus-per-node=8", "--mem=1900GB", "--time=2880", "--signal=USR2@120"]),
+    ("toy_mla", ["--mem=8GB", "--time=60", "--cpus-per-task=2"]),
+    ("deepseek_v2_lite", ["--gpus-per-node=1", "--mem=128GB", "--time=240"]),
+])
+def test_slurm_job_script_takes_the_models_resources(tmp_path, monkeypatch, model, expect):
+    """The sbatch script submitit would submit for one job of `model` (an `srun` stand-in on PATH: no cluster)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.mla_quant_launcher.launcher import job_resources, make_executor
+
+    (tmp_path / "srun").write_text("#!/bin/sh\n")
+    (tmp_path / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = hydra_compose("config", overrides=["hydra/launcher=slurm", f"model={model}"], return_hydra_config=True)
+    params = {k: v for k, v in OmegaConf.to_container(cfg.hydra.launcher, resolve=False).items()
+              if k not in ("_target_", "name")}
+    params["submitit_folder"] = str(tmp_path / "jobs")
+    params.update(job_resources(OmegaConf.to_container(cfg.model.resources), set()))
+    script = make_executor("slurm", params)._executor._make_submission_file_text("python job.py", "0")
+    missing = [e for e in expect if e not in script]
+    assert not missing, (missing, script)
+
+
 def test_resources_override_outside_a_sweep_is_refused():
     out = _run([*SENSITIVITY, "model.resources.gpus=2", "hydra.run.dir=/tmp/unused-resources-run"])
     assert out.returncode != 0 and "model.resources" in out.stderr and "--multirun" in out.stderr

@@ -45,14 +45,29 @@ def job_resources(resources: Mapping | None, fixed: set[str]) -> dict[str, Any]:
     return {RESOURCE_PARAMS[k]: v for k, v in resources.items() if RESOURCE_PARAMS[k] not in fixed}
 
 
+def make_executor(cluster: str, params: Mapping[str, Any]):
+    """A submitit executor for `cluster` (slurm | local) with the launcher's parameters, named as Hydra's
+    submitit plugin names them (generic ones as they are, cluster-specific ones prefixed)."""
+    import submitit
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+
+    init_keys = {"submitit_folder", "max_num_timeout"}
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    executor = submitit.AutoExecutor(cluster=cluster, folder=params["submitit_folder"],
+                                     **({f"{cluster}_max_num_timeout": params["max_num_timeout"]}
+                                        if "max_num_timeout" in params else {}))
+    executor.update_parameters(**{k if k in base else f"{cluster}_{k}": v for k, v in params.items()
+                                  if k not in init_keys})
+    return executor
+
+
 class _PerModelResources(stock.BaseSubmititLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
-        import submitit
         from hydra.core.singleton import Singleton
         from hydra.core.utils import filter_overrides
         from omegaconf import OmegaConf
-
-        from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
         assert self.config is not None and self.hydra_context is not None
         fixed = launcher_overrides(list(self.config.hydra.overrides.hydra))
@@ -64,16 +79,9 @@ class _PerModelResources(stock.BaseSubmititLauncher):
 
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        init_keys = {"submitit_folder", "max_num_timeout"}
-        base = set(OmegaConf.structured(BaseQueueConf).keys())
         results: list[Any] = [None] * len(job_overrides)
         for res, idxs in groups.items():
-            params = {**self.params, **dict(res)}
-            executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=params["submitit_folder"],
-                                             **({f"{self._EXECUTOR}_max_num_timeout": params["max_num_timeout"]}
-                                                if "max_num_timeout" in params else {}))
-            executor.update_parameters(**{k if k in base else f"{self._EXECUTOR}_{k}": v
-                                          for k, v in params.items() if k not in init_keys})
+            executor = make_executor(self._EXECUTOR, {**self.params, **dict(res)})
             print(f"[launcher] {len(idxs)} job(s) with {dict(res) or 'the launcher defaults'}")
             job_params = []
             for i in idxs:
