@@ -384,6 +384,26 @@ def test_interrupted_calibration_continues_at_the_next_layer(tmp_path, monkeypat
     assert not list((tmp_path / "store").glob("*.partial")), "per-layer files left after the set was stored"
 
 
+def test_jobs_needing_the_same_calibration_share_its_layers(tmp_path):
+    import threading
+
+    from mla_quant.calibration import LayerCheckpoints
+    from mla_quant.transforms import LayerTransform
+
+    first, second = LayerCheckpoints(tmp_path, "sha"), LayerCheckpoints(tmp_path, "sha")
+    assert first.load(0) is None  # the first job fits layer 0, holding its lock
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(second.load(0)))
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive() and not got, "the second job did not wait for the layer being fitted"
+    lt = LayerTransform(rotation=torch.eye(4, dtype=torch.float64))
+    first.save(0, lt, [{"layer": 0, "path": "content", "error": 1.0, "error_none": 2.0}])
+    waiter.join(10)
+    assert torch.equal(got[0][0].rotation, lt.rotation) and got[0][1][0]["error"] == 1.0
+    assert second.load(1) is None and first.load(0) is not None  # a layer nobody fitted: the caller fits it
+
+
 # --- resources per model -------------------------------------------------------------------------------------------
 
 def test_every_model_asks_for_resources_by_size():
