@@ -22,6 +22,7 @@ import platform
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -252,8 +253,10 @@ class RunProgress:
         self.save()
 
     def summary(self) -> dict:
+        """How much of the run was resumed: units reused per kind (the key up to its last '/')."""
+        kinds = Counter(key.rpartition("/")[0] or key for key in self.reused)
         return {"attempt": self.attempt, "resumed_from": self.resumed_from, "units_done": len(self.units),
-                "units_reused": len(self.reused), "reused": list(self.reused)}
+                "units_reused": len(self.reused), "reused": dict(kinds)}
 
     def save(self) -> None:
         if self.path is None:

@@ -180,6 +180,7 @@ def test_signals_end_in_a_record_with_the_finished_metrics(in_dir, monkeypatch, 
     rec = json.loads((in_dir / "record.json").read_text())
     assert rec["status"] == "ok" and result.metrics["demo/sum"] == 30
     assert rec["resume"]["units_reused"] == 3 and rec["resume"]["attempt"] == 2
+    assert rec["resume"]["reused"] == {"demo": 3}
 
 
 def test_timeout_signal_runs_submitits_handler_first(in_dir, monkeypatch):

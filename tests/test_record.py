@@ -102,4 +102,4 @@ def test_record_keeps_identity_determinism_and_resume(tmp_path, run_in):
     assert len(rec["identity"]) == 16 and rec["identity"] != rec["config_hash"]  # logger settings left out
     det = rec["determinism"]
     assert det["torch_threads"] == torch.get_num_threads() and det["deterministic_algorithms"] is False
-    assert rec["resume"] == {"attempt": 1, "resumed_from": None, "units_done": 0, "units_reused": 0, "reused": []}
+    assert rec["resume"] == {"attempt": 1, "resumed_from": None, "units_done": 0, "units_reused": 0, "reused": {}}
