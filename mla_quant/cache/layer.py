@@ -12,8 +12,12 @@ The cache is a `transformers.Cache`, so `model(...)`, `model.generate(...)` and 
 Storage per sequence (padding slots are never stored; `slot_valid` remembers which slots were real):
     sinks    (B, <=n_sink, d) its first n_sink real tokens, activation dtype, `n_sinks` (B,) held
     store    PagedStore      the real tokens that left the recent window, encoded by the path's codec, in blocks
+    pending  (B, P, d)       with a token block (`fmt.token_block`, format channel_block): the tokens that left the
+                             window since its last whole block, P < token_block, activation dtype, `n_pending` (B,)
     recent   (B, R, d)       its latest <= `recent` real tokens, oldest first, activation dtype, `n_recent` (B,)
-A real token is quantized exactly once, when it leaves its sequence's recent window, and never changes after that.
+A real token is quantized exactly once, when it leaves its sequence's recent window (with a token block: when the
+block it joins fills, all its tokens together), and never changes after that. Order per sequence: sinks | store |
+pending | recent.
 With both paths bf16 there is nothing to protect: every token goes to the store, exactly as given.
 
 Semantics (`quant.mode`, docs/method.md section 3): "simulated": every read sees the stored values outside the
@@ -67,6 +71,7 @@ class LatentCacheLayer(CacheLayerMixin):
         self.fmt = fmt
         self.layer_idx = layer_idx
         self.block_size = 64 if fmt is None else fmt.block_size
+        self.token_block = None if fmt is None else fmt.token_block
         self.backend_steps: Counter = Counter()  # (step type, backend) -> attention steps run, over resets
         self._clear()
 
@@ -76,7 +81,8 @@ class LatentCacheLayer(CacheLayerMixin):
         self.store: PagedStore | None = None
         self.sinks: dict[str, torch.Tensor] = {}  # path -> (B, n_sink, d)
         self.recent: dict[str, torch.Tensor] = {}  # path -> (B, R, d), R <= fmt.recent
-        self.n_sinks = self.n_recent = None  # (B,) long
+        self.pending: dict[str, torch.Tensor] = {}  # path -> (B, P, d), P < token_block: a block not yet full
+        self.n_sinks = self.n_recent = self.n_pending = None  # (B,) long
         self.tensor_scales: dict[str, torch.Tensor | None] = {p: None for p in PATHS}  # (B,) float32 per sequence
         # DeepSeek-V3.2's sparse-attention indexer keeps its own key cache next to the latent (B, S, d_index).
         self.indexer_keys: torch.Tensor | None = None
@@ -124,10 +130,12 @@ class LatentCacheLayer(CacheLayerMixin):
         self.store = PagedStore(b, self.block_size, self.device)
         self.n_sinks = torch.zeros(b, dtype=torch.long, device=self.device)
         self.n_recent = torch.zeros(b, dtype=torch.long, device=self.device)
+        self.n_pending = torch.zeros(b, dtype=torch.long, device=self.device)
         if self.quantized:
             for path, x in (("content", key_states), ("rope", value_states)):
                 self.sinks[path] = x.new_zeros(b, 0, x.shape[-1])  # grows to n_sink as sinks arrive
                 self.recent[path] = x.new_zeros(b, 0, x.shape[-1])
+                self.pending[path] = x.new_zeros(b, 0, x.shape[-1])
         self.is_initialized = True
 
     def append(self, content: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor | None = None) -> None:
@@ -171,7 +179,11 @@ class LatentCacheLayer(CacheLayerMixin):
             _scatter_rows(self.sinks[p], rank + self.n_sinks[:, None], sink_ok, seq[p])
         self.n_sinks = self.n_sinks + to_sink
         rows = store_ok.nonzero(as_tuple=True)[0]
-        self._store(rows, {p: seq[p][store_ok] for p in PATHS})
+        tokens = {p: seq[p][store_ok] for p in PATHS}
+        if self.token_block:
+            self._store_blocks(rows, tokens)
+        else:
+            self._store(rows, tokens)
         width = max(window, int(keep.max()))
         for p in PATHS:
             fresh = seq[p].new_zeros(b, width, seq[p].shape[-1])
@@ -192,6 +204,38 @@ class LatentCacheLayer(CacheLayerMixin):
                 check_finite(encoded, f"{self.where}, quant.{p} ({fmt.describe()})")
             parts.update({f"{p}/{k}": v for k, v in encoded.items()})
         self.store.append(rows, parts)
+
+    def _store_blocks(self, rows: torch.Tensor, tokens: dict[str, torch.Tensor]) -> None:
+        """Tokens (N, d) leaving the window of sequences `rows` (N,) ascending join their sequence's pending tokens;
+        every whole block of `token_block` tokens is encoded and stored, the rest stays pending (exact)."""
+        if rows.numel() == 0:
+            return
+        b, t = self.n_pending.shape[0], self.token_block
+        counts = torch.bincount(rows, minlength=b)  # (B,)
+        total = self.n_pending + counts
+        full = total - total % t  # (B,) tokens that now make whole blocks
+        width = int(total.max())
+        j = torch.arange(width, device=self.device)[None, :]  # (1, width)
+        starts = torch.cumsum(counts, 0) - counts
+        pos = self.n_pending[rows] + torch.arange(rows.numel(), device=self.device) - starts[rows]  # (N,)
+        seq = {}
+        for p in PATHS:  # each sequence's [pending | leaving] tokens, in order: (B, width, d)
+            x = self.pending[p].new_zeros(b, width, self.pending[p].shape[-1])
+            held = self.pending[p][:, : min(width, self.pending[p].shape[1])]
+            _scatter_rows(x, j[:, : held.shape[1]].expand(b, -1), j[:, : held.shape[1]] < self.n_pending[:, None],
+                          held)
+            x[rows, pos] = tokens[p].to(x.dtype)
+            seq[p] = x
+        whole = j < full[:, None]  # (B, width)
+        self._store(whole.nonzero(as_tuple=True)[0], {p: seq[p][whole] for p in PATHS})
+        keep = total - full  # (B,) < token_block
+        capacity = max(self.pending["content"].shape[1], int(keep.max()))
+        left = full[:, None] + j[:, :capacity]  # (B, capacity) where each new pending token sits in seq
+        ok = j[:, :capacity] < keep[:, None]
+        for p in PATHS:
+            index = left.clamp(max=width - 1)[..., None].expand(-1, -1, seq[p].shape[-1])
+            self.pending[p] = torch.where(ok[..., None], seq[p].gather(1, index), 0)
+        self.n_pending = keep
 
     def _set_tensor_scales(self, new: dict[str, torch.Tensor], valid: torch.Tensor) -> None:
         """Per-sequence fp8 scales (granularity=tensor): amax/448 of the sequence's first append of real tokens."""
@@ -227,14 +271,14 @@ class LatentCacheLayer(CacheLayerMixin):
 
     def _sync_view(self) -> torch.Tensor:
         """Bring the decoded view up to date and return the tokens per sequence (B,). The view holds each sequence's
-        real tokens in order (sinks | stored | recent) in the activation dtype. A token is decoded once, at the first
+        real tokens in order (sinks | stored | pending | recent) in the activation dtype. A token is decoded once, at the first
         read after it is stored (its position in the sequence never changes: sinks fill before anything is stored),
         so a decode step decodes B tokens, not the whole cache. A protected token keeps its value while it is
         protected, so only those that arrived since the last read are written. Edits that move or remove stored
         tokens drop the view."""
         n_store = self.store.lengths
         offset = self.n_sinks if self.quantized else torch.zeros_like(n_store)
-        lengths = offset + n_store + (self.n_recent if self.quantized else 0)
+        lengths = offset + n_store + (self.n_pending + self.n_recent if self.quantized else 0)
         b = lengths.shape[0]
         if self._view is None:
             self._view = {p: torch.zeros(b, 0, self._dim(p), dtype=self.dtype, device=self.device) for p in PATHS}
@@ -260,9 +304,10 @@ class LatentCacheLayer(CacheLayerMixin):
                 x = self.path_format(p).decode(parts, self._dim(p), self.dtype, scale)
                 self._view[p][rows, offset[rows] + pos] = x
             self._view_stored = n_store.clone()
-        if self.quantized:  # protected tokens that arrived since the last read (earlier ones are in place)
+        if self.quantized:  # unquantized tokens that arrived since the last read (earlier ones are in place)
             for x, start, n in ((self.sinks, torch.zeros_like(offset), self.n_sinks),
-                                (self.recent, offset + n_store, self.n_recent)):
+                                (self.pending, offset + n_store, self.n_pending),
+                                (self.recent, offset + n_store + self.n_pending, self.n_recent)):
                 j = torch.arange(x["content"].shape[1], device=self.device)[None, :]
                 index = start[:, None] + j
                 fresh = (j < n[:, None]) & (index >= self._view_len[:, None])
@@ -285,7 +330,8 @@ class LatentCacheLayer(CacheLayerMixin):
             else:
                 stored = torch.zeros(self.slot_valid.shape[0], 0, d, dtype=dtype, device=self.device)
             if self.quantized:
-                pieces[p] = [(self.sinks[p], self.n_sinks), (stored, n_store), (self.recent[p], self.n_recent)]
+                pieces[p] = [(self.sinks[p], self.n_sinks), (stored, n_store), (self.pending[p], self.n_pending),
+                             (self.recent[p], self.n_recent)]
             else:
                 pieces[p] = [(stored, n_store)]
         lengths = sum(n for _, n in pieces["content"])
@@ -348,23 +394,24 @@ class LatentCacheLayer(CacheLayerMixin):
         for p in self.sinks:
             per_token = self.sinks[p].shape[-1] * self.sinks[p].element_size()
             if held:
-                total += (self.sinks[p].shape[1] + self.recent[p].shape[1]) * self.sinks[p].shape[0] * per_token
+                slots = self.sinks[p].shape[1] + self.recent[p].shape[1] + self.pending[p].shape[1]
+                total += slots * self.sinks[p].shape[0] * per_token
             else:
-                total += int(self.n_sinks.sum() + self.n_recent.sum()) * per_token
+                total += int(self.n_sinks.sum() + self.n_recent.sum() + self.n_pending.sum()) * per_token
         scales = {id(s): s for s in self.tensor_scales.values() if s is not None}
         for s in scales.values():
             total += (s.numel() if held else int((s > 0).sum())) * s.element_size()
         return total
 
     def nbytes(self) -> int:
-        """Bytes used by the real tokens, measured from the stored tensors: protected tokens, codes, scales, zeros,
-        per-sequence tensor scales."""
+        """Bytes used by the real tokens, measured from the stored tensors: protected and pending tokens, codes,
+        scales, zeros, per-sequence tensor scales."""
         if not self.is_initialized:
             return 0
         return self.store.used_bytes() + self._protected_bytes(held=False)
 
     def held_bytes(self) -> int:
-        """Bytes allocated: whole blocks of the paged store plus the protected buffers."""
+        """Bytes allocated: whole blocks of the paged store plus the protected and pending buffers."""
         if not self.is_initialized:
             return 0
         return self.store.held_bytes() + self._protected_bytes(held=True)
@@ -390,7 +437,8 @@ class LatentCacheLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last -tokens_to_remove slots: per sequence its latest real tokens, recent window first, then
-        the store, then sinks. Stored tokens that end up inside the recent window stay quantized."""
+        pending tokens, then the store, then sinks. Stored tokens that end up inside the recent window stay
+        quantized; with a token block, the kept tokens of a cut block become pending with their stored values."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
         if not self.is_initialized:
@@ -403,8 +451,14 @@ class LatentCacheLayer(CacheLayerMixin):
             from_recent = torch.minimum(drop, self.n_recent)
             self.n_recent = self.n_recent - from_recent
             drop = drop - from_recent
+            from_pending = torch.minimum(drop, self.n_pending)
+            self.n_pending = self.n_pending - from_pending
+            drop = drop - from_pending
         from_store = torch.minimum(drop, self.store.lengths)
-        self.store.truncate(self.store.lengths - from_store)
+        kept = self.store.lengths - from_store
+        if self.token_block and bool((kept % self.token_block).any()):
+            kept = self._unblock(kept)
+        self.store.truncate(kept)
         self._drop_view()
         self.n_sinks = self.n_sinks - (drop - from_store)
         self.slot_valid = self.slot_valid[:, : self.length - k]
@@ -412,15 +466,39 @@ class LatentCacheLayer(CacheLayerMixin):
         if self.indexer_keys is not None:
             self.indexer_keys = self.indexer_keys[:, : self.length]
 
+    def _unblock(self, kept: torch.Tensor) -> torch.Tensor:
+        """Crop inside stored blocks: of `kept` (B,) stored tokens per sequence, those past the last whole block
+        (their pending tokens were all dropped) become pending with their stored (decoded) values. Returns the
+        stored tokens left per sequence (whole blocks)."""
+        dense, _ = self.store.dense()
+        aligned = kept - kept % self.token_block
+        keep = kept - aligned  # (B,)
+        width = max(self.pending["content"].shape[1], int(keep.max()))
+        j = torch.arange(width, device=self.device)[None, :]
+        cut = keep > 0
+        for p in PATHS:
+            parts = {k.split("/", 1)[1]: v for k, v in dense.items() if k.startswith(p + "/")}
+            scale = self.tensor_scales[p]
+            scale = None if scale is None else scale[:, None].expand(-1, parts["codes"].shape[1])
+            stored = self.path_format(p).decode(parts, self._dim(p), self.dtype, scale)  # (B, L, d)
+            index = (aligned[:, None] + j).clamp(max=stored.shape[1] - 1)[..., None].expand(-1, -1, stored.shape[-1])
+            moved = stored.gather(1, index)  # (B, width, d)
+            old = self.pending[p].new_zeros(stored.shape[0], width, stored.shape[-1])
+            old[:, : self.pending[p].shape[1]] = self.pending[p]
+            self.pending[p] = torch.where(cut[:, None, None] & (j < keep[:, None])[..., None], moved, old)
+        self.n_pending = torch.where(cut, keep, self.n_pending)
+        return aligned
+
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
         self.slot_valid = fn(self.slot_valid).contiguous()
         self.store = self.store.rebuilt(fn)
         self._drop_view()
-        self.n_sinks, self.n_recent = fn(self.n_sinks), fn(self.n_recent)
+        self.n_sinks, self.n_recent, self.n_pending = fn(self.n_sinks), fn(self.n_recent), fn(self.n_pending)
         self.sinks = {p: fn(v).contiguous() for p, v in self.sinks.items()}
         self.recent = {p: fn(v).contiguous() for p, v in self.recent.items()}
+        self.pending = {p: fn(v).contiguous() for p, v in self.pending.items()}
         self.tensor_scales = self._shared_map(fn)
         if self.indexer_keys is not None:
             self.indexer_keys = fn(self.indexer_keys)
@@ -446,8 +524,10 @@ class LatentCacheLayer(CacheLayerMixin):
         self.store.to(device)
         self._drop_view()
         self.slot_valid, self.n_sinks, self.n_recent = move(self.slot_valid), move(self.n_sinks), move(self.n_recent)
+        self.n_pending = move(self.n_pending)
         self.sinks = {p: move(v) for p, v in self.sinks.items()}
         self.recent = {p: move(v) for p, v in self.recent.items()}
+        self.pending = {p: move(v) for p, v in self.pending.items()}
         self.tensor_scales = self._shared_map(move)
         if self.indexer_keys is not None:
             self.indexer_keys = move(self.indexer_keys)

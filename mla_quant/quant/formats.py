@@ -21,6 +21,11 @@ Codecs (`format`), see docs/cache.md "Formats":
           amax/448 of that sequence's first append, optionally shared by both paths (`shared_scale`)
     codebook  `bits` in {2,3,4,8}: one norm per token and a Lloyd-Max Gaussian level per coordinate (TurboQuant's
           MSE quantizer; pair it with a Hadamard rotation, transform=turboquant)
+    channel_block  `bits` in {2,3,4,8}, KIVI's key quantization: per channel over blocks of `token_block`
+          consecutive tokens of one sequence, scale + zero per channel and block, spread over the block's tokens
+          (token j of a block stores the scales and zeros of channels [j S, (j + 1) S), S = ceil(d / token_block));
+          encode/decode take whole blocks along the token dim (-2); the cache keeps a block's tokens unquantized
+          until it fills (cache/layer.py)
 """
 
 from __future__ import annotations
@@ -70,9 +75,13 @@ class Codec:
     name = "?"
     widths: tuple[int, ...] = ()
     granularities: tuple[str, ...] = ("group",)
+    token_blocks = False  # True: encode/decode take whole blocks of `token_block` tokens along dim -2
 
     def check(self, fmt: "PathFormat", where: str) -> None:
         """Format-specific checks (widths, granularity, scale dtype), independent of the dimension."""
+        if fmt.token_block is not None and not self.token_blocks:
+            raise ValueError(f"{where}.token_block={fmt.token_block!r}: format={self.name} quantizes each token on its "
+                             f"own; allowed: null (format=channel_block quantizes over blocks of tokens)")
         if fmt.bits not in self.widths:
             raise ValueError(f"{where}.bits={fmt.bits!r} is not a width of format={self.name}; allowed: "
                              f"{list(self.widths)} (formats and their widths: "
@@ -96,6 +105,10 @@ class Codec:
                tensor_scale: torch.Tensor | None) -> torch.Tensor:
         """The stored tensors (..., *) -> x_hat (..., d) in `dtype`; `tensor_scale` broadcast over (...)."""
         raise NotImplementedError
+
+    def fake_quantize(self, fmt: "PathFormat", x: torch.Tensor, tensor_scale: torch.Tensor | None) -> torch.Tensor:
+        """x (..., d) -> x as stored and read back, in x.dtype."""
+        return self.decode(fmt, self.encode(fmt, x, tensor_scale), x.shape[-1], x.dtype, tensor_scale)
 
     def kernel_unsupported(self, fmt: "PathFormat", d: int) -> str | None:
         """Why the Triton decode kernel cannot read this format, or None if it can."""
@@ -257,7 +270,97 @@ class CodebookCodec(Codec):
         return f"codebook{fmt.bits} (Lloyd-Max) per-token norm {fmt.scale_dtype}"
 
 
-CODECS: dict[str, Codec] = {c.name: c for c in (ValuesCodec(), IntCodec(), Fp8Codec(), CodebookCodec())}
+class ChannelBlockCodec(Codec):
+    """KIVI's key quantization: asymmetric integer codes per channel over blocks of `token_block` consecutive tokens
+    (`quantizers.channel_block_quantize`), so an outlier channel gets its own step instead of widening every
+    token's. Codes are packed per token as for `int`; a block's (d,) scales and zeros are spread over its tokens,
+    S = ceil(d / token_block) of each per token (the last token's tail padded), so every stored tensor stays one
+    row per token and the paged store, batch edits and byte counts work as for any codec. Encode and decode take
+    whole blocks: x (..., N, d), N a multiple of token_block, each run of token_block tokens one block."""
+
+    name = "channel_block"
+    widths = quantizers.INT_BITS
+    granularities = ("channel",)
+    token_blocks = True
+
+    def check(self, fmt, where):
+        super().check(fmt, where)
+        quantizers.check_scale_dtype(fmt.scale_dtype)
+        t = fmt.token_block
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ValueError(f"{where}.token_block={t!r}: format=channel_block needs the tokens per block; allowed: "
+                             f"a positive integer (KIVI uses 32)")
+        if fmt.group_size is not None:
+            raise ValueError(f"{where}.group_size={fmt.group_size!r}: format=channel_block keeps one scale and zero "
+                             f"per channel and token block; allowed: null")
+        if fmt.symmetric:
+            raise ValueError(f"{where}.symmetric=true: format=channel_block is asymmetric (scale + zero per channel "
+                             f"and block); allowed: false")
+
+    @staticmethod
+    def scale_slots(fmt, d) -> int:
+        """Scales (and zeros) each token stores: its share of its block's d per-channel values."""
+        return -(-d // fmt.token_block)
+
+    def n_groups(self, fmt, d):
+        return self.scale_slots(fmt, d)
+
+    def bytes_per_token(self, fmt, d, act_bytes):
+        return IntCodec.code_bytes(fmt, d) + self.scale_slots(fmt, d) * (SCALE_BYTES[fmt.scale_dtype]
+                                                                         + ZERO_BYTES[fmt.scale_dtype])
+
+    def _blocks(self, fmt, n: int) -> int:
+        if n % fmt.token_block:
+            raise ValueError(f"format=channel_block: {n} tokens are not whole blocks of token_block="
+                             f"{fmt.token_block}; encode and decode take whole blocks along the token dim")
+        return n // fmt.token_block
+
+    def _spread(self, fmt, v: torch.Tensor) -> torch.Tensor:
+        """(..., nb, d) per block -> (..., nb * token_block, S) per token (zero padded past d)."""
+        t, d = fmt.token_block, v.shape[-1]
+        s = self.scale_slots(fmt, d)
+        padded = torch.nn.functional.pad(v, (0, s * t - d)) if s * t > d else v
+        return padded.reshape(*v.shape[:-2], v.shape[-2] * t, s)
+
+    def _gather(self, fmt, v: torch.Tensor, d: int) -> torch.Tensor:
+        """(..., N, S) per token -> (..., N / token_block, d) per block."""
+        nb = self._blocks(fmt, v.shape[-2])
+        return v.reshape(*v.shape[:-2], nb, -1)[..., :d]
+
+    def encode(self, fmt, x, tensor_scale):
+        self._blocks(fmt, x.shape[-2])
+        codes, scales, zeros = quantizers.channel_block_quantize(x, fmt.bits, fmt.token_block, fmt.scale_dtype)
+        if fmt.bits in WORD_BITS:
+            packed = WordLayout(fmt.bits, x.shape[-1]).pack(codes)
+        else:
+            packed = packing.pack(codes, fmt.bits, check=False)
+        return {"codes": packed, "scales": self._spread(fmt, scales), "zeros": self._spread(fmt, zeros)}
+
+    def decode(self, fmt, parts, d, dtype, tensor_scale):
+        if fmt.bits in WORD_BITS:
+            codes = WordLayout(fmt.bits, d).unpack(parts["codes"])
+        else:
+            codes = packing.unpack(parts["codes"], fmt.bits, d)
+        return quantizers.channel_block_dequantize(codes, self._gather(fmt, parts["scales"], d),
+                                                   self._gather(fmt, parts["zeros"], d), fmt.bits, dtype)
+
+    def fake_quantize(self, fmt, x, tensor_scale):
+        """Whole blocks along dim -2 (from its first token) as stored and read back; the tokens of a last, partial
+        block exact, as the cache keeps them until their block fills."""
+        if x.dim() < 2:
+            return x
+        full = x.shape[-2] - x.shape[-2] % fmt.token_block
+        head = x[..., :full, :]
+        if full:
+            head = self.decode(fmt, self.encode(fmt, head, None), x.shape[-1], x.dtype, None)
+        return torch.cat([head, x[..., full:, :]], dim=-2)
+
+    def describe(self, fmt):
+        return f"int{fmt.bits} per channel over {fmt.token_block}-token blocks asym {fmt.scale_dtype}"
+
+
+CODECS: dict[str, Codec] = {c.name: c for c in (ValuesCodec(), IntCodec(), Fp8Codec(), CodebookCodec(),
+                                                  ChannelBlockCodec())}
 FORMATS = tuple(CODECS)
 
 
@@ -282,6 +385,7 @@ class PathFormat:
     symmetric: bool = False
     scale_dtype: str = "fp16"
     granularity: str = "group"
+    token_block: int | None = None  # format=channel_block: tokens per block (one scale + zero per channel and block)
 
     @classmethod
     def from_cfg(cls, cfg, where: str = "quant.<path>") -> "PathFormat":
@@ -338,6 +442,11 @@ class PathFormat:
                tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
         return self.codec.decode(self, parts, d, dtype, tensor_scale)
 
+    @property
+    def blocked(self) -> int | None:
+        """Tokens per block when this path is quantized over blocks of tokens (channel_block), else None."""
+        return self.token_block if self.codec.token_blocks else None
+
     def kernel_unsupported(self, d: int) -> str | None:
         return self.codec.kernel_unsupported(self, d)
 
@@ -374,6 +483,13 @@ class CacheFormat:
 
     def dim(self, name: str) -> int:
         return {"content": self.d_c, "rope": self.d_r}[name]
+
+    @property
+    def token_block(self) -> int | None:
+        """Tokens per block of a path quantized over blocks of tokens (channel_block), else None: a sequence's
+        tokens that left the recent window wait unquantized (both paths) until they fill a block."""
+        blocks = {p.blocked for p in (self.content, self.rope)} - {None}
+        return blocks.pop() if blocks else None
 
     def tensor_scale_bytes(self) -> int:
         """Per sequence and layer constant bytes: float32 per-tensor fp8 scales (one if shared)."""
@@ -440,24 +556,30 @@ def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None) -> C
             "quant.shared_scale=true needs both paths in format=fp8 with granularity=tensor (vLLM's flat FP8 "
             f"layout); got content {content.describe()!r}, rope {rope.describe()!r}"
         )
+    if content.blocked and rope.blocked and content.blocked != rope.blocked:
+        raise ValueError(f"quant.content.token_block={content.blocked} and quant.rope.token_block={rope.blocked}: "
+                         "both paths wait for the same blocks of tokens; allowed: the same token_block on both")
     fmt = CacheFormat(cfg.get("name", "?"), mode, backend, n_sink, recent, block_size, content, rope, shared, d_c, d_r)
     if backend == "triton":
         why = fmt.kernel_unsupported()
         if why is not None:
-            raise ValueError(f"{why}: quant.backend=triton cannot read it (it reads bf16 paths, or int with bits "
-                             f"{list(TRITON_INT_BITS)}); use quant.backend=torch for this format")
+            raise ValueError(f"quant={fmt.name}: {why}: quant.backend=triton cannot read it (it reads bf16 paths, or "
+                             f"int with bits {list(TRITON_INT_BITS)}); use quant.backend=torch for this format")
     return fmt
 
 
 def cache_bytes_per_token(fmt: CacheFormat, d_c: int, d_r: int, context: int, batch: int = 1,
                           act_bytes: int = 2) -> float:
     """Formula: bytes per token per layer of a cache holding `context` tokens per sequence, protected region
-    (n_sink + recent tokens, in the activation dtype) and per-sequence tensor scales included."""
+    (n_sink + recent tokens, in the activation dtype) and per-sequence tensor scales included. With a token block
+    (channel_block), the tokens past the last whole block wait in the activation dtype too."""
     if context <= 0:
         raise ValueError(f"context={context}: need at least one token")
     if not fmt.quantized:
         return float((d_c + d_r) * act_bytes)
     protected = min(context, fmt.n_sink + fmt.recent)
+    if fmt.token_block:
+        protected += (context - protected) % fmt.token_block  # the pending tokens of a block not yet full
     per_quantized = fmt.content.bytes_per_token(d_c, act_bytes) + fmt.rope.bytes_per_token(d_r, act_bytes)
     per_sequence = protected * (d_c + d_r) * act_bytes + (context - protected) * per_quantized
     return (per_sequence + fmt.tensor_scale_bytes()) / context
@@ -478,7 +600,8 @@ def decode_path(fmt: PathFormat, parts: Mapping[str, torch.Tensor], d: int, dtyp
 def fake_quantizer(path_cfg, d: int, path: str = "<path>") -> Callable[[torch.Tensor], torch.Tensor]:
     """x (..., d) -> x as the cache would store and read it back in the format `path_cfg` (one `quant.<path>`
     block), same dtype. Validated against d first. Per-tensor fp8 takes the amax of the x it is given; bf16 is the
-    identity."""
+    identity; channel_block quantizes whole blocks of tokens along dim -2 from its first token and keeps the tokens
+    of a last, partial block exact (a cache with no protected region)."""
     fmt = path_cfg if isinstance(path_cfg, PathFormat) else PathFormat.from_cfg(path_cfg, f"quant.{path}")
     fmt.check(d, f"quant.{path}")
 
@@ -486,7 +609,7 @@ def fake_quantizer(path_cfg, d: int, path: str = "<path>") -> Callable[[torch.Te
         if x.shape[-1] != d:
             raise ValueError(f"quant.{path}: validated for dimension {d}, got x of shape {tuple(x.shape)}")
         scale = tensor_scale_for(x).expand(x.shape[:-1]) if fmt.tensor_scaled else None
-        return fmt.decode(fmt.encode(x, scale), d, x.dtype, scale)
+        return fmt.codec.fake_quantize(fmt, x, scale)
 
     return quantize
 
