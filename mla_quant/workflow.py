@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 from hydra import compose
@@ -23,7 +24,8 @@ from mla_quant import pipeline
 from mla_quant.record import write_text_atomic
 from mla_quant.stages import GROUPS, StageResult, override_group, refuse_unused_groups, user_overrides
 
-ALWAYS = ("seed", "device", "logger", "force")  # top-level settings every step takes from the command line
+ALWAYS = ("seed", "device", "logger", "force")
+STEP_LOG = "step.log"  # each step's own output (the console shows one line per step and the summary)  # top-level settings every step takes from the command line
 
 
 SELECTS = ("quant", "transform")  # `quant=X` / `transform=Y` on the command line pick the pipeline's formats / methods
@@ -126,7 +128,7 @@ def summary(t: DictConfig, methods: list[str], formats: list[str], results: dict
     if any(len(r) > 1 for r in rows) and t.evaluate is not None:
         lines.append(f"Accuracy, mean over tasks (objective error content/rope, mean over layers)"
                      + (f"; {t.reference} reference {ref:.3f}" if ref is not None else "") + ":")
-        lines.append(pd.DataFrame(rows).to_markdown(index=False))
+        lines.append(pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True))
     if report is not None:
         lines.append(f"Tables and figures ({len(report.tables)} tables, {len(report.figures)} figures): "
                      f"{report.out}/index.md")
@@ -156,17 +158,24 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     metrics: dict = {"pipeline/steps": len(configs)}
     failed, roots = [], [run_dir]
     for folder, name, step_cfg, choices, overrides in configs:
-        print(f"[pipeline] step {folder}: {' '.join(overrides) or '(defaults)'}")
+        step_dir = run_dir / folder
+        step_dir.mkdir(parents=True, exist_ok=True)
+        print(f"[pipeline] {folder}: {' '.join(overrides) or '(defaults)'}", flush=True)
+        began = time.perf_counter()
         try:
-            res = pipeline.main(step_cfg, run_dir=run_dir / folder, choices=choices, overrides=overrides)
+            with open(step_dir / STEP_LOG, "a") as log, redirect_stdout(log), redirect_stderr(log):
+                res = pipeline.main(step_cfg, run_dir=step_dir, choices=choices, overrides=overrides)
             results[name] = res.metrics
-            metrics[f"pipeline/{name}/status"] = "reused" if res.reused else "ok"
+            status = "reused" if res.reused else "ok"
             if res.reused:  # finished in an earlier run of the same configuration: its record counts
                 roots.append(Path(res.reused).parent)
+                status += f" ({res.reused})"
         except Exception as exc:  # a failed step is in its own record; the others still run
             failed.append(name)
-            metrics[f"pipeline/{name}/status"] = "failed"
-            print(f"[pipeline] step {name} failed: {''.join(traceback.format_exception_only(type(exc), exc)).strip()}")
+            status = f"failed: {''.join(traceback.format_exception_only(type(exc), exc)).strip()}"
+        metrics[f"pipeline/{name}/status"] = status.split(" ", 1)[0].rstrip(":")
+        print(f"[pipeline] {folder}: {status}, {time.perf_counter() - began:.0f} s (log: {step_dir / STEP_LOG})",
+              flush=True)
     report = None
     result = StageResult()
     if t.analysis:

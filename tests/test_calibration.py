@@ -118,6 +118,9 @@ def test_prepare_reuses_a_stored_calibration(tmp_path):
     assert meta["data_source"] == "random" and len(meta["data_sha256"]) == 64
     again, metrics2, _ = calibrated_transforms(build_model(cfg.model, absorbed=False), cfg, None, None)
     assert metrics2["calib/reused"] == 1
+    _, metrics_report, rows = calibrated_transforms(build_model(cfg.model, absorbed=False), cfg, None, None,
+                                                    report=True)  # experiment=calibrate finds the same fit
+    assert metrics_report["calib/reused"] == 1 and len(rows) == len(report)
     for a, b in zip(tset.layers, again.layers):
         assert torch.equal(a.rotation, b.rotation) and torch.equal(a.angle, b.angle)
     cfg2 = compose(over + ["calib.seed=1"])  # other calibration data: a new fit

@@ -48,7 +48,8 @@ def test_pipeline_runs_every_step_then_reuses_them(tmp_path):
     # a second run of the same configuration reuses every finished step and still builds every table
     second = _run([*SMALL, f"hydra.run.dir={root}/second"])
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert second.stdout.count("skipped, this configuration") == len(steps)
+    assert second.stdout.count(": reused (") == len(steps)  # one console line per step, the summary after
+    assert "skipped, this configuration" in (root / "second" / steps[0] / "step.log").read_text()
     again = json.loads((root / "second" / "record.json").read_text())["metrics"]
     assert again["pipeline/accuracy/none/int4_joint"] == top["metrics"]["pipeline/accuracy/none/int4_joint"]
     assert again["pipeline/sensitivity/status"] == "reused"

@@ -286,7 +286,9 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
                # the paths' formats only: calibration quantizes every token, whatever the protected region or backend
                "format": [repr(fmt.content), repr(fmt.rope)] if fitted_paths(tcfg) or use_data else None,
                "seed": int(cfg.seed),
-               "report": report}
+               # a fitted transform computes its report while fitting: experiment=calibrate and every other stage
+               # share it; a data-free one computes a report only when asked (experiment=calibrate)
+               "report": bool(report) and not fitted_paths(tcfg)}
     config_sha = config_sha256(payload)
     family = family_for_config(model.config).name
     path = transform_path(fit.get("cache_dir", "outputs/calibration"), f"{family}-{name}-{config_sha[:16]}")
