@@ -125,3 +125,8 @@ def test_wandb_export_reads_into_the_same_frame(runs, tmp_path):
     ours = tables.accuracy(load_frame([runs])).long
     theirs = tables.accuracy(df).long
     assert theirs["score"].tolist() == ours["score"].tolist() and set(theirs["cache"]) == {"int4_joint"}
+    runs_json = [{"name": row["Name"], "state": "finished", "created_at": row["Created"], "config": rec["config"],
+                  "summary": rec["metrics"]}]  # as wandb.Api().runs() gives them
+    (tmp_path / "export.json").write_text(json.dumps(runs_json))
+    from_json = tables.accuracy(load_frame([], wandb_exports=[tmp_path / "export.json"])).long
+    assert from_json["score"].tolist() == ours["score"].tolist()
