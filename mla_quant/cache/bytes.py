@@ -16,7 +16,7 @@ from mla_quant.quant.formats import cache_bytes_per_token, cache_format
 
 QUANT_DIR = Path(__file__).resolve().parents[2] / "conf" / "quant"
 BYTE_TABLE_OPTIONS = ("bf16", "fp8_flat", "fp8_ds_mla", "int8_joint", "int4_content", "int4_joint",
-                      "int2_content_int4_rope", "int2_joint")
+                      "int2_content_int4_rope", "int2_joint", "kivi_int2", "kivi_int4")
 # Content group sizes of the release options at real dims (the model YAMLs' quant_group_size for d_c = 512).
 REAL_GROUPS = {"wide": 128, "narrow": 64}
 
