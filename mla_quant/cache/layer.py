@@ -271,11 +271,11 @@ class LatentCacheLayer(CacheLayerMixin):
 
     def _sync_view(self) -> torch.Tensor:
         """Bring the decoded view up to date and return the tokens per sequence (B,). The view holds each sequence's
-        real tokens in order (sinks | stored | pending | recent) in the activation dtype. A token is decoded once, at the first
-        read after it is stored (its position in the sequence never changes: sinks fill before anything is stored),
-        so a decode step decodes B tokens, not the whole cache. A protected token keeps its value while it is
-        protected, so only those that arrived since the last read are written. Edits that move or remove stored
-        tokens drop the view."""
+        real tokens in order (sinks | stored | pending | recent) in the activation dtype. A token is decoded once, at
+        the first read after it is stored (its position in the sequence never changes: sinks fill before anything is
+        stored), so a decode step decodes B tokens, not the whole cache. A protected or pending token keeps its value
+        while it is unquantized, so only those that arrived since the last read are written. Edits that move or
+        remove stored tokens drop the view."""
         n_store = self.store.lengths
         offset = self.n_sinks if self.quantized else torch.zeros_like(n_store)
         lengths = offset + n_store + (self.n_pending + self.n_recent if self.quantized else 0)
