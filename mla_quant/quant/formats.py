@@ -168,22 +168,28 @@ class IntCodec(Codec):
         zeros = 0 if fmt.symmetric else ZERO_BYTES[fmt.scale_dtype]
         return self.code_bytes(fmt, d) + self.n_groups(fmt, d) * (SCALE_BYTES[fmt.scale_dtype] + zeros)
 
+    @staticmethod
+    def pack_codes(fmt, codes: torch.Tensor) -> torch.Tensor:
+        """codes (..., d) uint8 -> int32 words (WordLayout) at 2/4/8 bits, the LSB-first byte stream at 3."""
+        if fmt.bits in WORD_BITS:
+            return WordLayout(fmt.bits, codes.shape[-1]).pack(codes)
+        return packing.pack(codes, fmt.bits, check=False)
+
+    @staticmethod
+    def unpack_codes(fmt, packed: torch.Tensor, d: int) -> torch.Tensor:
+        if fmt.bits in WORD_BITS:
+            return WordLayout(fmt.bits, d).unpack(packed)
+        return packing.unpack(packed, fmt.bits, d)
+
     def encode(self, fmt, x, tensor_scale):
         codes, scales, zeros = quantizers.group_quantize(x, fmt.bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype)
-        if fmt.bits in WORD_BITS:
-            packed = WordLayout(fmt.bits, x.shape[-1]).pack(codes)
-        else:
-            packed = packing.pack(codes, fmt.bits, check=False)
-        parts = {"codes": packed, "scales": scales}
+        parts = {"codes": self.pack_codes(fmt, codes), "scales": scales}
         if zeros is not None:
             parts["zeros"] = zeros
         return parts
 
     def decode(self, fmt, parts, d, dtype, tensor_scale):
-        if fmt.bits in WORD_BITS:
-            codes = WordLayout(fmt.bits, d).unpack(parts["codes"])
-        else:
-            codes = packing.unpack(parts["codes"], fmt.bits, d)
+        codes = self.unpack_codes(fmt, parts["codes"], d)
         return quantizers.group_dequantize(codes, parts["scales"], parts.get("zeros"), fmt.bits, dtype)
 
     def kernel_unsupported(self, fmt, d):
@@ -330,17 +336,11 @@ class ChannelBlockCodec(Codec):
     def encode(self, fmt, x, tensor_scale):
         self._blocks(fmt, x.shape[-2])
         codes, scales, zeros = quantizers.channel_block_quantize(x, fmt.bits, fmt.token_block, fmt.scale_dtype)
-        if fmt.bits in WORD_BITS:
-            packed = WordLayout(fmt.bits, x.shape[-1]).pack(codes)
-        else:
-            packed = packing.pack(codes, fmt.bits, check=False)
-        return {"codes": packed, "scales": self._spread(fmt, scales), "zeros": self._spread(fmt, zeros)}
+        return {"codes": IntCodec.pack_codes(fmt, codes), "scales": self._spread(fmt, scales),
+                "zeros": self._spread(fmt, zeros)}
 
     def decode(self, fmt, parts, d, dtype, tensor_scale):
-        if fmt.bits in WORD_BITS:
-            codes = WordLayout(fmt.bits, d).unpack(parts["codes"])
-        else:
-            codes = packing.unpack(parts["codes"], fmt.bits, d)
+        codes = IntCodec.unpack_codes(fmt, parts["codes"], d)
         return quantizers.channel_block_dequantize(codes, self._gather(fmt, parts["scales"], d),
                                                    self._gather(fmt, parts["zeros"], d), fmt.bits, dtype)
 
