@@ -285,6 +285,10 @@ def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None,
             raise
         finally:
             signals.finishing = True
+            try:  # a signal may have cut a unit's save short: progress.json then holds what the record counts
+                prog.save()
+            except OSError as exc:
+                warnings.warn(f"could not save {run_dir / PROGRESS_NAME} ({exc})", stacklevel=2)
             metrics = {**prog.metrics, **result.metrics}  # every metric finished so far
             path = record(status, error, metrics, signals.signum)
             _quietly("log_metrics", tracker.log_metrics, metrics)

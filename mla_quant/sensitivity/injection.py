@@ -37,23 +37,36 @@ def nmse(x_hat: torch.Tensor, x: torch.Tensor) -> float:
     return ((x_hat.double() - x64).pow(2).sum() / x64.pow(2).sum()).item()
 
 
-def fixed_nmse_noise(x: torch.Tensor, target: float, direction: torch.Tensor, refine: int = 3) -> torch.Tensor:
+def fixed_nmse_noise(x: torch.Tensor, target: float, direction: torch.Tensor, refine: int = 24) -> torch.Tensor:
     """`direction` rescaled so that ||(x + eps) - x||^2 / ||x||^2 == target, returned in x's dtype.
 
-    The scale is computed in float64; `refine` fixed-point steps then correct it for the rounding of x + eps in x's
-    dtype (float32/bfloat16), so the error the model actually sees has the target NMSE to rounding precision.
+    The scale is computed in float64, then corrected for the rounding of x + eps in x's dtype (float32/bfloat16):
+    fixed-point steps until the target is bracketed, bisection after (the achieved NMSE is a step function of the
+    scale, coarse on a small bfloat16 tensor, where fixed-point steps alone can cycle), at most `refine` evaluations,
+    keeping the scale whose rounded error is closest to the target. So the error the model actually sees has the
+    target NMSE to rounding precision.
     """
     d = direction.double()
     energy = d.pow(2).sum()
     if energy == 0:
         raise ValueError("the noise direction is all zeros (a lossless quantizer?): nothing to rescale")
     alpha = torch.sqrt(target * x.double().pow(2).sum() / energy)
+    best, best_gap, low, high = alpha, float("inf"), None, None
     for _ in range(refine):
         achieved = nmse(x + (d * alpha).to(x.dtype), x)
         if achieved == 0:
             break
-        alpha = alpha * (target / achieved) ** 0.5
-    return (d * alpha).to(x.dtype)
+        gap = abs(achieved / target - 1)
+        if gap < best_gap:
+            best, best_gap = alpha, gap
+        if gap < 1e-6:
+            break
+        if achieved < target:
+            low = alpha if low is None else max(low, alpha)
+        else:
+            high = alpha if high is None else min(high, alpha)
+        alpha = (low + high) / 2 if low is not None and high is not None else alpha * (target / achieved) ** 0.5
+    return (d * best).to(x.dtype)
 
 
 @dataclass
