@@ -12,6 +12,7 @@ not (no network, a closed port), or `wandb.init` fails, the run is tracked offli
 
 from __future__ import annotations
 
+import shutil
 import socket
 import time
 import warnings
@@ -122,8 +123,10 @@ class WandbLogger(NullLogger):
             self.run.log({name: wandb.Image(str(path))})
 
     def log_file(self, path: Path) -> None:
+        """A copy of the file in the W&B run's files (W&B uploads that folder; a copy, not wandb.save's symlink,
+        which warns that later changes need another save)."""
         if self.run is not None:
-            self.run.save(str(path), base_path=str(Path(path).parent), policy="now")
+            shutil.copy2(path, Path(self.run.dir) / Path(path).name)
 
     def finish(self, status: str) -> None:
         if self.run is not None:

@@ -36,6 +36,9 @@ def steps(methods: list[str], formats: list[str], t: DictConfig) -> list[tuple[s
     out: list[tuple[str, list[str]]] = []
     if t.sensitivity is not None:
         out.append(("sensitivity", ["experiment=sensitivity", *t.sensitivity]))
+    if t.cache_bytes is not None:
+        options = list(dict.fromkeys([*([t.reference] if t.reference else []), *formats]))
+        out.append(("cache_bytes", ["experiment=cache_bytes", f"task.options=[{','.join(options)}]", *t.cache_bytes]))
     if t.calibrate is not None:
         out += [(f"calibrate-{m}-{f}", ["experiment=calibrate", f"transform={m}", f"quant={f}", *t.calibrate])
                 for m in methods for f in formats]

@@ -10,6 +10,7 @@ from conftest import REPO, compose
 from mla_quant.workflow import selection
 
 SMALL = ["experiment=pipeline", "logger=none", "task.methods=[none,quarot]", "task.formats=[int4_joint]",
+         'task.cache_bytes=["task.contexts=[4096]"]',
          'task.sensitivity=["task.seeds=1","task.sweep_nmse=[0.01,0.04]","task.probe.num_sequences=2"]',
          'task.evaluate=["eval.control_no_rope.enabled=false","eval.tasks=[toy_niah_single_1,toy_niah_multikey_1]",'
          '"eval.data.niah_lengths=[256,512]","eval.data.niah_per_length=2"]']
@@ -29,20 +30,20 @@ def test_pipeline_runs_every_step_then_reuses_them(tmp_path):
     root = tmp_path / "outputs"
     first = _run([*SMALL, f"hydra.run.dir={root}/first"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    steps = ["01_sensitivity", "02_calibrate-none-int4_joint", "03_calibrate-quarot-int4_joint", "04_evaluate-bf16",
-             "05_evaluate-none-int4_joint", "06_evaluate-quarot-int4_joint"]
+    steps = ["01_sensitivity", "02_cache_bytes", "03_calibrate-none-int4_joint", "04_calibrate-quarot-int4_joint",
+             "05_evaluate-bf16", "06_evaluate-none-int4_joint", "07_evaluate-quarot-int4_joint"]
     for step in steps:
         rec = json.loads((root / "first" / step / "record.json").read_text())
         assert rec["status"] == "ok", step
-    ev = json.loads((root / "first" / "05_evaluate-none-int4_joint" / "record.json").read_text())
+    ev = json.loads((root / "first" / "06_evaluate-none-int4_joint" / "record.json").read_text())
     assert ev["choices"]["quant"] == "int4_joint" and ev["choices"]["transform"] == "none"
     assert ev["choices"]["model"] == "toy_mla"
     top = json.loads((root / "first" / "record.json").read_text())
     scores = [ev["metrics"][f"eval/{t}/exact_match"] for t in ("toy_niah_single_1", "toy_niah_multikey_1")]
     assert top["metrics"]["pipeline/accuracy/none/int4_joint"] == pytest.approx(sum(scores) / 2)
     index = (root / "first" / "analysis" / "index.md").read_text()
-    for artifact in ("amplification", "accuracy", "calibration", "ruler", "output_vs_injected_nmse",
-                     "accuracy_vs_bytes"):
+    for artifact in ("amplification", "accuracy", "calibration", "ruler", "memory", "output_vs_injected_nmse",
+                     "accuracy_vs_bytes", "memory_bytes_vs_context"):
         assert f"`{artifact}" in index, index
     assert "Accuracy, mean over tasks" in first.stdout and "analysis/index.md" in first.stdout
     # a second run of the same configuration reuses every finished step and still builds every table
@@ -67,3 +68,18 @@ def test_pipeline_selection_and_idle_settings_are_refused(tmp_path):
                 f"hydra.run.dir={tmp_path}"], timeout=300)
     assert run.returncode != 0 and "calib.samples=4" in run.stderr and "no step" in run.stderr, run.stderr[-2000:]
     assert not (tmp_path / "01_sensitivity").exists()  # refused before any step ran
+
+
+def test_wandb_offline_gets_one_run_per_step_and_the_pipeline_tables_and_figures(tmp_path):
+    run = _run(["experiment=pipeline", "logger=wandb", "task.methods=[none]", "task.formats=[int4_joint]",
+                "task.sensitivity=null", "task.calibrate=null", 'task.cache_bytes=["task.contexts=[4096]"]',
+                'task.evaluate=["eval.control_no_rope.enabled=false","eval.tasks=[toy_niah_single_1]",'
+                '"eval.data.niah_lengths=[256]","eval.data.niah_per_length=2"]', f"hydra.run.dir={tmp_path}"])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for step in ("01_cache_bytes", "02_evaluate-bf16", "03_evaluate-none-int4_joint"):
+        assert len(list((tmp_path / step / "wandb").glob("offline-run-*"))) == 1, step
+    (top,) = (tmp_path / "wandb").glob("offline-run-*")
+    media = top / "files" / "media"
+    assert {p.name.split("_")[0] for p in (media / "table").glob("*.table.json")} >= {"accuracy", "memory"}
+    assert any(p.name.startswith("memory_bytes_vs_context") for p in (media / "images").glob("*.png"))
+    assert (top / "files" / "record.json").is_file()

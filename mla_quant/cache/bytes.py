@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from mla_quant.cache.factory import layer_factory
 from mla_quant.quant.formats import cache_bytes_per_token, cache_format
@@ -59,7 +60,7 @@ def byte_table(options: Sequence[str] = BYTE_TABLE_OPTIONS, contexts: Sequence[i
     (option, context); the stored dtype is bfloat16, as on real checkpoints."""
     bf16 = (d_c + d_r) * 2
     rows = []
-    for name in options:
+    for name in tqdm(options, desc="cache bytes", unit="option"):
         cfg = load_quant_option(name, conf_dir)
         if block_size is not None:
             cfg.block_size = block_size
