@@ -230,19 +230,18 @@ def main(cfg: DictConfig, run_dir: Path | None = None, choices: dict[str, str] |
          overrides: list[str] | None = None) -> StageResult:
     """Run `cfg`'s experiment. A run nested in another (experiment=pipeline's steps) passes its own run dir, the
     options chosen for it and its overrides; a top-level run takes them from Hydra."""
-    with nested_overrides(overrides):
-        return _main(cfg, run_dir, choices, overrides)
+    with nested_overrides(overrides):  # user_overrides() is the nested run's own while it works
+        return _main(cfg, run_dir, choices)
 
 
-def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None,
-          overrides: list[str] | None) -> StageResult:
+def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None) -> StageResult:
     run_dir = Path(run_dir) if run_dir is not None else run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.device)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     stage = get_method(cfg.task._target_)  # fails early, naming the target, if it does not exist
-    refuse_unused_groups(cfg.task, overrides)  # an override of a group this experiment does not read is refused
-    refuse_idle_calibration(cfg, overrides)
+    refuse_unused_groups(cfg.task)  # an override of a group this experiment does not read is refused by name
+    refuse_idle_calibration(cfg)
     refuse_idle_resources()
     identity = run_identity(resolved)
     complete, prog = resume_state(cfg, run_dir, identity)

@@ -17,6 +17,7 @@ import traceback
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
+import pandas as pd
 from hydra import compose
 from omegaconf import DictConfig, open_dict
 
@@ -24,11 +25,9 @@ from mla_quant import pipeline
 from mla_quant.record import write_text_atomic
 from mla_quant.stages import GROUPS, StageResult, override_group, refuse_unused_groups, user_overrides
 
-ALWAYS = ("seed", "device", "logger", "force")
-STEP_LOG = "step.log"  # each step's own output (the console shows one line per step and the summary)  # top-level settings every step takes from the command line
-
-
+ALWAYS = ("seed", "device", "logger", "force")  # top-level settings every step takes from the command line
 SELECTS = ("quant", "transform")  # `quant=X` / `transform=Y` on the command line pick the pipeline's formats / methods
+STEP_LOG = "step.log"  # each step's own output (the console shows one line per step and the summary)
 
 
 def steps(methods: list[str], formats: list[str], t: DictConfig) -> list[tuple[str, list[str]]]:
@@ -126,8 +125,6 @@ def summary(t: DictConfig, methods: list[str], formats: list[str], results: dict
     ref = headline(results.get(f"evaluate-{t.reference}") or {}) if t.reference else None
     if ref is not None:
         metrics[f"pipeline/accuracy/{t.reference}"] = ref
-    import pandas as pd
-
     if any(len(r) > 1 for r in rows) and t.evaluate is not None:
         lines.append(f"Accuracy, mean over tasks (objective error content/rope, mean over layers)"
                      + (f"; {t.reference} reference {ref:.3f}" if ref is not None else "") + ":")
@@ -169,16 +166,15 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
             with open(step_dir / STEP_LOG, "a") as log, redirect_stdout(log), redirect_stderr(log):
                 res = pipeline.main(step_cfg, run_dir=step_dir, choices=choices, overrides=overrides)
             results[name] = res.metrics
-            status = "reused" if res.reused else "ok"
+            kind, detail = ("reused", f" ({res.reused})") if res.reused else ("ok", "")
             if res.reused:  # finished in an earlier run of the same configuration: its record counts
                 roots.append(Path(res.reused).parent)
-                status += f" ({res.reused})"
         except Exception as exc:  # a failed step is in its own record; the others still run
             failed.append(name)
-            status = f"failed: {''.join(traceback.format_exception_only(type(exc), exc)).strip()}"
-        metrics[f"pipeline/{name}/status"] = status.split(" ", 1)[0].rstrip(":")
-        print(f"[pipeline] {folder}: {status}, {time.perf_counter() - began:.0f} s (log: {step_dir / STEP_LOG})",
-              flush=True)
+            kind, detail = "failed", f": {''.join(traceback.format_exception_only(type(exc), exc)).strip()}"
+        metrics[f"pipeline/{name}/status"] = kind
+        print(f"[pipeline] {folder}: {kind}{detail}, {time.perf_counter() - began:.0f} s "
+              f"(log: {step_dir / STEP_LOG})", flush=True)
     report = None
     result = StageResult()
     if t.analysis:

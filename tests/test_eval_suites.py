@@ -42,6 +42,12 @@ def test_bad_task_settings_are_refused_by_name():
         plan_tasks(compose(["eval=gsm8k", "eval.tasks=[toy_gsm8k]"]).eval, TOY_TASKS)
 
 
+def test_code_tasks_are_dropped_without_opt_in():
+    assert evaluate.code_tasks_allowed(["gsm8k", "humaneval", "toy_humaneval", "toy_gsm8k"], False) == [
+        "gsm8k", "toy_gsm8k"]
+    assert evaluate.code_tasks_allowed(["gsm8k", "humaneval"], True) == ["gsm8k", "humaneval"]
+
+
 def _refuse_model_work(monkeypatch):
     def fail(*a, **k):
         raise AssertionError("the model was prepared before the task data was checked")

@@ -81,7 +81,7 @@ def code_tasks_allowed(tasks: list[str], allow: bool) -> list[str]:
     code = [t for t in tasks if t in CODE_TASKS or t in CODE_STOCK_TASKS]
     if code and not allow:
         print(f"[evaluate] refusing {code}: they execute model-written code; {OPT_IN_HINT}")
-        return [t for t in tasks if t not in CODE_TASKS]
+        return [t for t in tasks if t not in code]
     return list(tasks)
 
 
@@ -113,7 +113,9 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                          f"evaluate needs a trained model, e.g. model=toy_mla")
     check_lengths(cfg, plan)
     # The stock tasks' datasets before any weight is read: offline, the error names the task and its dataset.
-    stock = load_stock_tasks(plan, ev, load_tokenizer(cfg.model), run_dir / "lm_eval_tasks" / "local")
+    # (RULER builds its samples with the tokenizer; no other stock task reads it before the model is prepared)
+    stock = load_stock_tasks(plan, ev, load_tokenizer(cfg.model) if plan.ruler else None,
+                             run_dir / "lm_eval_tasks" / "local")
 
     prep = prepare_model(cfg)  # validates quant/transform/objective against the model before loading weights
     model, tokenizer = prep.model, prep.tokenizer
