@@ -45,9 +45,11 @@ def stores(fmt: PathFormat, d: int, lengths: list[int], block_size: int, seed: i
     rows = torch.repeat_interleave(torch.arange(b), torch.tensor(lengths)).to(DEVICE)
     x = latents(int(sum(lengths)), d, seed)
     torch_store, kernel_store = PagedStore(b, block_size, DEVICE), PagedStore(b, block_size, DEVICE)
-    torch_store.append(rows, fmt.encode(x))
+    torch_store.append(rows, {f"content/{part}": t for part, t in fmt.encode(x).items()})
     pos = kernel_store.reserve(rows)
-    pools = {part: kernel_store.part(part, t.shape[1:], t.dtype) for part, t in fmt.encode(x[:1]).items()}
+    kernel_store.declare({f"content/{part}": (t.shape[1:], t.dtype) for part, t in fmt.encode(x[:1]).items()})
+    pools = {part: kernel_store.part(f"content/{part}") for part in ("codes", "scales", "zeros")
+             if f"content/{part}" in kernel_store.part_names()}  # views of one page per block
     quantize_append(x, rows, pos, kernel_store.block_table(), block_size, pools["codes"], pools["scales"],
                     pools.get("zeros"), bits=fmt.bits, group=fmt.group_size, symmetric=fmt.symmetric,
                     scale_dtype=fmt.scale_dtype)
@@ -118,7 +120,8 @@ def test_store_kernel_refuses_bad_pools():
     x = latents(3, 96, 0)
     store = PagedStore(1, 4, DEVICE)
     pos = store.reserve(torch.zeros(3, dtype=torch.long, device=DEVICE))
-    pools = {part: store.part(part, t.shape[1:], t.dtype) for part, t in fmt.encode(x[:1]).items()}
+    store.declare({f"content/{part}": (t.shape[1:], t.dtype) for part, t in fmt.encode(x[:1]).items()})
+    pools = {name.split("/")[1]: view for name, view in store.pool.items()}
     args = (x, torch.zeros(3, dtype=torch.long, device=DEVICE), pos, store.block_table(), 4)
     kw = dict(bits=4, group=32, symmetric=False, scale_dtype="fp16")
     with pytest.raises(ValueError, match=r"scales must be a contiguous \(num_blocks, block_size, 3\) torch.float16"):

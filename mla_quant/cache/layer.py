@@ -297,7 +297,7 @@ class LatentCacheLayer(CacheLayerMixin):
             rows = torch.repeat_interleave(torch.arange(b, device=self.device), counts)
             starts = torch.cumsum(counts, 0) - counts
             pos = self._view_stored[rows] + torch.arange(rows.numel(), device=self.device) - starts[rows]
-            gathered = self.store.gather(rows, pos, list(self.store.pool))
+            gathered = self.store.gather(rows, pos, self.store.part_names())
             for p in PATHS:
                 parts = {k.split("/", 1)[1]: v for k, v in gathered.items() if k.startswith(p + "/")}
                 scale = None if self.tensor_scales[p] is None else self.tensor_scales[p][rows]

@@ -1,8 +1,11 @@
 """Paged token storage: each sequence's tokens in fixed-size blocks taken from one pool on demand.
 
 As in serving engines (vLLM's block manager, FlashMLA's `block_table`), memory held tracks memory used: a sequence
-holds ceil(length / block_size) blocks, so held <= used + one partly filled block per sequence. Every stored tensor
-("part", e.g. "content/codes", "rope/scales") has its own pool (num_blocks, block_size, *); all parts share one
+holds ceil(length / block_size) blocks, so held <= used + one partly filled block per sequence. A stored tensor
+("part", e.g. "content/codes", "rope/scales") belongs to the path named before its "/", and each path keeps ONE
+page per block (`PageLayout`, mla_quant/kernels/layout.py: the block's codes or values, then its scales, then its
+zeros, at 16-byte aligned offsets) in a uint8 pool (num_blocks, page_bytes). A part is a strided view (num_blocks,
+block_size, *) of its path's pool: block stride one page, its (block_size, *) dims contiguous. All paths share one
 block table, since they describe the same tokens.
 
     store = PagedStore(batch=2, block_size=64)
@@ -10,6 +13,12 @@ block table, since they describe the same tokens.
     dense, lengths = store.dense()                   # {"content/values": (B, L_max, d)}, (B,)
     store.gather(rows, pos, ["content/values"])      # token pos[i] of sequence rows[i]: {"content/values": (N, d)}
     store.block_table(), store.lengths               # what a kernel reads: (B, max_blocks) int32, (B,) int32
+    store.declare({"rope/codes": ((W,), torch.int32), "rope/scales": ((G,), torch.float16)})  # a path's page
+    store.part("rope/scales")                        # its view (num_blocks, block_size, G), stride(0) = page
+
+A path's page is laid out when its parts are first declared (`declare`, or the first `write`/`part` naming them),
+all at once: once the path holds blocks, a new part of it is refused. A view, like the pool, is replaced when the
+pool grows (`reserve`), so take views after reserving.
 """
 
 from __future__ import annotations
@@ -17,6 +26,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from mla_quant.kernels.layout import PageLayout
+
+Spec = tuple[tuple[int, ...], torch.dtype]  # a part's shape per token and dtype
+
+
+def path_of(part: str) -> str:
+    """The path a part belongs to: the name before its "/" ("content/codes" -> "content")."""
+    return part.split("/", 1)[0]
 
 
 class PagedStore:
@@ -26,11 +44,56 @@ class PagedStore:
         if block_size < 1:
             raise ValueError(f"block_size={block_size}; allowed: an integer >= 1")
         self.batch, self.block_size, self.device = batch, block_size, torch.device(device)
-        self.pool: dict[str, torch.Tensor] = {}  # part -> (num_blocks, block_size, *)
+        self.layouts: dict[str, PageLayout] = {}  # path -> its page layout (parts by their name after the "/")
+        self.pages: dict[str, torch.Tensor] = {}  # path -> (num_blocks, page_bytes) uint8
         self.tables: list[list[int]] = [[] for _ in range(batch)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)  # (B,) tokens per sequence
         self._table: torch.Tensor | None = None
+        self._views: dict[str, torch.Tensor] = {}  # part -> its view of the current pages
         self.num_blocks = 0
+
+    # ------------------------------------------------------------------ layout
+    def declare(self, parts: dict[str, Spec]) -> None:
+        """Lay out parts {name: (shape per token, dtype)}: each path's new parts join its page, all at once (a
+        path that holds blocks takes no new part); a part declared before must keep its shape and dtype."""
+        by_path: dict[str, dict[str, Spec]] = {}
+        for name, (shape, dtype) in parts.items():
+            by_path.setdefault(path_of(name), {})[name] = (tuple(int(n) for n in shape), dtype)
+        for path, new in by_path.items():
+            old = self.layouts[path].spec() if path in self.layouts else {}
+            for name, spec in new.items():
+                if name in old and old[name] != spec:
+                    raise ValueError(f"PagedStore part {name}: declared as {old[name]}, now {spec}")
+            added = {k: v for k, v in new.items() if k not in old}
+            if not added:
+                continue
+            if path in self.pages and self.pages[path].shape[0]:
+                raise ValueError(f"PagedStore part {next(iter(added))}: path {path!r} already holds blocks laid out "
+                                 f"as {list(old)}; declare all of a path's parts before its first block")
+            self.layouts[path] = layout = PageLayout.of(self.block_size, {**old, **added})
+            self.pages[path] = torch.zeros(self.num_blocks, layout.page_bytes, dtype=torch.uint8, device=self.device)
+            self._views = {}
+
+    def part(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The view (num_blocks, block_size, *shape) of part `name` into its path's pages (block stride: one page);
+        declared (zeros) first if new, which needs `shape` and `dtype`."""
+        if shape is not None:
+            self.declare({name: (tuple(shape), dtype)})
+        if name not in self._views:
+            layout = self.layouts.get(path_of(name))
+            if layout is None or name not in layout.spec():
+                raise KeyError(f"PagedStore has no part {name!r}; parts: {self.part_names()}")
+            self._views[name] = layout.view(self.pages[path_of(name)], name)
+        return self._views[name]
+
+    def part_names(self) -> list[str]:
+        """Every part, path by path in page order."""
+        return [name for layout in self.layouts.values() for name, _, _ in layout.parts]
+
+    @property
+    def pool(self) -> dict[str, torch.Tensor]:
+        """{part: its view (num_blocks, block_size, *)} for every part (see `part`)."""
+        return {name: self.part(name) for name in self.part_names()}
 
     # ------------------------------------------------------------------ writing
     def append(self, rows: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
@@ -52,15 +115,10 @@ class PagedStore:
 
     def write(self, rows: torch.Tensor, pos: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
         """Token pos[i] of sequence rows[i] takes parts {name: (N, *)} (its blocks reserved)."""
+        self.declare({name: (tuple(x.shape[1:]), x.dtype) for name, x in parts.items()})
         blocks, offsets = self._locate(rows, pos)
         for name, x in parts.items():
-            self.part(name, x.shape[1:], x.dtype)[blocks, offsets] = x
-
-    def part(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The pool (num_blocks, block_size, *shape) of part `name`, created (zeros) on first use."""
-        if name not in self.pool:
-            self.pool[name] = torch.zeros(self.num_blocks, self.block_size, *shape, dtype=dtype, device=self.device)
-        return self.pool[name]
+            self.part(name)[blocks, offsets] = x
 
     def _allocate(self, new_lengths: torch.Tensor) -> None:
         needed = ((new_lengths + self.block_size - 1) // self.block_size).tolist()
@@ -71,9 +129,9 @@ class PagedStore:
         for table, k in zip(self.tables, extra):
             table.extend(range(self.num_blocks, self.num_blocks + k))
             self.num_blocks += k
-        for name, pool in self.pool.items():
-            grown = pool.new_zeros(total, *pool.shape[1:])
-            self.pool[name] = torch.cat([pool, grown])
+        for path, pages in self.pages.items():
+            self.pages[path] = torch.cat([pages, pages.new_zeros(total, pages.shape[1])])
+        self._views = {}
         self._table = None
 
     def truncate(self, new_lengths: torch.Tensor) -> None:
@@ -98,41 +156,43 @@ class PagedStore:
     def gather(self, rows: torch.Tensor, pos: torch.Tensor, parts: list[str]) -> dict[str, torch.Tensor]:
         """Token pos[i] of sequence rows[i], both (N,): {part: (N, *)}."""
         blocks, offsets = self._locate(rows, pos)
-        return {name: self.pool[name][blocks, offsets] for name in parts}
+        return {name: self.part(name)[blocks, offsets] for name in parts}
 
     def dense(self, parts: list[str] | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Each sequence's tokens left-aligned: {part: (B, L_max, *)} (entries past a length are arbitrary), (B,)."""
-        names = list(self.pool) if parts is None else parts
+        names = self.part_names() if parts is None else parts
         longest = int(self.lengths.max()) if self.batch else 0
-        if longest == 0 or not self.pool:
+        if longest == 0 or not names:
             return {}, self.lengths
         n_blocks = (longest + self.block_size - 1) // self.block_size
         table = self.block_table()[:, :n_blocks].long()  # (B, n_blocks)
         out = {}
         for name in names:
-            pool = self.pool[name]
-            x = pool[table]  # (B, n_blocks, block_size, *)
-            out[name] = x.reshape(self.batch, n_blocks * self.block_size, *pool.shape[2:])[:, :longest]
+            view = self.part(name)
+            x = view[table]  # (B, n_blocks, block_size, *)
+            out[name] = x.reshape(self.batch, n_blocks * self.block_size, *view.shape[2:])[:, :longest]
         return out, self.lengths
 
     # ------------------------------------------------------------------ bytes
     def token_bytes(self) -> int:
-        """Bytes one token takes over all parts."""
-        return sum(p[0, 0].numel() * p.element_size() for p in self.pool.values()) if self.num_blocks else 0
+        """Bytes one token takes over all parts (a page's alignment pads, if any, are held, not used)."""
+        return sum(layout.token_bytes for layout in self.layouts.values()) if self.num_blocks else 0
 
     def used_bytes(self) -> int:
         return int(self.lengths.sum()) * self.token_bytes()
 
     def held_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.pool.values())
+        """Whole pages of every block, alignment pads included."""
+        return sum(pages.numel() for pages in self.pages.values())
 
     # ------------------------------------------------------------------ batch edits
     def rebuilt(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "PagedStore":
-        """A new store whose batch is `fn` of this one's (reorder, repeat, select): sequences are copied, so no
-        block is shared between two sequences."""
+        """A new store, with the same page layouts, whose batch is `fn` of this one's (reorder, repeat, select):
+        sequences are copied, so no block is shared between two sequences."""
         dense, lengths = self.dense()
         lengths = fn(lengths)
         store = PagedStore(lengths.shape[0], self.block_size, self.device)
+        store.declare({name: spec for layout in self.layouts.values() for name, spec in layout.spec().items()})
         if not dense:
             return store
         dense = {k: fn(v) for k, v in dense.items()}
@@ -143,6 +203,7 @@ class PagedStore:
 
     def to(self, device) -> None:
         self.device = torch.device(device)
-        self.pool = {k: v.to(device, non_blocking=True) for k, v in self.pool.items()}
+        self.pages = {k: v.to(device, non_blocking=True) for k, v in self.pages.items()}
+        self._views = {}
         self.lengths = self.lengths.to(device)
         self._table = None

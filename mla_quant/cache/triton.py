@@ -1,10 +1,10 @@
 """Latent cache layers whose one-token decode steps run the Triton kernel (`quant.backend=triton`).
 
-The layer hands the kernel tensors only (mla_quant/kernels/latent_decode.py): its paged store as one segment (packed
-codes, scales, zeros or values per path, the block table, tokens per sequence) and its protected sinks and recent
-window as dense segments. Prefill and multi-token steps, masks that hide real tokens (DeepSeek-V3.2's sparse
+The layer hands the kernel tensors only (mla_quant/kernels/latent_decode.py): its paged store as one segment (per
+path, views of its one page pool: the packed codes or values, scales and zeros of a block side by side in one page;
+the block table, tokens per sequence) and its protected sinks and recent window as dense segments. Prefill and multi-token steps, masks that hide real tokens (DeepSeek-V3.2's sparse
 indexer), and serving mode without a recent window (the step must see its own fresh latent) take the PyTorch path.
-Tokens leaving the recent window are quantized and written into the paged pool by the Triton store kernel
+Tokens leaving the recent window are quantized and written into the pages by the Triton store kernel
 (mla_quant/kernels/quant_store.py) where decode steps run the kernel.
 """
 
@@ -29,7 +29,7 @@ def kernel_segments(layer: LatentCacheLayer) -> list[Segment]:
         for p in PATHS:
             fmt = layer.path_format(p)
             spec = fmt.kernel_spec(layer._dim(p))
-            pool = {k.split("/", 1)[1]: v for k, v in store.pool.items() if k.startswith(p + "/")}
+            pool = {k.split("/", 1)[1]: v for k, v in store.pool.items() if k.startswith(p + "/")}  # page views
             data = pool["values"] if spec["bits"] == 0 else pool["codes"]
             paths[p] = PagedPath(data, pool.get("scales"), pool.get("zeros"), spec["bits"], spec["group"],
                                  spec["symmetric"], spec["pow2"])
@@ -72,10 +72,12 @@ class KernelDecode:
                 self.store.write(rows, pos, {f"{p}/values": tokens[p]})
                 continue
             groups = fmt.n_groups(d)
-            pools = {part: self.store.part(f"{p}/{part}", (width,), dtype) for part, width, dtype in
-                     [("codes", WordLayout(fmt.bits, d).words, torch.int32),
-                      ("scales", groups, SCALE_DTYPES[fmt.scale_dtype])]
-                     + ([] if fmt.symmetric else [("zeros", groups, ZERO_DTYPES[fmt.scale_dtype])])}
+            specs = {"codes": ((WordLayout(fmt.bits, d).words,), torch.int32),
+                     "scales": ((groups,), SCALE_DTYPES[fmt.scale_dtype])}
+            if not fmt.symmetric:
+                specs["zeros"] = ((groups,), ZERO_DTYPES[fmt.scale_dtype])
+            self.store.declare({f"{p}/{part}": spec for part, spec in specs.items()})  # the path's page, at once
+            pools = {part: self.store.part(f"{p}/{part}") for part in specs}  # views into it (block stride: a page)
             quantize_append(tokens[p].contiguous(), rows, pos, table, self.store.block_size, pools["codes"],
                             pools["scales"], pools.get("zeros"), bits=fmt.bits, group=fmt.group_size,
                             symmetric=fmt.symmetric, scale_dtype=fmt.scale_dtype)

@@ -5,9 +5,10 @@
 
 The kernel takes tensors only, in the spirit of FlashMLA's `flash_mla_with_kvcache(q, k_cache, block_table,
 cache_seqlens, ...)`, and knows nothing of cache objects. A `Segment` is a set of tokens per sequence: for each path
-(content latent, RoPE key) a `PagedPath` (a pool of blocks (num_blocks, block_size, *) holding packed integer codes
-with their scales and zeros, or float values), one block table (B, max_blocks) int32 shared by both paths, and the
-number of tokens of each sequence (B,). A dense (B, P, d) buffer is the segment whose block b is row b
+(content latent, RoPE key) a `PagedPath` (tensors (num_blocks, block_size, *) holding packed integer codes with their
+scales and zeros, or float values), one block table (B, max_blocks) int32 shared by both paths, and the number of
+tokens of each sequence (B,). A cache's tensors are views of one page pool per path (codes | scales | zeros of a
+block in one page, `PageLayout` in kernels/layout.py): each has its own block stride, stride(0). A dense (B, P, d) buffer is the segment whose block b is row b
 (`Segment.dense`). The cache passes its quantized blocks and its protected (sinks, recent) buffers as segments;
 one decode query attends to the union, so the order of segments does not matter (RoPE is already in the keys).
 
@@ -23,8 +24,9 @@ splits shorter than a few tiles (`split_plan`).
 Per path: float values (bits=0) or int codes with bits 2, 4, 8 in int32 words chunked along channels
 (`WordLayout`, kernels/layout.py: a tile unpacks from one load of its words by a broadcast shift and mask, in channel
 order), with `group` values per scale (any divisor of d), symmetric (x = (q - 2^(b-1)) s) or asymmetric
-(x = q s + z), scales float or pow2 (int8 exponents). Stored tensors must be contiguous. Anything else is refused
-before launch, naming the argument and what is allowed. Products run in float32 (`dot="ieee"`) or with bfloat16
+(x = q s + z), scales float or pow2 (int8 exponents). Stored tensors must be contiguous within a block (their
+(block_size, *) dims); their block stride is free, so a token's words, scales and zeros are read at block * stride(0)
++ slot * row size of each. Anything else is refused before launch, naming the argument and what is allowed. Products run in float32 (`dot="ieee"`) or with bfloat16
 operands and float32 accumulation (`dot="bf16"`, the default for bfloat16 queries on a GPU, as FlashMLA does).
 On the CPU the kernel runs under TRITON_INTERPRET=1 (set before this module is imported).
 """
@@ -50,8 +52,9 @@ DOTS = ("auto", "ieee", "bf16")
 
 @dataclass
 class PagedPath:
-    """One path's stored tensors, each a contiguous pool (num_blocks, block_size, *): `data` is int32 code words
-    (.., WordLayout(bits, d).words) or float values (.., d); `scales`/`zeros` (.., d / group) for codes."""
+    """One path's stored tensors, each (num_blocks, block_size, *) with contiguous (block_size, *) dims and any block
+    stride (e.g. views of one page pool, `PageLayout`): `data` is int32 code words (.., WordLayout(bits, d).words) or
+    float values (.., d); `scales`/`zeros` (.., d / group) for codes."""
 
     data: torch.Tensor
     scales: torch.Tensor | None = None
@@ -92,6 +95,12 @@ def require_triton(what: str = "quant.backend=triton", hint: str = "") -> None:
                            f"kernel in Triton's CPU interpreter){hint}")
 
 
+def rows_contiguous(t: torch.Tensor) -> bool:
+    """True for a (num_blocks, block_size, *) tensor whose (block_size, *) dims are contiguous (a block's rows lie
+    one after another, as in a page); its block stride, stride(0), may be anything."""
+    return t.shape[0] == 0 or t[0].is_contiguous()
+
+
 def _check_path(p: PagedPath, d: int, name: str, blocks: tuple[int, int], device: torch.device) -> None:
     if p.bits not in KERNEL_BITS:
         raise ValueError(f"{name}.bits={p.bits}; allowed: {list(KERNEL_BITS)} (0 = float values)")
@@ -116,8 +125,8 @@ def _check_path(p: PagedPath, d: int, name: str, blocks: tuple[int, int], device
             if t is None:
                 raise ValueError(f"{name}.{part} is missing (bits={p.bits}, symmetric={p.symmetric})")
             if tuple(t.shape) != blocks + (groups,):
-                raise ValueError(f"{name}.{part} must be contiguous (num_blocks, block_size, {groups}), got "
-                                 f"{tuple(t.shape)}")
+                raise ValueError(f"{name}.{part} must be contiguous (num_blocks, block_size, {groups}) in its "
+                                 f"(block_size, *) dims (any block stride), got shape {tuple(t.shape)}")
             parts.append((part, t))
         if p.pow2 != (p.scales.dtype == torch.int8):
             raise ValueError(f"{name}.pow2={p.pow2} but scales are {p.scales.dtype} (pow2 scales are int8 "
@@ -128,9 +137,9 @@ def _check_path(p: PagedPath, d: int, name: str, blocks: tuple[int, int], device
         if not p.symmetric and p.zeros.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name}.zeros: {p.zeros.dtype}; allowed: {[str(t) for t in FLOAT_DTYPES]}")
     for part, t in parts:
-        if not t.is_contiguous():
-            raise ValueError(f"{name}.{part} must be contiguous (num_blocks, block_size, *), got strides "
-                             f"{tuple(t.stride())}")
+        if not rows_contiguous(t):
+            raise ValueError(f"{name}.{part} must be contiguous in its (block_size, *) dims (any block stride "
+                             f"stride(0)), got shape {tuple(t.shape)} strides {tuple(t.stride())}")
         if t.device != device:
             raise ValueError(f"{name}.{part} is on {t.device}; the queries are on {device}")
 
@@ -241,15 +250,18 @@ def _layout(D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _dequant_tile(base, sc_base, z_base, row, ok_t, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BITS: tl.constexpr, GROUP: tl.constexpr, SYM: tl.constexpr, POW2: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] float32 tile of one path for the tokens at pool rows `row` (block * block_size + slot), in
-    the path's storage order (`_layout`); the pools are contiguous, so a row's offset follows from D and the format.
+def _dequant_tile(base, sc_base, z_base, blk, slot, ok_t, stride, sc_stride, z_stride, D: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SYM: tl.constexpr,
+                  POW2: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] float32 tile of one path for the tokens in slots `slot` of blocks `blk` (int64), in the
+    path's storage order (`_layout`). Each tensor has its own block stride (`stride`, `sc_stride`, `z_stride`: a page
+    when they are views of one page pool) and contiguous rows, so a token's words start at blk * stride + slot * W, its
+    scales at blk * sc_stride + slot * groups, its zeros at blk * z_stride + slot * groups.
     Codes: one load of the tile's int32 words, a broadcast shift and mask into (N, P, BLOCK_W) runs of channels, the
     scale and zero applied per run where a run lies in one group (per value otherwise), flattened in place."""
     if BITS == 0:
         ch, ch_ok = _layout(D, BITS, BLOCK_D)
-        x = tl.load(base + (row * D)[:, None] + ch[None, :], mask=ok_t[:, None] & ch_ok[None, :],
+        x = tl.load(base + (blk * stride + slot * D)[:, None] + ch[None, :], mask=ok_t[:, None] & ch_ok[None, :],
                     other=0.0).to(tl.float32)
     else:
         PW: tl.constexpr = 32 // BITS
@@ -258,17 +270,18 @@ def _dequant_tile(base, sc_base, z_base, row, ok_t, D: tl.constexpr, BLOCK_D: tl
         groups: tl.constexpr = D // GROUP
         j = tl.arange(0, BLOCK_W)
         k = tl.arange(0, PW)
-        words = tl.load(base + (row * W)[:, None] + j[None, :], mask=ok_t[:, None] & (j < W)[None, :], other=0)
+        words = tl.load(base + (blk * stride + slot * W)[:, None] + j[None, :], mask=ok_t[:, None] & (j < W)[None, :],
+                        other=0)
         q = ((words[:, None, :] >> (k * BITS)[None, :, None]) & ((1 << BITS) - 1)).to(tl.float32)  # [N, PW, BW]
+        s_row = (blk * sc_stride + slot * groups)[:, None, None]  # [N, 1, 1] first scale of each token
         if GROUP % W == 0:  # each run of W channels lies in one group: one scale (and zero) per token and run
-            g = ((row * groups)[:, None] + ((k * W) // GROUP)[None, :])[:, :, None]  # [N, PW, 1]
+            g = ((k * W) // GROUP)[None, :, None]  # [1, PW, 1] group of each run
             g_ok = (ok_t[:, None] & (k * W < D)[None, :])[:, :, None]
-            s = tl.load(sc_base + g, mask=g_ok, other=0)
         else:
             ch = k[:, None] * W + j[None, :]  # [PW, BW]
-            g = (row * groups)[:, None, None] + (ch // GROUP)[None, :, :]
+            g = (ch // GROUP)[None, :, :]
             g_ok = ok_t[:, None, None] & ((j < W)[None, :] & (ch < D))[None, :, :]
-            s = tl.load(sc_base + g, mask=g_ok, other=0)
+        s = tl.load(sc_base + s_row + g, mask=g_ok, other=0)
         if POW2:
             s = tl.exp2(s.to(tl.float32))
         else:
@@ -276,7 +289,8 @@ def _dequant_tile(base, sc_base, z_base, row, ok_t, D: tl.constexpr, BLOCK_D: tl
         if SYM:
             x = (q - (1 << (BITS - 1))) * s
         else:
-            x = q * s + tl.load(z_base + g, mask=g_ok, other=0.0).to(tl.float32)
+            z_row = (blk * z_stride + slot * groups)[:, None, None]
+            x = q * s + tl.load(z_base + z_row + g, mask=g_ok, other=0.0).to(tl.float32)
         x = tl.reshape(x, [x.shape[0], BLOCK_D])
     return x
 
@@ -297,7 +311,8 @@ def _dot(a, b, MODE: tl.constexpr):
 @triton.jit
 def _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot, local_split, scale,
                    O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                   C, C_SC, C_Z, R, R_SC, R_Z, TABLE, TABLE_W, LENS, BS, TPS,
+                   C, C_SC, C_Z, R, R_SC, R_Z, C_ST, C_SC_ST, C_Z_ST, R_ST, R_SC_ST, R_Z_ST, TABLE, TABLE_W, LENS,
+                   BS, TPS,
                    DC: tl.constexpr, DR: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
                    C_BITS: tl.constexpr, C_GROUP: tl.constexpr, C_SYM: tl.constexpr, C_POW2: tl.constexpr,
@@ -320,9 +335,11 @@ def _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_
         tok = t0 + tl.arange(0, BLOCK_N)
         tok_ok = tok < end
         blk = tl.load(TABLE + b.to(tl.int64) * TABLE_W + tok // BS, mask=tok_ok, other=0).to(tl.int64)
-        row = blk * BS + (tok % BS)
-        c = _dequant_tile(C, C_SC, C_Z, row, tok_ok, DC, BLOCK_DC, C_BITS, C_GROUP, C_SYM, C_POW2)
-        r = _dequant_tile(R, R_SC, R_Z, row, tok_ok, DR, BLOCK_DR, R_BITS, R_GROUP, R_SYM, R_POW2)
+        slot = (tok % BS).to(tl.int64)
+        c = _dequant_tile(C, C_SC, C_Z, blk, slot, tok_ok, C_ST, C_SC_ST, C_Z_ST, DC, BLOCK_DC, C_BITS, C_GROUP,
+                          C_SYM, C_POW2)
+        r = _dequant_tile(R, R_SC, R_Z, blk, slot, tok_ok, R_ST, R_SC_ST, R_Z_ST, DR, BLOCK_DR, R_BITS, R_GROUP,
+                          R_SYM, R_POW2)
         s = (_dot(q, tl.trans(c), DOT_MODE) + _dot(qr, tl.trans(r), DOT_MODE)) * scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -343,11 +360,11 @@ def _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_
 def _stage1_kernel(
     Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh,
     O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, split_base, scale, H,
-    # segment 0, 1, 2: pools (content data, scales, zeros; rope ...), table, its width, lengths, block size,
-    # tokens per split, splits
-    C0, C0_SC, C0_Z, R0, R0_SC, R0_Z, T0, T0_W, L0, BS0, TPS0, NS0,
-    C1, C1_SC, C1_Z, R1, R1_SC, R1_Z, T1, T1_W, L1, BS1, TPS1, NS1,
-    C2, C2_SC, C2_Z, R2, R2_SC, R2_Z, T2, T2_W, L2, BS2, TPS2, NS2,
+    # segment 0, 1, 2: tensors (content data, scales, zeros; rope ...), their block strides, table, its width,
+    # lengths, block size, tokens per split, splits
+    C0, C0_SC, C0_Z, R0, R0_SC, R0_Z, S0_0, S0_1, S0_2, S0_3, S0_4, S0_5, T0, T0_W, L0, BS0, TPS0, NS0,
+    C1, C1_SC, C1_Z, R1, R1_SC, R1_Z, S1_0, S1_1, S1_2, S1_3, S1_4, S1_5, T1, T1_W, L1, BS1, TPS1, NS1,
+    C2, C2_SC, C2_Z, R2, R2_SC, R2_Z, S2_0, S2_1, S2_2, S2_3, S2_4, S2_5, T2, T2_W, L2, BS2, TPS2, NS2,
     NSEG: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DC: tl.constexpr,
     BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
     F0_CB: tl.constexpr, F0_CG: tl.constexpr, F0_CS: tl.constexpr, F0_CP: tl.constexpr,
@@ -366,7 +383,8 @@ def _stage1_kernel(
     if split < NS0:
         _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot, split, scale,
                        O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                       C0, C0_SC, C0_Z, R0, R0_SC, R0_Z, T0, T0_W, L0, BS0, TPS0, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
+                       C0, C0_SC, C0_Z, R0, R0_SC, R0_Z, S0_0, S0_1, S0_2, S0_3, S0_4, S0_5, T0, T0_W, L0, BS0, TPS0,
+                       DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
                        DOT_MODE,
                        F0_CB, F0_CG, F0_CS, F0_CP, F0_RB, F0_RG, F0_RS, F0_RP)
     if NSEG > 1:
@@ -374,7 +392,8 @@ def _stage1_kernel(
             _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot, split - NS0,
                            scale,
                            O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                           C1, C1_SC, C1_Z, R1, R1_SC, R1_Z, T1, T1_W, L1, BS1, TPS1, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
+                           C1, C1_SC, C1_Z, R1, R1_SC, R1_Z, S1_0, S1_1, S1_2, S1_3, S1_4, S1_5, T1, T1_W, L1, BS1,
+                           TPS1, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
                        DOT_MODE,
                            F1_CB, F1_CG, F1_CS, F1_CP, F1_RB, F1_RG, F1_RS, F1_RP)
     if NSEG > 2:
@@ -382,7 +401,8 @@ def _stage1_kernel(
             _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot,
                            split - NS0 - NS1, scale,
                            O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                           C2, C2_SC, C2_Z, R2, R2_SC, R2_Z, T2, T2_W, L2, BS2, TPS2, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
+                           C2, C2_SC, C2_Z, R2, R2_SC, R2_Z, S2_0, S2_1, S2_2, S2_3, S2_4, S2_5, T2, T2_W, L2, BS2,
+                           TPS2, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
                        DOT_MODE,
                            F2_CB, F2_CG, F2_CS, F2_CP, F2_RB, F2_RG, F2_RS, F2_RP)
 
@@ -446,13 +466,14 @@ def _format_constexprs(seg: Segment, i: int) -> dict:
 
 def _segment_args(seg: Segment | None, plan: tuple[int, int], dummy: torch.Tensor) -> list:
     if seg is None:
-        return [dummy] * 7 + [1, dummy, 1, 1, 0]
-    args = []
+        return [dummy] * 6 + [0] * 6 + [dummy, 1, dummy, 1, 1, 0]
+    tensors = []
     for p in (seg.content, seg.rope):
-        args += [p.data, dummy if p.bits == 0 else p.scales,
-                 dummy if p.bits == 0 or p.symmetric else p.zeros]
+        tensors += [p.data, None if p.bits == 0 else p.scales, None if p.bits == 0 or p.symmetric else p.zeros]
+    strides = [0 if t is None else t.stride(0) for t in tensors]  # each tensor's block stride (a page for views)
     lengths = seg.lengths if seg.lengths.dtype == torch.int32 else seg.lengths.to(torch.int32)
-    return args + [seg.block_table, seg.block_table.shape[1], lengths, int(seg.content.data.shape[1]), *plan]
+    return ([dummy if t is None else t for t in tensors] + strides
+            + [seg.block_table, seg.block_table.shape[1], lengths, int(seg.content.data.shape[1]), *plan])
 
 
 def launch_config(heads: int, d_c: int, block_h: int | None = None, block_n: int | None = None,

@@ -21,6 +21,7 @@ mla_quant/quant/packing.py and are not read by the kernels.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -81,3 +82,77 @@ class WordLayout:
         shifts = (torch.arange(self.per_word, device=words.device) * self.bits)[:, None]
         v = (words.to(torch.int64)[..., None, :] >> shifts) & ((1 << self.bits) - 1)  # (..., P, W)
         return v.reshape(*words.shape[:-1], -1)[..., : self.d].to(torch.uint8)
+
+
+PAGE_ALIGN = 16  # bytes: every part of a page, and every page, starts at a multiple of this
+PART_ORDER = ("values", "codes", "scales", "zeros")  # order of a page's parts; other parts follow, as declared
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """One path's page: every stored part of one block of `block_size` tokens in one buffer, in `PART_ORDER`
+    (codes or values, then scales, then zeros), each a (block_size, *shape) row-major array of its dtype starting at
+    a `PAGE_ALIGN`-aligned byte offset; the page size is rounded up to `PAGE_ALIGN` too. A pool of pages is a
+    uint8 (num_blocks, page_bytes) tensor, and `view` gives a part as a (num_blocks, block_size, *shape) tensor whose
+    block stride is the page size and whose (block_size, *shape) dims are contiguous:
+
+        layout = PageLayout.of(64, {"codes": ((64,), torch.int32), "scales": ((4,), torch.float16)})
+        layout.offset("scales")           # 64 * 64 * 4 = 16384: the scales right after the codes
+        layout.view(pages, "scales")      # pages (num_blocks, layout.page_bytes) uint8 -> (num_blocks, 64, 4) fp16
+
+    Alignment pads (none when every part's block bytes are a multiple of 16, e.g. block_size a multiple of 8 with
+    the project's formats) are held bytes, not used bytes: `token_bytes` counts the parts only."""
+
+    block_size: int
+    parts: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # (name, shape per token, dtype), in page order
+
+    @classmethod
+    def of(cls, block_size: int, parts: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> "PageLayout":
+        """The layout of parts {name: (shape per token, dtype)}, put in `PART_ORDER` by the name's last "/" field
+        ("content/scales" ranks as "scales")."""
+        kinds = {name: name.rsplit("/", 1)[-1] for name in parts}
+        rank = {name: (PART_ORDER.index(kinds[name]) if kinds[name] in PART_ORDER else len(PART_ORDER), i)
+                for i, name in enumerate(parts)}
+        return cls(block_size, tuple((name, tuple(int(n) for n in parts[name][0]), parts[name][1])
+                                     for name in sorted(parts, key=rank.__getitem__)))
+
+    def spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {name: (shape, dtype) for name, shape, dtype in self.parts}
+
+    def part_bytes(self, name: str) -> int:
+        """Bytes of one block of part `name` (block_size rows)."""
+        shape, dtype = self.spec()[name]
+        return self.block_size * math.prod(shape) * dtype.itemsize
+
+    def offset(self, name: str) -> int:
+        """Byte offset of part `name` in the page."""
+        return self._offsets()[name]
+
+    @property
+    def page_bytes(self) -> int:
+        return self._offsets()[None]
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token over all parts (no pads)."""
+        return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in self.parts)
+
+    def _offsets(self) -> dict[str | None, int]:
+        """{part: byte offset, None: page bytes}."""
+        out, at = {}, 0
+        for name, _, _ in self.parts:
+            out[name] = at
+            at = _aligned(at + self.part_bytes(name))
+        out[None] = at
+        return out
+
+    def view(self, pages: torch.Tensor, name: str) -> torch.Tensor:
+        """Part `name` of every page of `pages` (num_blocks, page_bytes) uint8: (num_blocks, block_size, *shape)."""
+        shape, dtype = self.spec()[name]
+        start = self.offset(name)
+        flat = pages[:, start : start + self.part_bytes(name)].view(dtype)  # (num_blocks, block elements)
+        return flat.view(pages.shape[0], self.block_size, *shape)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // PAGE_ALIGN) * PAGE_ALIGN

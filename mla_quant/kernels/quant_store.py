@@ -3,10 +3,12 @@
     quantize_append(x, rows, pos, block_table, block_size, codes, scales, zeros, bits=4, group=128,
                     symmetric=False, scale_dtype="fp16")
 
-x (N, d) float: the new tokens of one path; token i is position pos[i] of sequence rows[i], so it goes to pool row
-block_table[rows[i], pos[i] // block_size] * block_size + pos[i] % block_size. The pools are contiguous
-(num_blocks, block_size, *): `codes` int32 words (WordLayout(bits, d).words), `scales` (d / group) in the scale dtype
-(int8 exponents for pow2), `zeros` (d / group) for asymmetric groups. One program per token.
+x (N, d) float: the new tokens of one path; token i is position pos[i] of sequence rows[i], so it goes to slot
+pos[i] % block_size of block block_table[rows[i], pos[i] // block_size]. The pools are (num_blocks, block_size, *)
+tensors contiguous within a block, each with its own block stride (views of one page pool per path, `PageLayout`
+in kernels/layout.py, or whole contiguous pools): `codes` int32 words (WordLayout(bits, d).words), `scales` (d /
+group) in the scale dtype (int8 exponents for pow2), `zeros` (d / group) for asymmetric groups. A token's words go
+to block * codes.stride(0) + slot * W, its scales and zeros likewise. One program per token.
 
 The arithmetic is the PyTorch encoder's (mla_quant/quant/quantizers.py `group_quantize`), operation for operation,
 so the stored bytes are identical (tested under the interpreter): per group min/max (or amax), the step
@@ -21,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_quant.kernels.latent_decode import _layout, require_triton
+from mla_quant.kernels.latent_decode import _layout, require_triton, rows_contiguous
 from mla_quant.kernels.layout import WORD_BITS, WordLayout
 
 SCALE_KINDS = {"fp16": 0, "bf16": 1, "fp32": 2, "pow2": 3}
@@ -79,17 +81,20 @@ def _rounded_zero(lo, KIND: tl.constexpr):
 
 
 @triton.jit
-def _quantize_append_kernel(X, stride_x, ROWS, POS, TABLE, TABLE_W, BS, CODES, SCALES, ZEROS,
-                            D: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+def _quantize_append_kernel(X, stride_x, ROWS, POS, TABLE, TABLE_W, BS, CODES, SCALES, ZEROS, stride_c, stride_s,
+                            stride_z, D: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                             SYM: tl.constexpr, KIND: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     b = tl.load(ROWS + i).to(tl.int64)
     pos = tl.load(POS + i).to(tl.int64)
-    dest = tl.load(TABLE + b * TABLE_W + pos // BS).to(tl.int64) * BS + pos % BS
+    blk = tl.load(TABLE + b * TABLE_W + pos // BS).to(tl.int64)
+    slot = pos % BS
     PW: tl.constexpr = 32 // BITS
     W: tl.constexpr = (D + PW - 1) // PW
     BLOCK_W: tl.constexpr = BLOCK_D // PW
     NG: tl.constexpr = D // GROUP
+    s_dest = SCALES + blk * stride_s + slot * NG  # the token's first scale (zero): its block's page, its slot
+    z_dest = ZEROS + blk * stride_z + slot * NG
     ch, ok = _layout(D, BITS, BLOCK_D)  # the token in its storage order
     x = tl.load(X + i * stride_x + ch, mask=ok, other=0.0).to(tl.float32)
     gid = ch // GROUP
@@ -104,11 +109,11 @@ def _quantize_append_kernel(X, stride_x, ROWS, POS, TABLE, TABLE_W, BS, CODES, S
             step = (tl.max(tl.where(in_g, x, float("-inf")), 0) - lo) / ((1 << BITS) - 1)
         step = tl.where(step > 0, step, 1.0)
         stored, s_val = _stored_scale(step, KIND)
-        tl.store(SCALES + dest * NG + g, stored)
+        tl.store(s_dest + g, stored)
         s_of = tl.where(in_g, s_val, s_of)
         if not SYM:
             z_stored, z_val = _rounded_zero(lo, KIND)
-            tl.store(ZEROS + dest * NG + g, z_stored)
+            tl.store(z_dest + g, z_stored)
             z_of = tl.where(in_g, z_val, z_of)
     if SYM:
         v = tl.math.div_rn(x, tl.where(ok, s_of, 1.0))
@@ -121,7 +126,7 @@ def _quantize_append_kernel(X, stride_x, ROWS, POS, TABLE, TABLE_W, BS, CODES, S
     fields = tl.reshape(q, [PW, BLOCK_W]) << (tl.arange(0, PW) * BITS)[:, None]
     words = tl.sum(fields, 0)  # disjoint bit fields: the sum is their OR (two's complement wraps the top one)
     j = tl.arange(0, BLOCK_W)
-    tl.store(CODES + dest * W + j, words, mask=j < W)
+    tl.store(CODES + blk * stride_c + slot * W + j, words, mask=j < W)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -158,10 +163,11 @@ def quantize_append(x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, bloc
     if not symmetric:
         expect["zeros"] = (zeros, ZERO_DTYPES[scale_dtype], d // group)
     for name, (t, dtype, width) in expect.items():
-        if t is None or t.dtype != dtype or t.dim() != 3 or t.shape[2] != width or not t.is_contiguous():
-            got = None if t is None else (t.dtype, tuple(t.shape))
+        if (t is None or t.dtype != dtype or t.dim() != 3 or t.shape[1:] != (block_size, width)
+                or t.shape[0] != codes.shape[0] or not rows_contiguous(t)):
+            got = None if t is None else (t.dtype, tuple(t.shape), tuple(t.stride()))
             raise ValueError(f"quantize_append: {name} must be a contiguous (num_blocks, block_size, {width}) {dtype} "
-                             f"pool, got {got}")
+                             f"pool, or a view of one with any block stride stride(0) (a page), got {got}")
     if x.dim() != 2 or x.stride(-1) != 1 or rows.shape != (n,) or pos.shape != (n,):
         raise ValueError(f"quantize_append: x (N, d) contiguous in d and rows, pos (N,) expected, got x "
                          f"{tuple(x.shape)}, rows {tuple(rows.shape)}, pos {tuple(pos.shape)}")
@@ -172,6 +178,7 @@ def quantize_append(x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, bloc
     block_d = max(triton.next_power_of_2(d), layout.per_word)
     _quantize_append_kernel[(n,)](
         x, x.stride(0), rows, pos, block_table, block_table.shape[1], block_size, codes, _bits(scales),
-        _bits(scales if zeros is None else zeros), D=d, BLOCK_D=block_d, BITS=bits, GROUP=group, SYM=bool(symmetric),
+        _bits(scales if zeros is None else zeros), codes.stride(0), scales.stride(0),
+        (scales if zeros is None else zeros).stride(0), D=d, BLOCK_D=block_d, BITS=bits, GROUP=group, SYM=bool(symmetric),
         KIND=SCALE_KINDS[scale_dtype], num_warps=4,
     )
