@@ -4,6 +4,9 @@ formatted, standard errors beside the scores), the numeric long form the figures
     amplification   RoPE/content amplification per model (sensitivity runs), mean ± std over seeds, per layer
     accuracy        lm-eval score ± standard error per task, per model x method x cache format (evaluate runs)
     ruler           accuracy per context length per needle/RULER task (evaluate runs with per-length metrics)
+    paired          each method against RTN (transform none) of the same format on the same examples: difference,
+                    its paired standard error, examples won and lost, share of the RTN -> BF16 gap closed
+                    (per-example scores from <run>/samples/, eval.log_samples)
     memory          bytes per token per layer, used and held, per format and context (cache_bytes runs)
     calibration     mean objective error per path without (RTN) and with each transform (calibrate runs)
     quality         perplexity and next-token KL against the unquantized cache (quality runs)
@@ -171,6 +174,100 @@ def accuracy(df: pd.DataFrame) -> Table:
                  _used(df, long))
 
 
+SAMPLE_FILTERS = ("none", "strict-match")  # the filter whose per-example score is the task's headline score
+
+
+def example_scores(source: str, task: str, metric: str) -> pd.Series | None:
+    """Per-example headline scores of one task of one evaluate record, from the samples file beside the record
+    (<run>/samples/<task>.jsonl), indexed by (doc_id, doc_hash); None when the run logged no samples."""
+    path = Path(source).parent / "samples" / f"{task}.jsonl"
+    if not path.is_file():
+        return None
+    import json
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("filter") in SAMPLE_FILTERS and metric in r.get("metrics", {})]
+    if not rows:
+        return None
+    index = pd.MultiIndex.from_tuples([(r["doc_id"], r.get("doc_hash")) for r in rows], names=["doc_id", "doc_hash"])
+    values = pd.Series([float(r["metrics"][metric]) for r in rows], index=index, dtype=float)
+    return values[~values.index.duplicated(keep="first")]
+
+
+def _paired_row(base: dict, task: str, method: pd.Series, rtn: pd.Series, ref: pd.Series | None) -> dict | None:
+    both = method.index.intersection(rtn.index)
+    if len(both) < 2:
+        return None
+    d = method[both] - rtn[both]
+    se = float(d.std(ddof=1) / len(both) ** 0.5)
+    delta = float(d.mean())
+    row = {**base, "task": task, "examples": len(both), "score": float(method[both].mean()),
+           "RTN": float(rtn[both].mean()), "delta": delta, "paired SE": se,
+           "z": delta / se if se > 0 else (0.0 if delta == 0 else float("inf") * (1 if delta > 0 else -1)),
+           "won": int((d > 0).sum()), "lost": int((d < 0).sum()), "BF16": None, "gap closed": None}
+    if ref is not None and len(both.intersection(ref.index)) == len(both):
+        bf16 = float(ref[both].mean())
+        row["BF16"] = bf16
+        if bf16 - row["RTN"] > 0:
+            row["gap closed"] = delta / (bf16 - row["RTN"])
+    return row
+
+
+def paired(df: pd.DataFrame) -> Table:
+    """Each method against RTN of the same model, format and protected region, example by example: on the same
+    examples the two runs' scores are paired, so the standard error of their difference, sd(d) / sqrt(n), is far
+    smaller than the two unpaired standard errors combined when both runs get most examples right."""
+    long = accuracy_long(df)
+    if long.empty:
+        return Table("paired", "Paired comparison with RTN", pd.DataFrame())
+    long = long[long["run as"] == "model"]
+    scores = {r.Index: example_scores(r.source, r.task, r.metric) for r in long.itertuples()}
+    long = long.assign(samples=[scores[i] for i in long.index])
+    long = long[long["samples"].notna()]
+    rows = []
+    group = ["model", "cache", "content", "rope", "protected"]
+    refs = long[long["cache"] == "bf16"]
+    for key, g in long.groupby(group, sort=False):
+        rtn = g[g["method"] == "none"]
+        if rtn.empty:
+            continue
+        base_of = dict(zip(group, key))
+        for method, m in g[g["method"] != "none"].groupby("method", sort=False):
+            pooled: list[tuple[pd.Series, pd.Series, pd.Series | None]] = []
+            for t in m.itertuples():
+                r = rtn[rtn["task"] == t.task]
+                if r.empty:
+                    continue
+                ref = refs[(refs["model"] == t.model) & (refs["task"] == t.task)]
+                ref_s = ref["samples"].iloc[-1] if not ref.empty else None
+                row = _paired_row({**base_of, "method": method, "sources": [t.source, r["source"].iloc[-1]]},
+                                  t.task, t.samples, r["samples"].iloc[-1], ref_s)
+                if row is not None:
+                    rows.append(row)
+                    pooled.append(tuple(s.rename(index=lambda i, task=t.task: f"{task}:{i}", level=0)
+                                        if s is not None else None for s in (t.samples, r["samples"].iloc[-1], ref_s)))
+            if len(pooled) > 1:  # every task's examples together
+                cat = [pd.concat([p[k] for p in pooled]) if all(p[k] is not None for p in pooled) else None
+                       for k in range(3)]
+                row = _paired_row({**base_of, "method": method, "sources": []}, "all tasks", *cat)
+                if row is not None:
+                    rows.append(row)
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return Table("paired", "Paired comparison with RTN", out)
+    sources = sorted({s for row in rows for s in row["sources"]})
+    out = out.drop(columns="sources")
+    shown = out.copy()
+    for c in ("score", "RTN", "BF16"):
+        shown[c] = shown[c].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.3f}")
+    shown["delta"] = [_pm(d, e) for d, e in zip(out["delta"], out["paired SE"])]
+    shown["z"] = out["z"].map(lambda v: f"{v:+.1f}")
+    shown["gap closed"] = out["gap closed"].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.0%}")
+    shown = shown.drop(columns="paired SE").rename(columns={"delta": "delta ± paired SE"})
+    return Table("paired", "Each method vs RTN on the same examples (difference ± paired standard error)", shown,
+                 out, sources)
+
+
 def ruler(df: pd.DataFrame) -> Table:
     """Per-length scores: RULER's eval/<task>/<length> and the toy needles' eval/<task>/em_<length>."""
     rows = []
@@ -261,7 +358,7 @@ def equivalence(df: pd.DataFrame) -> Table:
     return Table("equivalence", "Absorbed path vs transformers' forward", shown, long, _used(df, long))
 
 
-BUILDERS = (amplification, accuracy, ruler, memory, calibration, quality, equivalence)
+BUILDERS = (amplification, accuracy, paired, ruler, memory, calibration, quality, equivalence)
 
 
 def main(argv=None) -> None:

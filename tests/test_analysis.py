@@ -30,9 +30,13 @@ def runs(tmp_path_factory):
         _run(root, mp, "sens", ["experiment=sensitivity", "model=tiny_minicpm3", "task.seeds=1",
                                 "task.sweep_nmse=[0.005,0.02]", "task.rope_pairs=false", "task.mechanism=false",
                                 "task.probe.num_sequences=1", "task.probe.seq_len=32"])
-        _run(root, mp, "eval", ["experiment=evaluate", "quant=int4_joint", "quant.content.group_size=32",
-                                "eval.tasks=[toy_niah_single_1]", "eval.limit=2", "eval.data.niah_lengths=[256]",
-                                "eval.data.niah_per_length=2"])
+        needles = ["eval.tasks=[toy_niah_single_1]", "eval.limit=2", "eval.data.niah_lengths=[256]",
+                   "eval.data.niah_per_length=2"]
+        _run(root, mp, "eval", ["experiment=evaluate", "quant=int4_joint", "quant.content.group_size=32", *needles])
+        _run(root, mp, "eval_quarot", ["experiment=evaluate", "quant=int4_joint", "quant.content.group_size=32",
+                                       "transform=quarot", "eval.control_no_rope.enabled=false", *needles])
+        _run(root, mp, "eval_bf16", ["experiment=evaluate", "quant=bf16", "eval.control_no_rope.enabled=false",
+                                     *needles])
     finally:
         mp.undo()
     return root
@@ -57,8 +61,40 @@ def test_every_table_and_figure_from_records(runs, tmp_path):
         assert (out / f"{name}.png").stat().st_size > 1000 and (out / f"{name}.pdf").stat().st_size > 1000
         assert "record.json" in (out / f"{name}.sources.txt").read_text()
     ruler = pd.read_csv(out / "ruler.csv")
-    assert set(ruler["length"]) == {256} and ruler["task"].tolist() == ["toy_niah_single_1"]
+    assert set(ruler["length"]) == {256} and set(ruler["task"]) == {"toy_niah_single_1"}
+    assert sorted(ruler["method"]) == ["none", "none", "quarot"]  # RTN and BF16, QuaRot
+    assert "quarot" in (out / "paired.md").read_text() and "paired" in (out / "index.md").read_text()
     assert "accuracy" in (out / "index.md").read_text()
+
+
+def test_samples_beside_the_record_reproduce_its_scores(runs):
+    """eval.log_samples: per-example scores in <run>/samples/<task>.jsonl, whose mean is the recorded score."""
+    rec = json.loads((runs / "eval" / "record.json").read_text())
+    for folder, prefix in ((runs / "eval" / "samples", "eval"),
+                           (runs / "eval" / "samples" / "control_no_rope", "eval/control_no_rope")):
+        rows = [json.loads(line) for line in (folder / "toy_niah_single_1.jsonl").read_text().splitlines()]
+        scores = [r["metrics"]["exact_match"] for r in rows if r["filter"] == "none"]
+        assert len(scores) == 2 and {"doc_id", "doc_hash", "target", "response"} <= set(rows[0])
+        assert sum(scores) / len(scores) == pytest.approx(rec["metrics"][f"{prefix}/toy_niah_single_1/exact_match"])
+
+
+def test_paired_comparison_uses_the_same_examples(runs, tmp_path):
+    t = tables.paired(load_frame([runs]))
+    row = t.long[(t.long["method"] == "quarot") & (t.long["task"] == "toy_niah_single_1")].iloc[0]
+    assert row["examples"] == 2 and row["won"] + row["lost"] <= 2
+    score = json.loads((runs / "eval_quarot" / "record.json").read_text())["metrics"]
+    rtn = json.loads((runs / "eval" / "record.json").read_text())["metrics"]
+    assert row["score"] == pytest.approx(score["eval/toy_niah_single_1/exact_match"])
+    assert row["delta"] == pytest.approx(score["eval/toy_niah_single_1/exact_match"]
+                                         - rtn["eval/toy_niah_single_1/exact_match"])
+    bf16 = json.loads((runs / "eval_bf16" / "record.json").read_text())["metrics"]
+    assert row["BF16"] == pytest.approx(bf16["eval/toy_niah_single_1/exact_match"])
+    assert set(t.sources) == {str(runs / n / "record.json") for n in ("eval", "eval_quarot")}
+    # a run without samples (eval.log_samples=false) is left out rather than guessed
+    copy = tmp_path / "copy"
+    shutil.copytree(runs, copy)
+    shutil.rmtree(copy / "eval_quarot" / "samples")
+    assert tables.paired(load_frame([copy])).empty
 
 
 def test_newest_complete_record_wins_by_time_and_bad_records_are_skipped(runs, tmp_path):
@@ -93,12 +129,12 @@ def test_missing_cells_stay_empty_and_log_scale_when_values_span_decades(runs, t
     shutil.copytree(runs / "eval", tmp_path / "other")  # a second method that ran a different task
     rec = json.loads((tmp_path / "other" / "record.json").read_text())
     rec["metrics"] = {k.replace("toy_niah_single_1", "toy_gsm8k"): v for k, v in rec["metrics"].items()}
-    rec["config"]["transform"]["name"], rec["identity"] = "quarot", "other"
+    rec["config"]["transform"]["name"], rec["identity"] = "smoothquant", "other"
     (tmp_path / "other" / "record.json").write_text(json.dumps(rec))
     acc = tables.accuracy(load_frame([runs, tmp_path])).rows
-    rows = acc[acc["run as"] == "model"].set_index("method")
-    assert rows.loc["quarot", "toy_niah_single_1"] == "" and rows.loc["none", "toy_gsm8k"] == ""
-    assert rows.loc["none", "toy_niah_single_1"] != "" and rows.loc["quarot", "toy_gsm8k"] != ""
+    rows = acc[(acc["run as"] == "model") & (acc["cache"] == "int4_joint")].set_index("method")
+    assert rows.loc["smoothquant", "toy_niah_single_1"] == "" and rows.loc["none", "toy_gsm8k"] == ""
+    assert rows.loc["none", "toy_niah_single_1"] != "" and rows.loc["smoothquant", "toy_gsm8k"] != ""
     df = load_frame([runs])
     amp = tables.amplification(df)
     layer = amp.per_layer.copy()
@@ -123,6 +159,7 @@ def test_wandb_export_reads_into_the_same_frame(runs, tmp_path):
     df = load_frame([], wandb_exports=[tmp_path / "export.csv"])
     assert len(df) == 1 and df.iloc[0]["status"] == "ok" and df.iloc[0]["experiment"] == "evaluate"
     ours = tables.accuracy(load_frame([runs])).long
+    ours = ours[ours["source"] == str(runs / "eval" / "record.json")]
     theirs = tables.accuracy(df).long
     assert theirs["score"].tolist() == ours["score"].tolist() and set(theirs["cache"]) == {"int4_joint"}
     runs_json = [{"name": row["Name"], "state": "finished", "created_at": row["Created"], "config": rec["config"],

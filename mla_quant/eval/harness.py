@@ -110,10 +110,12 @@ def rope_zeroed(model):
 
 def evaluate_tasks(lm, tasks: list, include_path: str | Path | list | None, *, limit=None, metadata=None,
                    include_defaults: bool = False, allow_code_execution: bool = False, gen_kwargs=None,
-                   num_fewshot: int | None = None, seed: int = 0, bootstrap_iters: int = 1000) -> dict:
+                   num_fewshot: int | None = None, seed: int = 0, bootstrap_iters: int = 1000,
+                   log_samples: bool = False) -> dict:
     """lm_eval.simple_evaluate over `tasks`: names found in `include_path` (stock tasks only with include_defaults),
     or lm-eval Task objects already loaded (include_path None; mla_quant.eval.suites.load_stock_tasks).
-    Standard errors: lm-eval's closed form for mean metrics (exact match), `bootstrap_iters` resamples otherwise."""
+    Standard errors: lm-eval's closed form for mean metrics (exact match), `bootstrap_iters` resamples otherwise.
+    log_samples=True: lm-eval's per-example results under "samples" (`compact_samples` keeps what analysis reads)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -127,7 +129,21 @@ def evaluate_tasks(lm, tasks: list, include_path: str | Path | list | None, *, l
         tm = TaskManager(include_path=[str(p) for p in paths], include_defaults=include_defaults,
                          metadata=metadata or None)
     return simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit, bootstrap_iters=bootstrap_iters,
-                           num_fewshot=num_fewshot, log_samples=False,
+                           num_fewshot=num_fewshot, log_samples=log_samples,
                            confirm_run_unsafe_code=allow_code_execution,
                            gen_kwargs=gen_kwargs or None, random_seed=seed, numpy_random_seed=seed,
                            torch_random_seed=seed, fewshot_random_seed=seed, metadata=metadata or None)
+
+
+def compact_samples(samples: list[dict]) -> list[dict]:
+    """lm-eval's logged samples of one task -> one row per example and filter: doc_id, filter, hashes of the
+    document, prompt and target (the same example across runs), the target, the filtered response and the metric
+    values (prompts and documents left out: RULER's are tens of thousands of tokens)."""
+    rows = []
+    for s in samples:
+        resp = s.get("filtered_resps") or [None]
+        rows.append({"doc_id": s["doc_id"], "filter": s.get("filter"), "doc_hash": s.get("doc_hash"),
+                     "prompt_hash": s.get("prompt_hash"), "target": str(s.get("target")),
+                     "response": resp[0] if len(resp) == 1 else resp,
+                     "metrics": {m: s[m] for m in s.get("metrics", []) if m in s}})
+    return rows

@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mla_quant.eval.harness import ContextTooLong, LatentCacheHFLM, evaluate_tasks, rope_zeroed
+from mla_quant.eval.harness import ContextTooLong, LatentCacheHFLM, compact_samples, evaluate_tasks, rope_zeroed
 from mla_quant.eval.task_files import CODE_TASKS, TOY_TASKS, write_task_files
 from mla_quant.eval.task_utils import ALLOW_ENV, OPT_IN_HINT
 from mla_quant.eval.suites import CODE_STOCK_TASKS, load_stock_tasks, plan_tasks
@@ -52,11 +52,18 @@ def flat_metrics(results: dict, prefix: str) -> dict[str, float]:
 RESULT_FIELDS = ("results", "n-shot", "n-samples", "versions")
 
 
-def evaluate_each(lm, tasks: list[str], folder, prefix: str, loaded: dict | None = None, **kwargs) -> dict:
+def evaluate_each(lm, tasks: list[str], folder, prefix: str, loaded: dict | None = None,
+                  samples_dir: Path | None = None, **kwargs) -> dict:
     """lm-eval one task at a time; each task's results go into the run's progress as soon as it finishes, so an
-    interrupted run keeps them and its rerun does not evaluate them again. -> lm-eval's result fields, merged."""
+    interrupted run keeps them and its rerun does not evaluate them again. -> lm-eval's result fields, merged.
+    samples_dir: each task's per-example scores written there as <task>.jsonl (`compact_samples`) before the task
+    counts as finished."""
     def one(task):
-        res = evaluate_tasks(lm, [(loaded or {}).get(task, task)], folder, **kwargs)
+        res = evaluate_tasks(lm, [(loaded or {}).get(task, task)], folder, log_samples=samples_dir is not None,
+                             **kwargs)
+        for name, samples in (res.get("samples") or {}).items():
+            lines = [json.dumps(row, default=str) for row in compact_samples(samples)]
+            write_text_atomic(Path(samples_dir) / f"{name}.jsonl", "".join(f"{line}\n" for line in lines))
         return json.loads(json.dumps({f: res.get(f) for f in RESULT_FIELDS}, default=str))
 
     parts = [progress().unit(f"{prefix}/{t}", lambda t=t: one(t), metrics=lambda r: flat_metrics(r, prefix))
@@ -128,6 +135,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         os.environ[ALLOW_ENV] = "1"  # read by mla_quant.eval.task_utils.run_program (toy_humaneval)
         os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # read by the `code_eval` metric of lm-eval's humaneval
     options = dict(limit=ev.limit, num_fewshot=ev.get("num_fewshot"), gen_kwargs=gen_kwargs, seed=cfg.seed)
+    samples = run_dir / "samples" if ev.get("log_samples", True) else None  # per-example scores (paired analysis)
 
     metrics: dict[str, float | str] = dict(prep.metrics())
     progress().add_metrics(metrics)  # the calibration's metrics are finished: an interruption keeps them
@@ -135,11 +143,12 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     toy = plan.toy
     start = time.perf_counter()
     if toy:
-        res = evaluate_each(lm, toy, folder, "eval", allow_code_execution=allow, **options)
+        res = evaluate_each(lm, toy, folder, "eval", allow_code_execution=allow, samples_dir=samples, **options)
         raw["toy"] = res
         metrics.update(flat_metrics(res, "eval"))
     if plan.stock:
-        res = evaluate_each(lm, plan.stock, None, "eval", loaded=stock, allow_code_execution=allow, **options)
+        res = evaluate_each(lm, plan.stock, None, "eval", loaded=stock, allow_code_execution=allow,
+                            samples_dir=samples, **options)
         raw["stock"] = res
         metrics.update(flat_metrics(res, "eval"))
     metrics["eval/seconds"] = time.perf_counter() - start
@@ -150,7 +159,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     if control and control.enabled and control_tasks:
         start = time.perf_counter()
         with rope_zeroed(model):
-            res = evaluate_each(lm, control_tasks, folder, "eval/control_no_rope", **options)
+            res = evaluate_each(lm, control_tasks, folder, "eval/control_no_rope",
+                                samples_dir=samples and samples / "control_no_rope", **options)
         raw["control_no_rope"] = res
         metrics.update(flat_metrics(res, "eval/control_no_rope"))
         metrics["eval/control_no_rope/seconds"] = time.perf_counter() - start
