@@ -44,7 +44,7 @@ class PagedStore:
         if block_size < 1:
             raise ValueError(f"block_size={block_size}; allowed: an integer >= 1")
         self.batch, self.block_size, self.device = batch, block_size, torch.device(device)
-        self.layouts: dict[str, PageLayout] = {}  # path -> its page layout (parts by their name after the "/")
+        self.layouts: dict[str, PageLayout] = {}  # path -> its page layout (its parts by full name)
         self.pages: dict[str, torch.Tensor] = {}  # path -> (num_blocks, page_bytes) uint8
         self.tables: list[list[int]] = [[] for _ in range(batch)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)  # (B,) tokens per sequence

@@ -2,8 +2,9 @@
 
 The layer hands the kernel tensors only (mla_quant/kernels/latent_decode.py): its paged store as one segment (per
 path, views of its one page pool: the packed codes or values, scales and zeros of a block side by side in one page;
-the block table, tokens per sequence) and its protected sinks and recent window as dense segments. Prefill and multi-token steps, masks that hide real tokens (DeepSeek-V3.2's sparse
-indexer), and serving mode without a recent window (the step must see its own fresh latent) take the PyTorch path.
+the block table, tokens per sequence) and its protected sinks and recent window as dense segments. Prefill and
+multi-token steps, masks that hide real tokens (DeepSeek-V3.2's sparse indexer), and serving mode without a recent
+window (the step must see its own fresh latent) take the PyTorch path.
 Tokens leaving the recent window are quantized and written into the pages by the Triton store kernel
 (mla_quant/kernels/quant_store.py) where decode steps run the kernel.
 """

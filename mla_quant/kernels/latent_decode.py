@@ -8,9 +8,10 @@ cache_seqlens, ...)`, and knows nothing of cache objects. A `Segment` is a set o
 (content latent, RoPE key) a `PagedPath` (tensors (num_blocks, block_size, *) holding packed integer codes with their
 scales and zeros, or float values), one block table (B, max_blocks) int32 shared by both paths, and the number of
 tokens of each sequence (B,). A cache's tensors are views of one page pool per path (codes | scales | zeros of a
-block in one page, `PageLayout` in kernels/layout.py): each has its own block stride, stride(0). A dense (B, P, d) buffer is the segment whose block b is row b
-(`Segment.dense`). The cache passes its quantized blocks and its protected (sinks, recent) buffers as segments;
-one decode query attends to the union, so the order of segments does not matter (RoPE is already in the keys).
+block in one page, `PageLayout` in kernels/layout.py): each has its own block stride, stride(0). A dense (B, P, d)
+buffer is the segment whose block b is row b (`Segment.dense`). The cache passes its quantized blocks and its
+protected (sinks, recent) buffers as segments; one decode query attends to the union, so the order of segments does
+not matter (RoPE is already in the keys).
 
 Design (flash-decoding, split-KV, docs/kernel.md): two launches per call whatever the number of segments (up to
 `MAX_SEGMENTS` per stage-1 launch). Stage 1 is one grid (head blocks, sequences, splits of every segment): a program
@@ -25,9 +26,10 @@ Per path: float values (bits=0) or int codes with bits 2, 4, 8 in int32 words ch
 (`WordLayout`, kernels/layout.py: a tile unpacks from one load of its words by a broadcast shift and mask, in channel
 order), with `group` values per scale (any divisor of d), symmetric (x = (q - 2^(b-1)) s) or asymmetric
 (x = q s + z), scales float or pow2 (int8 exponents). Stored tensors must be contiguous within a block (their
-(block_size, *) dims); their block stride is free, so a token's words, scales and zeros are read at block * stride(0)
-+ slot * row size of each. Anything else is refused before launch, naming the argument and what is allowed. Products run in float32 (`dot="ieee"`) or with bfloat16
-operands and float32 accumulation (`dot="bf16"`, the default for bfloat16 queries on a GPU, as FlashMLA does).
+(block_size, *) dims); their block stride is free, so a token's words, scales and zeros are read at
+block * stride(0) + slot * row size of each. Anything else is refused before launch, naming the argument and what is
+allowed. Products run in float32 (`dot="ieee"`) or with bfloat16 operands and float32 accumulation (`dot="bf16"`,
+the default for bfloat16 queries on a GPU, as FlashMLA does).
 On the CPU the kernel runs under TRITON_INTERPRET=1 (set before this module is imported).
 """
 

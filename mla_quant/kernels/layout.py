@@ -1,4 +1,5 @@
-"""The storage layout of integer codes that the kernels read and write: whole int32 words, chunked along channels.
+"""The storage layout that the kernels read and write: integer codes as whole int32 words, chunked along channels,
+and one page per block and path holding its codes, scales and zeros.
 
 One spec for the encoder (mla_quant/quant/formats.py), the decode and store kernels and the byte accounting:
 
@@ -17,6 +18,10 @@ inside one group, so its scale and zero are one value per token and run.
 
 Widths: 2, 4 and 8 bits (16, 8 and 4 codes per word). Other widths (INT3) keep the LSB-first byte stream of
 mla_quant/quant/packing.py and are not read by the kernels.
+
+The paged store keeps a block's stored tensors together: one page per block and path, its codes (or values), then
+its scales, then its zeros (`PageLayout` below, docs/kernel.md "Page layout"); each is read as a view with a block
+stride of one page.
 """
 
 from __future__ import annotations
@@ -100,8 +105,8 @@ class PageLayout:
         layout.offset("scales")           # 64 * 64 * 4 = 16384: the scales right after the codes
         layout.view(pages, "scales")      # pages (num_blocks, layout.page_bytes) uint8 -> (num_blocks, 64, 4) fp16
 
-    Alignment pads (none when every part's block bytes are a multiple of 16, e.g. block_size a multiple of 8 with
-    the project's formats) are held bytes, not used bytes: `token_bytes` counts the parts only."""
+    Alignment pads (none when every part's block bytes are a multiple of 16: always for block_size a multiple of
+    16, e.g. the default 64) are held bytes, not used bytes: `token_bytes` counts the parts only."""
 
     block_size: int
     parts: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # (name, shape per token, dtype), in page order

@@ -179,6 +179,6 @@ def quantize_append(x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, bloc
     _quantize_append_kernel[(n,)](
         x, x.stride(0), rows, pos, block_table, block_table.shape[1], block_size, codes, _bits(scales),
         _bits(scales if zeros is None else zeros), codes.stride(0), scales.stride(0),
-        (scales if zeros is None else zeros).stride(0), D=d, BLOCK_D=block_d, BITS=bits, GROUP=group, SYM=bool(symmetric),
-        KIND=SCALE_KINDS[scale_dtype], num_warps=4,
+        (scales if zeros is None else zeros).stride(0), D=d, BLOCK_D=block_d, BITS=bits, GROUP=group,
+        SYM=bool(symmetric), KIND=SCALE_KINDS[scale_dtype], num_warps=4,
     )

@@ -6,7 +6,8 @@ path, at DeepSeek's attention dims (d_c 512, d_r 64) with 16 heads (V2-Lite) and
 
 Per context and mode: "throughput" fills batch = task.throughput_tokens // context sequences (batch x context >= 1M
 tokens by default), "latency" task.latency_batch sequences. Each format's cache layer is filled with random latents
-(the quantized ones through the real encoder, with the configured protected region), then per head count the
+(the quantized ones through the real encoder, with the configured protected region; stored as the cache stores them,
+one page per block and path: codes | scales | zeros, docs/kernel.md "Page layout"), then per head count the
 kernel is timed as the GPU runs it: one CUDA graph of the call, replayed after a 256 MB L2 flush, CUDA events around
 the replay, the median of task.iters (on the CPU interpreter: wall time, meaningless). Reported per case:
 microseconds, the bytes one call reads measured from the stored tensors (`bytes_read`: every valid token's codes,
@@ -101,7 +102,8 @@ def filled_layer(option: str, task, context: int, batch: int, device: str, dtype
 
 def flashinfer_peer(layer, q, qr, scale: float):
     """FlashInfer's MLA decode (`flashinfer.mla.BatchMLAPagedAttentionWrapper`, the external BF16 peer) over the
-    same paged BF16 pools as our kernel's bf16 case: (a zero-argument call, None), or (None, why it cannot run)."""
+    same paged BF16 pools as our kernel's bf16 case (a bf16 path's page holds its values only, so its view is a
+    contiguous (num_blocks, block_size, d) pool): (a zero-argument call, None), or (None, why it cannot run)."""
     if not q.is_cuda:
         return None, "needs a CUDA GPU"
     try:
