@@ -129,6 +129,15 @@ def summary(t: DictConfig, methods: list[str], formats: list[str], results: dict
         lines.append(f"Accuracy, mean over tasks (objective error content/rope, mean over layers)"
                      + (f"; {t.reference} reference {ref:.3f}" if ref is not None else "") + ":")
         lines.append(pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True))
+    paired = report.tables.get("paired") if report is not None else None
+    if paired is not None and not paired.empty:
+        p = paired.long
+        pooled = set(zip(p[p["task"] == "all tasks"]["method"], p[p["task"] == "all tasks"]["cache"]))
+        cells = [f"{r['method']} {r['cache']} {r['delta']:+.3f} ± {r['paired SE']:.3f}" for r in p.to_dict("records")
+                 if r["method"] in methods and r["cache"] in formats
+                 and (r["task"] == "all tasks" or (r["method"], r["cache"]) not in pooled)]
+        if cells:  # every task's examples together (or the one task a run evaluated)
+            lines.append("vs RTN on the same examples (difference ± paired standard error): " + "; ".join(cells))
     if report is not None:
         lines.append(f"Tables and figures ({len(report.tables)} tables, {len(report.figures)} figures): "
                      f"{report.out}/index.md")

@@ -42,10 +42,12 @@ def test_pipeline_runs_every_step_then_reuses_them(tmp_path):
     scores = [ev["metrics"][f"eval/{t}/exact_match"] for t in ("toy_niah_single_1", "toy_niah_multikey_1")]
     assert top["metrics"]["pipeline/accuracy/none/int4_joint"] == pytest.approx(sum(scores) / 2)
     index = (root / "first" / "analysis" / "index.md").read_text()
-    for artifact in ("amplification", "accuracy", "calibration", "ruler", "memory", "output_vs_injected_nmse",
+    for artifact in ("amplification", "accuracy", "paired", "calibration", "ruler", "memory", "output_vs_injected_nmse",
                      "accuracy_vs_bytes", "memory_bytes_vs_context"):
         assert f"`{artifact}" in index, index
     assert "Accuracy, mean over tasks" in first.stdout and "analysis/index.md" in first.stdout
+    vs_rtn = next(line for line in first.stdout.splitlines() if line.startswith("vs RTN on the same examples"))
+    assert "quarot int4_joint" in vs_rtn and "none int4_joint" not in vs_rtn  # pooled over both tasks, one cell
     # a second run of the same configuration reuses every finished step and still builds every table
     second = _run([*SMALL, f"hydra.run.dir={root}/second"])
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
