@@ -338,7 +338,8 @@ def quality(df: pd.DataFrame) -> Table:
         m = r.metrics
         rows.append({**{k: v for k, v in _eval_base(r).items()}, "data": m.get("quality/source"),
                      "ppl": m.get("quality/ppl"), "ppl unquantized": m.get("quality/ppl_unquantized"),
-                     "KL": m.get("quality/kl"), "top-1 agree": m.get("quality/top1_agree")})
+                     "KL": m.get("quality/kl"), "KL SE": m.get("quality/kl_stderr"),
+                     "top-1 agree": m.get("quality/top1_agree")})
     long = _newest(rows, ["model", "method", "cache", "content", "rope", "protected", "data"])
     shown = long.drop(columns="source") if not long.empty else long
     return Table("quality", "Perplexity and next-token KL against the unquantized cache", shown, long,

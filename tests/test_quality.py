@@ -24,6 +24,7 @@ def test_quality_orders_formats_and_is_exact_unquantized(tmp_path, monkeypatch):
     int4 = _quality(tmp_path, monkeypatch, "int4", ["quant=int4_joint", *low])
     int2 = _quality(tmp_path, monkeypatch, "int2", ["quant=int2_joint", *low])
     assert 0 < int4["quality/kl"] < int2["quality/kl"]
+    assert 0 < int4["quality/kl_stderr"] < int4["quality/kl"] and bf16["quality/kl_stderr"] == 0
     assert int4["quality/ppl"] < int2["quality/ppl"] and int2["quality/ppl_ratio"] > 1
     assert int4["quality/ppl_unquantized"] == pytest.approx(bf16["quality/ppl"], rel=1e-6)
 
@@ -43,3 +44,20 @@ def test_bad_quality_settings_are_refused(tmp_path, monkeypatch):
         _quality(tmp_path, monkeypatch, "c", ["task.chunk=0"])
     with pytest.raises(ValueError, match="seq_len=2048.*1024"):
         _quality(tmp_path, monkeypatch, "l", ["task.data.seq_len=2048"])
+
+
+def test_kl_standard_error_clusters_tokens_by_sequence():
+    import math
+
+    import torch
+
+    from mla_quant.stages.quality import clustered_stderr
+
+    seq = torch.tensor([0, 0, 0, 1, 1, 2])
+    v = torch.tensor([1.0, 2.0, 3.0, 4.0, 6.0, 5.0], dtype=torch.float64)
+    # ratio estimator by hand: sums (6, 10, 5), counts (3, 2, 1), mean 21/6 = 3.5
+    resid = torch.tensor([6 - 3.5 * 3, 10 - 3.5 * 2, 5 - 3.5 * 1], dtype=torch.float64)
+    assert clustered_stderr(v, seq) == pytest.approx(float((3 / 2 * (resid**2).sum()).sqrt() / 6))
+    same = torch.full((6,), 2.0, dtype=torch.float64)
+    assert clustered_stderr(same, seq) == 0  # every sequence at the mean
+    assert math.isnan(clustered_stderr(v, torch.zeros(6, dtype=torch.long)))  # one sequence: no estimate

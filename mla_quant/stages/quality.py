@@ -9,7 +9,8 @@ cache (the reference: a fitted transform leaves the function unchanged, so this 
 fresh cache in the configured format. Per scored token (on the toy's documents the
 answers it was trained to predict, on text every token): the negative log-likelihood of the next token under each,
 KL(reference || quantized) of the next-token distributions and whether their top-1 tokens agree. Metrics:
-quality/ppl, quality/ppl_unquantized, quality/ppl_ratio, quality/kl (mean), quality/kl_p99, quality/top1_agree,
+quality/ppl, quality/ppl_unquantized, quality/ppl_ratio, quality/kl (mean; quality/kl_stderr its standard error, tokens
+clustered by sequence), quality/kl_p99, quality/top1_agree,
 quality/tokens; quality.md beside the record.
 """
 
@@ -64,6 +65,20 @@ def token_stats(ref: torch.Tensor, quant: torch.Tensor, targets: torch.Tensor) -
             "kl": (lr.exp() * (lr - lq)).sum(-1).clamp_min(0), "agree": (ref.argmax(-1) == quant.argmax(-1)).float()}
 
 
+def clustered_stderr(values: torch.Tensor, sequence: torch.Tensor) -> float:
+    """Standard error of the token mean of `values` with tokens clustered by sequence (tokens of one sequence are
+    not independent): the ratio estimator's sqrt(n/(n-1) * sum_i (S_i - m N_i)^2) / sum_i N_i over the n sequences,
+    S_i and N_i a sequence's sum and token count, m the token mean. NaN with fewer than two sequences."""
+    ids, inverse = torch.unique(sequence, return_inverse=True)
+    n = len(ids)
+    if n < 2:
+        return float("nan")
+    sums = torch.zeros(n, dtype=values.dtype).index_add_(0, inverse, values)
+    counts = torch.zeros(n, dtype=values.dtype).index_add_(0, inverse, torch.ones_like(values))
+    m = values.mean()
+    return float(torch.sqrt(n / (n - 1) * ((sums - m * counts) ** 2).sum()) / counts.sum())
+
+
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     t = cfg.task
     torch.set_num_threads(int(t.threads))
@@ -88,15 +103,18 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         keep = scored[s:s + batch, 1:].to(device)
         for k, v in token_stats(ref, quant, x[:, 1:]).items():
             parts.setdefault(k, []).append(v[keep].cpu())
+        rows = torch.arange(s, s + x.shape[0], device=device)[:, None].expand_as(keep)
+        parts.setdefault("sequence", []).append(rows[keep].cpu())
     stats = {k: torch.cat(v).double() for k, v in parts.items()}
     ppl, ppl_ref = stats["nll"].mean().exp().item(), stats["nll_ref"].mean().exp().item()
     metrics = {**prep.metrics(), "quality/source": source, "quality/tokens": int(stats["kl"].numel()),
                "quality/ppl": ppl, "quality/ppl_unquantized": ppl_ref, "quality/ppl_ratio": ppl / ppl_ref,
                "quality/kl": stats["kl"].mean().item(), "quality/kl_p99": stats["kl"].quantile(0.99).item(),
+               "quality/kl_stderr": clustered_stderr(stats["kl"], stats["sequence"].long()),
                "quality/top1_agree": stats["agree"].mean().item()}
     df = pd.DataFrame([{"cache": cfg.quant.name, "transform": (cfg.get("transform") or {}).get("name", "none"),
                         "data": source, "tokens": metrics["quality/tokens"], "ppl": ppl, "ppl unquantized": ppl_ref,
-                        "KL": metrics["quality/kl"], "KL p99": metrics["quality/kl_p99"],
+                        "KL": metrics["quality/kl"], "KL SE": metrics["quality/kl_stderr"], "KL p99": metrics["quality/kl_p99"],
                         "top-1 agree": metrics["quality/top1_agree"]}])
     text = df.to_markdown(index=False, floatfmt=".4g")
     write_text_atomic(run_dir / "quality.md", text + "\n")
