@@ -10,6 +10,8 @@ formatted, standard errors beside the scores), the numeric long form the figures
     memory          bytes per token per layer, used and held, per format and context (cache_bytes runs)
     calibration     mean objective error per path without (RTN) and with each transform (calibrate runs)
     quality         perplexity and next-token KL against the unquantized cache (quality runs)
+    paired_kl       each method's KL minus RTN's on the same held-out sequences, ± its standard error (quality runs'
+                    per_sequence.csv)
     equivalence     absorbed path vs transformers, max |logit diff| per family (equivalence runs)
 
 The newest complete record of each configuration wins; a cell no record fills stays empty (never 0). Where the paper
@@ -346,6 +348,60 @@ def quality(df: pd.DataFrame) -> Table:
                  _used(df, long))
 
 
+def paired_kl(df: pd.DataFrame) -> Table:
+    """Each method's next-token KL against RTN's on the same held-out sequences (quality runs over the same data
+    settings; per_sequence.csv beside each record): the difference of the token means and its standard error with
+    tokens clustered by sequence (d_i = a method's KL sum minus RTN's on sequence i, N_i its tokens:
+    sqrt(n/(n-1) sum_i (d_i - delta N_i)^2) / sum_i N_i), and the sequences where each is lower."""
+    rows = []
+    for _, r in newest_complete(df, "quality").iterrows():
+        path = Path(r.source).parent / "per_sequence.csv"
+        if path.is_file():
+            data = r.config["task"].get("data") or {}
+            rows.append({**_eval_base(r), "data": r.metrics.get("quality/source"),
+                         "held-out set": f"{data.get('samples')} x {data.get('seq_len')} seed {data.get('seed')}",
+                         "per_sequence": pd.read_csv(path).set_index("sequence")})
+    long = _newest(rows, ["model", "method", "cache", "content", "rope", "protected", "data", "held-out set"])
+    out, sources = [], set()
+    if not long.empty:
+        key = ["model", "cache", "content", "rope", "protected", "data", "held-out set"]
+        for k, g in long.groupby(key, sort=False):
+            rtn = g[g["method"] == "none"]
+            if rtn.empty:
+                continue
+            base = rtn.iloc[-1]["per_sequence"]
+            for r in g[g["method"] != "none"].itertuples():
+                m = r.per_sequence
+                both = m.index.intersection(base.index)
+                if len(both) < 2 or not (m.loc[both, "tokens"] == base.loc[both, "tokens"]).all():
+                    continue
+                tokens = float(base.loc[both, "tokens"].sum())
+                d = m.loc[both, "kl_sum"] - base.loc[both, "kl_sum"]
+                delta = float(d.sum()) / tokens
+                n = len(both)
+                se = float(((n / (n - 1)) * ((d - delta * base.loc[both, "tokens"]) ** 2).sum()) ** 0.5) / tokens
+                per_m = m.loc[both, "kl_sum"] / m.loc[both, "tokens"].clip(lower=1)
+                per_b = base.loc[both, "kl_sum"] / base.loc[both, "tokens"].clip(lower=1)
+                out.append({**dict(zip(key, k)), "method": r.method, "sequences": n, "tokens": int(tokens),
+                            "KL": float(m.loc[both, "kl_sum"].sum()) / tokens,
+                            "KL RTN": float(base.loc[both, "kl_sum"].sum()) / tokens, "delta": delta,
+                            "paired SE": se, "z": delta / se if se > 0 else 0.0,
+                            "sequences lower": int((per_m < per_b).sum()),
+                            "sequences higher": int((per_m > per_b).sum())})
+                sources.update([r.source, rtn.iloc[-1]["source"]])
+    long_out = pd.DataFrame(out)
+    if long_out.empty:
+        return Table("paired_kl", "Next-token KL vs RTN on the same sequences", long_out)
+    shown = long_out.copy()
+    shown["delta"] = [_pm(d, e, 4) for d, e in zip(long_out["delta"], long_out["paired SE"])]
+    shown["z"] = long_out["z"].map(lambda v: f"{v:+.1f}")
+    for c in ("KL", "KL RTN"):
+        shown[c] = shown[c].map(lambda v: f"{v:.4g}")
+    shown = shown.drop(columns="paired SE").rename(columns={"delta": "delta ± paired SE"})
+    return Table("paired_kl", "Next-token KL of each method vs RTN on the same held-out sequences", shown, long_out,
+                 sorted(sources))
+
+
 def equivalence(df: pd.DataFrame) -> Table:
     rows = []
     for _, r in newest_complete(df, "equivalence").iterrows():
@@ -359,7 +415,7 @@ def equivalence(df: pd.DataFrame) -> Table:
     return Table("equivalence", "Absorbed path vs transformers' forward", shown, long, _used(df, long))
 
 
-BUILDERS = (amplification, accuracy, paired, ruler, memory, calibration, quality, equivalence)
+BUILDERS = (amplification, accuracy, paired, ruler, memory, calibration, quality, paired_kl, equivalence)
 
 
 def main(argv=None) -> None:

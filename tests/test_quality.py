@@ -61,3 +61,23 @@ def test_kl_standard_error_clusters_tokens_by_sequence():
     same = torch.full((6,), 2.0, dtype=torch.float64)
     assert clustered_stderr(same, seq) == 0  # every sequence at the mean
     assert math.isnan(clustered_stderr(v, torch.zeros(6, dtype=torch.long)))  # one sequence: no estimate
+
+
+def test_paired_kl_pairs_runs_sequence_by_sequence(tmp_path, monkeypatch):
+    import pandas as pd
+
+    from analysis import tables
+    from analysis.records import load_frame
+
+    low = ["quant=int4_joint", "quant.protected.n_sink=0", "quant.protected.recent=0"]
+    rtn = _quality(tmp_path, monkeypatch, "rtn", low)
+    quarot = _quality(tmp_path, monkeypatch, "quarot", [*low, "transform=quarot"])
+    sums = pd.read_csv(tmp_path / "rtn" / "per_sequence.csv")
+    assert len(sums) == 2 and sums["tokens"].sum() == rtn["quality/tokens"]
+    assert sums["kl_sum"].sum() / sums["tokens"].sum() == pytest.approx(rtn["quality/kl"])
+    t = tables.paired_kl(load_frame([tmp_path]))
+    (row,) = t.long.to_dict("records")
+    assert row["method"] == "quarot" and row["sequences"] == 2
+    assert row["delta"] == pytest.approx(quarot["quality/kl"] - rtn["quality/kl"])
+    assert row["paired SE"] > 0 and row["sequences lower"] + row["sequences higher"] <= 2
+    assert set(t.sources) == {str(tmp_path / n / "record.json") for n in ("rtn", "quarot")}

@@ -11,7 +11,8 @@ answers it was trained to predict, on text every token): the negative log-likeli
 KL(reference || quantized) of the next-token distributions and whether their top-1 tokens agree. Metrics:
 quality/ppl, quality/ppl_unquantized, quality/ppl_ratio, quality/kl (mean; quality/kl_stderr its standard error, tokens
 clustered by sequence), quality/kl_p99, quality/top1_agree,
-quality/tokens; quality.md beside the record.
+quality/tokens; quality.md and per_sequence.csv (per held-out sequence: tokens, sums of KL, NLL and agreement, which
+pair runs over the same set sequence by sequence) beside the record.
 """
 
 from __future__ import annotations
@@ -79,6 +80,19 @@ def clustered_stderr(values: torch.Tensor, sequence: torch.Tensor) -> float:
     return float(torch.sqrt(n / (n - 1) * ((sums - m * counts) ** 2).sum()) / counts.sum())
 
 
+def per_sequence_sums(stats: dict[str, torch.Tensor]) -> pd.DataFrame:
+    """One row per held-out sequence (its index in the deterministic held-out set): scored tokens and the sums of
+    KL, NLL under each cache and top-1 agreement. Two runs over the same set pair up sequence by sequence (the
+    analysis' paired KL table)."""
+    seq = stats["sequence"].long()
+    ids, inverse = torch.unique(seq, return_inverse=True)
+    out = {"sequence": ids.tolist(),
+           "tokens": torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, torch.ones_like(stats["kl"]))}
+    for key in ("kl", "nll", "nll_ref", "agree"):
+        out[f"{key}_sum"] = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, stats[key])
+    return pd.DataFrame({k: (v.tolist() if torch.is_tensor(v) else v) for k, v in out.items()}).astype({"tokens": int})
+
+
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     t = cfg.task
     torch.set_num_threads(int(t.threads))
@@ -106,6 +120,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         rows = torch.arange(s, s + x.shape[0], device=device)[:, None].expand_as(keep)
         parts.setdefault("sequence", []).append(rows[keep].cpu())
     stats = {k: torch.cat(v).double() for k, v in parts.items()}
+    per_sequence = per_sequence_sums(stats)
+    write_text_atomic(run_dir / "per_sequence.csv", per_sequence.to_csv(index=False))
     ppl, ppl_ref = stats["nll"].mean().exp().item(), stats["nll_ref"].mean().exp().item()
     metrics = {**prep.metrics(), "quality/source": source, "quality/tokens": int(stats["kl"].numel()),
                "quality/ppl": ppl, "quality/ppl_unquantized": ppl_ref, "quality/ppl_ratio": ppl / ppl_ref,
