@@ -21,12 +21,14 @@ published the same cell (analysis/paper_results.csv), its figure stands beside o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
 from analysis.records import newest_complete
+from mla_quant.stats import clustered_stderr
 
 PAPER = Path(__file__).with_name("paper_results.csv")
 HEADLINE_METRICS = ("exact_match", "pass@1", "acc")  # the first a task reports is its column in the accuracy table
@@ -205,7 +207,7 @@ def _paired_row(base: dict, task: str, method: pd.Series, rtn: pd.Series, ref: p
     delta = float(d.mean())
     row = {**base, "task": task, "examples": len(both), "score": float(method[both].mean()),
            "RTN": float(rtn[both].mean()), "delta": delta, "paired SE": se,
-           "z": delta / se if se > 0 else (0.0 if delta == 0 else float("inf") * (1 if delta > 0 else -1)),
+           "z": delta / se if se > 0 else (0.0 if delta == 0 else math.copysign(math.inf, delta)),
            "won": int((d > 0).sum()), "lost": int((d < 0).sum()), "BF16": None, "gap closed": None}
     if ref is not None and len(both.intersection(ref.index)) == len(both):
         bf16 = float(ref[both].mean())
@@ -351,8 +353,8 @@ def quality(df: pd.DataFrame) -> Table:
 def paired_kl(df: pd.DataFrame) -> Table:
     """Each method's next-token KL against RTN's on the same held-out sequences (quality runs over the same data
     settings; per_sequence.csv beside each record): the difference of the token means and its standard error with
-    tokens clustered by sequence (d_i = a method's KL sum minus RTN's on sequence i, N_i its tokens:
-    sqrt(n/(n-1) sum_i (d_i - delta N_i)^2) / sum_i N_i), and the sequences where each is lower."""
+    tokens clustered by sequence (`clustered_stderr` of d_i = a method's KL sum minus RTN's on sequence i over its
+    N_i tokens), and the sequences where each is lower."""
     rows = []
     for _, r in newest_complete(df, "quality").iterrows():
         path = Path(r.source).parent / "per_sequence.csv"
@@ -379,7 +381,7 @@ def paired_kl(df: pd.DataFrame) -> Table:
                 d = m.loc[both, "kl_sum"] - base.loc[both, "kl_sum"]
                 delta = float(d.sum()) / tokens
                 n = len(both)
-                se = float(((n / (n - 1)) * ((d - delta * base.loc[both, "tokens"]) ** 2).sum()) ** 0.5) / tokens
+                se = clustered_stderr(d, base.loc[both, "tokens"])
                 per_m = m.loc[both, "kl_sum"] / m.loc[both, "tokens"].clip(lower=1)
                 per_b = base.loc[both, "kl_sum"] / base.loc[both, "tokens"].clip(lower=1)
                 out.append({**dict(zip(key, k)), "method": r.method, "sequences": n, "tokens": int(tokens),

@@ -49,18 +49,13 @@ def test_bad_quality_settings_are_refused(tmp_path, monkeypatch):
 def test_kl_standard_error_clusters_tokens_by_sequence():
     import math
 
-    import torch
+    from mla_quant.stats import clustered_stderr
 
-    from mla_quant.stages.quality import clustered_stderr
-
-    seq = torch.tensor([0, 0, 0, 1, 1, 2])
-    v = torch.tensor([1.0, 2.0, 3.0, 4.0, 6.0, 5.0], dtype=torch.float64)
-    # ratio estimator by hand: sums (6, 10, 5), counts (3, 2, 1), mean 21/6 = 3.5
-    resid = torch.tensor([6 - 3.5 * 3, 10 - 3.5 * 2, 5 - 3.5 * 1], dtype=torch.float64)
-    assert clustered_stderr(v, seq) == pytest.approx(float((3 / 2 * (resid**2).sum()).sqrt() / 6))
-    same = torch.full((6,), 2.0, dtype=torch.float64)
-    assert clustered_stderr(same, seq) == 0  # every sequence at the mean
-    assert math.isnan(clustered_stderr(v, torch.zeros(6, dtype=torch.long)))  # one sequence: no estimate
+    # tokens 1, 2, 3 | 4, 6 | 5 in three sequences: sums (6, 10, 5), counts (3, 2, 1), mean 21/6 = 3.5
+    resid = [6 - 3.5 * 3, 10 - 3.5 * 2, 5 - 3.5 * 1]
+    assert clustered_stderr([6, 10, 5], [3, 2, 1]) == pytest.approx(math.sqrt(3 / 2 * sum(r * r for r in resid)) / 6)
+    assert clustered_stderr([6, 4, 2], [3, 2, 1]) == 0  # every sequence at the mean (all tokens 2)
+    assert math.isnan(clustered_stderr([21], [6]))  # one sequence: no estimate
 
 
 def test_paired_kl_pairs_runs_sequence_by_sequence(tmp_path, monkeypatch):

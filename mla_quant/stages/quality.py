@@ -29,6 +29,7 @@ from mla_quant.models.absorbed import cache_kwargs, new_cache
 from mla_quant.prepare import model_dims, prepare_model
 from mla_quant.record import write_text_atomic
 from mla_quant.stages import StageResult
+from mla_quant.stats import clustered_stderr
 
 
 def held_out_ids(data: DictConfig, source: str, tokenizer, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,20 +65,6 @@ def token_stats(ref: torch.Tensor, quant: torch.Tensor, targets: torch.Tensor) -
     idx = targets.unsqueeze(-1)
     return {"nll_ref": -lr.gather(-1, idx).squeeze(-1), "nll": -lq.gather(-1, idx).squeeze(-1),
             "kl": (lr.exp() * (lr - lq)).sum(-1).clamp_min(0), "agree": (ref.argmax(-1) == quant.argmax(-1)).float()}
-
-
-def clustered_stderr(values: torch.Tensor, sequence: torch.Tensor) -> float:
-    """Standard error of the token mean of `values` with tokens clustered by sequence (tokens of one sequence are
-    not independent): the ratio estimator's sqrt(n/(n-1) * sum_i (S_i - m N_i)^2) / sum_i N_i over the n sequences,
-    S_i and N_i a sequence's sum and token count, m the token mean. NaN with fewer than two sequences."""
-    ids, inverse = torch.unique(sequence, return_inverse=True)
-    n = len(ids)
-    if n < 2:
-        return float("nan")
-    sums = torch.zeros(n, dtype=values.dtype).index_add_(0, inverse, values)
-    counts = torch.zeros(n, dtype=values.dtype).index_add_(0, inverse, torch.ones_like(values))
-    m = values.mean()
-    return float(torch.sqrt(n / (n - 1) * ((sums - m * counts) ** 2).sum()) / counts.sum())
 
 
 def per_sequence_sums(stats: dict[str, torch.Tensor]) -> pd.DataFrame:
@@ -120,17 +107,18 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         rows = torch.arange(s, s + x.shape[0], device=device)[:, None].expand_as(keep)
         parts.setdefault("sequence", []).append(rows[keep].cpu())
     stats = {k: torch.cat(v).double() for k, v in parts.items()}
-    per_sequence = per_sequence_sums(stats)
+    per_sequence = per_sequence_sums(stats)  # also the clusters of the KL's standard error
     write_text_atomic(run_dir / "per_sequence.csv", per_sequence.to_csv(index=False))
     ppl, ppl_ref = stats["nll"].mean().exp().item(), stats["nll_ref"].mean().exp().item()
     metrics = {**prep.metrics(), "quality/source": source, "quality/tokens": int(stats["kl"].numel()),
                "quality/ppl": ppl, "quality/ppl_unquantized": ppl_ref, "quality/ppl_ratio": ppl / ppl_ref,
                "quality/kl": stats["kl"].mean().item(), "quality/kl_p99": stats["kl"].quantile(0.99).item(),
-               "quality/kl_stderr": clustered_stderr(stats["kl"], stats["sequence"].long()),
+               "quality/kl_stderr": clustered_stderr(per_sequence["kl_sum"], per_sequence["tokens"]),
                "quality/top1_agree": stats["agree"].mean().item()}
     df = pd.DataFrame([{"cache": cfg.quant.name, "transform": (cfg.get("transform") or {}).get("name", "none"),
                         "data": source, "tokens": metrics["quality/tokens"], "ppl": ppl, "ppl unquantized": ppl_ref,
-                        "KL": metrics["quality/kl"], "KL SE": metrics["quality/kl_stderr"], "KL p99": metrics["quality/kl_p99"],
+                        "KL": metrics["quality/kl"], "KL SE": metrics["quality/kl_stderr"],
+                        "KL p99": metrics["quality/kl_p99"],
                         "top-1 agree": metrics["quality/top1_agree"]}])
     text = df.to_markdown(index=False, floatfmt=".4g")
     write_text_atomic(run_dir / "quality.md", text + "\n")
