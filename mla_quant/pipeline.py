@@ -33,6 +33,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from mla_quant.memory import PeakMemory
 from mla_quant.models.build import resolve_device
 from mla_quant.record import (PROGRESS_NAME, RunProgress, active_progress, prior_runs, read_json, run_identity,
                               write_record)
@@ -266,9 +267,11 @@ def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None)
     _quietly("start", tracker.start, resolved, run_dir, name=run_name(cfg, choices, run_dir), group=sweep_group(),
              tags=tags)
     result, status, error = StageResult(), "failed", None
+    memory = PeakMemory(device, interval=5e-3)  # the stage's peak memory, in its record
     with signals_as_exceptions() as signals, active_progress(prog):
         try:
-            result = stage(cfg, run_dir)
+            with memory:
+                result = stage(cfg, run_dir)
             status = "ok" if result.ok else "failed"
             error = None if result.ok else result.message
         except KeyboardInterrupt:
@@ -288,7 +291,7 @@ def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None)
                 prog.save()
             except OSError as exc:
                 warnings.warn(f"could not save {run_dir / PROGRESS_NAME} ({exc})", stacklevel=2)
-            metrics = {**prog.metrics, **result.metrics}  # every metric finished so far
+            metrics = {**prog.metrics, **result.metrics, **memory.metrics()}  # every metric finished so far
             path = record(status, error, metrics, signals.signum)
             _quietly("log_metrics", tracker.log_metrics, metrics)
             for name, table in result.tables.items():

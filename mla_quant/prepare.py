@@ -24,9 +24,10 @@ from torch import nn
 from mla_quant.cache import layer_factory
 from mla_quant.calibration import calibrated_transforms, check_transform, transformed_format
 from mla_quant.calibration.data import check_calib, resolve_source
-from mla_quant.models.absorbed import absorb, latent_dims, new_cache
+from mla_quant.models.absorbed import absorb, attention_blocks, latent_dims, new_cache
 from mla_quant.models.build import _plain, load_tokenizer, pretrained_config, tiny_config
 from mla_quant.models.families import family_for_config
+from mla_quant.models.fp8 import check_fp8_config
 from mla_quant.quant.formats import CacheFormat, cache_format
 from mla_quant.transforms import apply_transforms
 
@@ -65,6 +66,7 @@ def model_config(model_cfg) -> Any:
         raise ValueError(f"model._target_={target!r} has no config reader; allowed: {sorted(CONFIG_READERS)}")
     config = reader({k: v for k, v in _plain(model_cfg).items() if k not in MODEL_METADATA_KEYS})
     family = family_for_config(config)
+    check_fp8_config(config)
     if model_cfg.get("family") is not None and family.name != model_cfg.family:
         raise ValueError(f"model.family={model_cfg.family!r} but the model's model_type {config.model_type!r} belongs "
                          f"to family {family.name!r}; set model.family={family.name}")
@@ -82,12 +84,17 @@ def model_dims(model_cfg) -> dict[str, int]:
 def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True) -> CacheFormat | None:
     """Check the quant, transform, objective and calib groups against the model's dims; the validated cache format."""
     check_transform(cfg.get("transform"), cfg.get("objective"))
+    attention_blocks(cfg.get("attention"))
     from mla_quant.calibration import needs_data
 
     if needs_data(cfg.get("transform")):
         if cfg.get("calib") is None:
             raise ValueError(f"transform={cfg.transform.get('name')!r} needs calibration data: add calib=<option>")
         check_calib(cfg.calib, resolve_source(cfg.calib, cfg.model.get("_target_")))
+        objectives = {(cfg.get("objective") or {}).get(p, {}).get("kind") for p in ("content", "rope")}
+        if cfg.calib.get("query_tokens") is not None and "next_token_kl" in objectives:
+            raise ValueError(f"calib.query_tokens={cfg.calib.query_tokens}: objective next_token_kl replaces the "
+                             "attention output at every token and needs every query; set calib.query_tokens=null")
     if not quant or cfg.get("quant") is None:
         return None
     return transformed_format(cfg.get("transform"),
@@ -159,7 +166,7 @@ def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True
     if tset is not None:
         apply_transforms(model, tset)
     if absorbed:
-        model = absorb(model)
+        model = absorb(model, attention_blocks(cfg.get("attention")))
     measured = latent_dims(model) if absorbed else None
     if measured is not None and (measured["d_c"], measured["d_r"]) != (dims["d_c"], dims["d_r"]):
         raise RuntimeError(f"the loaded model has (d_c, d_r) = {(measured['d_c'], measured['d_r'])}, its config "

@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from mla_quant.prepare import build_model
 from omegaconf import OmegaConf
 
-GROUPS = ["model", "quant", "transform", "objective", "calib", "eval", "experiment", "logger"]
+GROUPS = ["model", "quant", "transform", "objective", "calib", "eval", "attention", "experiment", "logger"]
 
 
 def test_groups_exist_with_options():

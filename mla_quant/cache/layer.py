@@ -379,11 +379,13 @@ class LatentCacheLayer(CacheLayerMixin):
             all_r = torch.cat([all_r[:, :-t], rope.to(all_r.dtype)], dim=1)
         return all_c, all_r
 
-    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None) -> torch.Tensor:
-        """Append this step's latents and attend over the whole cache. Returns o_latent (B, H, T, d_c)."""
+    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, **absorbed) -> torch.Tensor:
+        """Append this step's latents and attend over the whole cache. Returns o_latent (B, H, T, d_c).
+        `absorbed`: `latent_attention`'s blocks, w_uk, w_uv (with w_uk, q_latent is q_nope; with w_uv the result is
+        per-head values (B, H, T, d_v))."""
         all_content, all_rope = self.update_and_read(content, rope, valid)
         self.backend_steps[step_type(q_latent), "torch"] += 1
-        return latent_attention(q_latent, q_rope, all_content, all_rope, scale, mask)
+        return latent_attention(q_latent, q_rope, all_content, all_rope, scale, mask, **absorbed)
 
     # ------------------------------------------------------------------ bytes
     def real_tokens(self) -> int:
@@ -557,8 +559,8 @@ class LatentCache(Cache):
             layer.layer_idx = idx
         super().__init__(layers=layers)
 
-    def attend(self, layer_idx: int, q_latent, q_rope, content, rope, scale, mask, valid=None) -> torch.Tensor:
-        return self.layers[layer_idx].attend(q_latent, q_rope, content, rope, scale, mask, valid)
+    def attend(self, layer_idx: int, q_latent, q_rope, content, rope, scale, mask, valid=None, **absorbed):
+        return self.layers[layer_idx].attend(q_latent, q_rope, content, rope, scale, mask, valid, **absorbed)
 
     def nbytes(self) -> int:
         """Bytes used by all layers (valid tokens only), measured from the stored tensors."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from mla_quant.cache.layer import PATHS, LatentCacheLayer, step_type
-from mla_quant.kernels.attention import visible
+from mla_quant.kernels.attention import CausalMask, visible
 from mla_quant.kernels.latent_decode import PagedPath, Segment, latent_decode
 from mla_quant.kernels.layout import WordLayout
 from mla_quant.kernels.quant_store import kernel_store_unsupported, quantize_append
@@ -47,16 +47,18 @@ class KernelDecode:
     """Mixin for `LatentCacheLayer`: one-token decode steps attend through `latent_decode` where the format's
     backend picks the kernel for the device of the step's tensors (`CacheFormat.step_backends`)."""
 
-    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None):
+    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, blocks=None, w_uk=None, w_uv=None):
         fresh_needed = self.quantized and self.fmt.mode == "serving" and self.fmt.recent == 0
         chosen = self.fmt.step_backends(q_latent.device.type)[step_type(q_latent)]
         if chosen != "triton" or fresh_needed or not self._hides_only_padding(mask, valid):
-            return super().attend(q_latent, q_rope, content, rope, scale, mask, valid)
+            return super().attend(q_latent, q_rope, content, rope, scale, mask, valid, blocks=blocks, w_uk=w_uk,
+                                  w_uv=w_uv)
         self.append(content, rope, valid)
         self._drop_view()  # the kernel reads the stored tensors: no decoded copy lingers after a torch-path prefill
-        out = latent_decode(q_latent[:, :, 0], q_rope[:, :, 0], scale, kernel_segments(self))
+        q = (q_latent if w_uk is None else q_latent @ w_uk)[:, :, 0]  # (B, H, d_c)
+        out = latent_decode(q, q_rope[:, :, 0], scale, kernel_segments(self)).to(q.dtype)[:, :, None]
         self.backend_steps["decode", "triton"] += 1
-        return out.to(q_latent.dtype)[:, :, None]
+        return out if w_uv is None else out @ w_uv.transpose(-1, -2)
 
     def _store(self, rows, tokens):
         """New tokens into the paged store: where decode steps run the kernel, int paths are quantized and written
@@ -97,7 +99,7 @@ class KernelDecode:
         """True when the one query's mask hides padding slots and nothing else (the kernel never sees padding)."""
         if mask is None:
             return True
-        seen = visible(mask[:, 0, -1, :])  # (B, S + 1)
+        seen = mask.keys if isinstance(mask, CausalMask) else visible(mask[:, 0, -1, :])  # (B, S + 1)
         slots = self.slot_valid if self.slot_valid is not None else seen.new_zeros(seen.shape[0], 0)
         new = torch.ones_like(seen[:, -1:]) if valid is None else valid.bool()
         expected = torch.cat([slots, new], dim=1)

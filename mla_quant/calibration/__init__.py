@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mla_quant.calibration.capture import capture_layer
+from mla_quant.calibration import capture as capture_module
 from mla_quant.calibration.data import calibration_ids, check_calib, ids_sha256, resolve_source
 from mla_quant.calibration.fit import DATA_FREE, FITTED, FitOptions, fit_content, fit_rope
 from mla_quant.calibration.objectives import (CONTENT_OBJECTIVES, ROPE_OBJECTIVES, rope_output_bound,
@@ -25,6 +25,7 @@ from mla_quant.calibration.store import config_sha256, load_transforms, save_tra
 from mla_quant.models.absorbed import attention_modules
 from mla_quant.models.build import _plain
 from mla_quant.models.families import family_for_config
+from mla_quant.models.fp8 import weight_of
 from mla_quant.quant.formats import CacheFormat, cache_format
 from mla_quant.record import progress
 from mla_quant.transforms import KINDS, LayerTransform, TransformSet, random_hadamard
@@ -137,7 +138,7 @@ def weights_sha256(model) -> str:
     h = hashlib.sha256()
     for attn in attention_modules(model):
         w = family.mla_weights(attn)
-        for t in (w.kv_a.weight, w.kv_norm, w.kv_b.weight, w.q_out.weight):
+        for t in (weight_of(w.kv_a), w.kv_norm, weight_of(w.kv_b), weight_of(w.q_out)):  # FP8: codes x scales
             h.update(t.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()
 
@@ -187,9 +188,14 @@ class LayerCheckpoints:
 
 
 def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: CacheFormat, seed: int,
-            batch_size: int = 8, checkpoints: LayerCheckpoints | None = None) -> tuple[TransformSet, list[dict]]:
+            batch_size: int = 8, checkpoints: LayerCheckpoints | None = None,
+            query_tokens: int | None = None, capture: str = "sweep") -> tuple[TransformSet, list[dict]]:
     """Fit (or compute) every block's transforms; the per-layer report rows (objective error before and after).
-    `checkpoints`: keep each fitted layer on disk and continue from the layers found there."""
+    `checkpoints`: keep each fitted layer on disk and continue from the layers found there. `query_tokens`: the
+    per-head query tensors at that many positions per sequence (None: all). `capture`: "sweep" (one pass over the
+    decoder layers) or "stopped" (one forward stopped at each block; the reference)."""
+    if capture not in capture_module.CAPTURES:
+        raise ValueError(f"capture={capture!r}; allowed: {sorted(capture_module.CAPTURES)}")
     k = kinds(transform_cfg)
     objectives = {p: (_plain(objective_cfg).get(p) or {}).get("kind") or OBJECTIVES[p][0] for p in ("content", "rope")}
     opts = fit_options(transform_cfg, seed)
@@ -198,14 +204,17 @@ def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: 
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.requires_grad_(False)  # end-to-end objectives backpropagate through the model, never into its weights
     try:
-        return _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size, seed, checkpoints)
+        return _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size, seed, checkpoints,
+                           query_tokens, capture_module.CAPTURES[capture])
     finally:
         for p in trainable:
             p.requires_grad_(True)
 
 
-def _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size, seed, checkpoints=None):
+def _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size, seed, checkpoints=None,
+                query_tokens=None, captures=None):
     layers, report = [], []
+    sweep = None  # one pass over the decoder layers, started at the first layer that is not fitted yet
     for i in tqdm(range(len(modules)), desc="calibrate", unit="layer"):
         g = torch.Generator().manual_seed(seed * 1_000_003 + i)
         lt = LayerTransform()
@@ -215,11 +224,16 @@ def _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size
             layers.append(lt)
             continue
         done = checkpoints.load(i) if checkpoints is not None else None
+        if sweep is not None and done is not None:
+            next(sweep)  # keep the sweep at layer i: its outputs are the next layers' inputs
         if done is not None:  # fitted by an earlier, interrupted attempt of this configuration
             layers.append(done[0])
             report.extend(done[1])
             continue
-        cap = capture_layer(model, ids, i, batch_size)
+        if sweep is None:
+            sweep = (captures or capture_module.capture_layers)(model, ids, batch_size, start=i,
+                                                                query_tokens=query_tokens)
+        cap = next(sweep)
         start = time.perf_counter()
         content_kind = k["content"] if fmt.content.quantized else "none"
         lt.rotation, lt.scale, c_err = fit_content(cap, content_kind, objectives["content"], quant["content"], opts, g)
@@ -307,7 +321,8 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
         ids = calibration_ids(calib, source, tokenizer, vocab)
     checkpoints = LayerCheckpoints(path.with_name(f"{path.stem}.partial"), config_sha)
     tset, rows = fit_all(model, ids, tcfg, cfg.get("objective"), fmt, int(cfg.seed),
-                         int((calib or {}).get("batch_size", 8)) if calib is not None else 8, checkpoints)
+                         int((calib or {}).get("batch_size", 8)) if calib is not None else 8, checkpoints,
+                         (calib or {}).get("query_tokens") if calib is not None else None)
     seconds = time.perf_counter() - start
     import transformers
 

@@ -1,6 +1,8 @@
-"""Capture, for one MLA block, everything its calibration objectives need, on the unquantized model.
+"""Capture, for each MLA block, everything its calibration objectives need, on the unquantized model.
 
-    cap = capture_layer(model, ids, layer=2)      # one forward, stopped right after block 2's attention input
+    for cap in capture_layers(model, ids):        # one sweep: every decoder layer runs once over all sequences
+        fit(cap)                                  # captures arrive in block order; one block's tensors at a time
+    cap = capture_layer(model, ids, layer=2)      # one block alone: a forward stopped right after its input
 
 LayerCapture (float32, on the model's device; N sequences, T tokens, H heads):
     x_hat    (N, T, d_c)   x / rms(x): the latent before its norm weight (the content transform acts on this)
@@ -8,11 +10,16 @@ LayerCapture (float32, on the model's device; N sequences, T tokens, H heads):
     q_latent (N, H, T, d_c) the absorbed query W_UK^T q_nope (score side of the content path)
     q_rope   (N, H, T, d_r) the query's RoPE part after RoPE;  k_rope (N, T, d_r) the cached RoPE key after RoPE
     w_uv     (H, d_v, d_c)  each head's value map (the attention output per head is W_UV o_latent)
-Only block `layer` is captured and the forward stops there, so memory holds one block's tensors at a time.
+
+`capture_layers` is the sequential sweep (as llm-compressor's sequential pipeline): the inputs of decoder layer 0 are
+captured once, then each decoder layer runs over every batch of sequences, its MLA blocks' pieces are recorded on the
+way, and its outputs, kept on the CPU (`offload`), are the next layer's inputs: L decoder-layer forwards in all,
+instead of 1 + 2 + ... + L for one stopped forward per block.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +27,7 @@ import torch
 
 from mla_quant.models.absorbed import attention_modules
 from mla_quant.models.families import family_for_config
+from mla_quant.models.fp8 import linear
 
 
 @dataclass
@@ -37,6 +45,7 @@ class LayerCapture:
     ref_out: torch.Tensor | None = None  # (N, H, T, d_v) unquantized attention output per head (see `reference`)
     ids: torch.Tensor | None = None  # (N, T) the token ids captured (end-to-end objectives rerun the model on them)
     model: Any = field(default=None, repr=False, compare=False)  # the model they came from
+    q_pos: torch.Tensor | None = None  # (T_q,) positions of the captured queries (calib.query_tokens); None = all T
 
     @property
     def content(self) -> torch.Tensor:
@@ -47,7 +56,7 @@ class LayerCapture:
         return LayerCapture(self.layer, self.x_hat[idx], self.gamma, self.latent_scale, self.q_latent[idx],
                             self.q_rope[idx], self.k_rope[idx], self.w_uv, self.scale, self.cached_layout,
                             None if self.ref_out is None else self.ref_out[idx],
-                            None if self.ids is None else self.ids[idx], self.model)
+                            None if self.ids is None else self.ids[idx], self.model, self.q_pos)
 
 
 class _Stop(Exception):
@@ -62,26 +71,30 @@ def check_finite(name: str, x: torch.Tensor, layer: int) -> None:
 
 
 @torch.no_grad()
-def capture_layer(model, ids: torch.Tensor, layer: int, batch_size: int = 8) -> LayerCapture:
+def capture_layer(model, ids: torch.Tensor, layer: int, batch_size: int = 8,
+                  query_tokens: int | None = None) -> LayerCapture:
     family = family_for_config(model.config)
     modules = attention_modules(model)
     if not 0 <= layer < len(modules):
         raise ValueError(f"layer {layer} out of range: the model has {len(modules)} MLA blocks")
     attn = modules[layer]
     w = family.mla_weights(attn)
-    device = next(model.parameters()).device
     parts: dict[str, list[torch.Tensor]] = {"x_hat": [], "q_latent": [], "q_rope": [], "k_rope": []}
 
+    record = _recorder(family, w, parts, layer, query_tokens)
+
     def hook(module, args, kwargs):
-        h = kwargs.get("hidden_states", args[0] if args else None)
-        pe = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
-        x_hat, q_latent, q_rope, k_rope = block_pieces(family, module, w, h, pe)
-        for name, value in (("x_hat", x_hat), ("q_latent", q_latent), ("q_rope", q_rope), ("k_rope", k_rope)):
-            check_finite(name, value, layer)
-            parts[name].append(value.float())
+        record(module, args, kwargs)
         raise _Stop
 
-    handle = attn.register_forward_pre_hook(hook, with_kwargs=True)
+    _stopped_forwards(model, ids, batch_size, attn, hook)
+    return _layer_capture(family, model, attn, w, layer, parts, ids)
+
+
+def _stopped_forwards(model, ids: torch.Tensor, batch_size: int, module, hook) -> None:
+    """The model over `ids` in batches, each forward stopped by `hook` (a pre-hook on `module` raising _Stop)."""
+    device = next(model.parameters()).device
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         for start in range(0, ids.shape[0], batch_size):
             try:
@@ -90,20 +103,135 @@ def capture_layer(model, ids: torch.Tensor, layer: int, batch_size: int = 8) -> 
                 pass
     finally:
         handle.remove()
+
+
+def capture_stopped(model, ids: torch.Tensor, batch_size: int = 8, offload: str = "cpu", start: int = 0,
+                    query_tokens: int | None = None) -> Iterator[LayerCapture]:
+    """`capture_layers`' captures from one forward stopped at each block instead (1 + 2 + ... + L decoder-layer
+    forwards): the reference the sweep is checked and benchmarked against."""
+    for i in range(start, len(attention_modules(model))):
+        yield capture_layer(model, ids, i, batch_size, query_tokens)
+
+
+def _move(obj, device):
+    """Tensors inside obj (tuples, lists, dicts) moved to `device`; anything else as is."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_move(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _move(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _same(a, b) -> bool:
+    """Equal structure and equal tensors (so one copy of the batch-independent arguments is kept)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and bool(torch.equal(a, b.to(a.device))))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a is b or (type(a) is type(b) and not hasattr(a, "__dict__") and a == b)
+
+
+def decoder_layers(model) -> list:
+    return list(model.model.layers)
+
+
+@torch.no_grad()
+def capture_layers(model, ids: torch.Tensor, batch_size: int = 8, offload: str = "cpu", start: int = 0,
+                   query_tokens: int | None = None) -> Iterator[LayerCapture]:
+    """Each MLA block's `LayerCapture`, in block order, from one sweep over the decoder layers (module docstring).
+    The decoder-layer outputs between layers are kept on `offload` ("cpu", or the model's device). Blocks before
+    `start` are run through (their outputs are the later blocks' inputs) but not captured. `query_tokens`: keep the
+    per-head query tensors at that many positions per sequence (`query_positions`; None: all)."""
+    family = family_for_config(model.config)
+    modules = attention_modules(model)
+    layers = decoder_layers(model)
+    owner = [next(j for j, layer in enumerate(layers) if any(m is attn for m in layer.modules())) for attn in modules]
+    device = next(model.parameters()).device
+    keep = torch.device(offload) if offload != "device" else device
+
+    # 1. The inputs of decoder layer 0, per batch: its hidden states and the batch-independent arguments.
+    hidden: list[torch.Tensor] = []
+    arguments: list[dict] = []
+
+    def first(module, args, kwargs):
+        h = kwargs.pop("hidden_states", args[0] if args else None)
+        hidden.append(h.to(keep))
+        kwargs = _move(kwargs, keep)
+        arguments.append(arguments[-1] if arguments and _same(arguments[-1], kwargs) else kwargs)
+        raise _Stop
+
+    _stopped_forwards(model, ids, batch_size, layers[0], first)
+
+    # 2. Each decoder layer once over every batch, recording its MLA blocks on the way.
+    for j, layer in enumerate(layers):
+        mine = [i for i, o in enumerate(owner) if o == j and i >= start]
+        parts = {i: {"x_hat": [], "q_latent": [], "q_rope": [], "k_rope": []} for i in mine}
+        weights = {i: family.mla_weights(modules[i]) for i in mine}
+        handles = [modules[i].register_forward_pre_hook(_recorder(family, weights[i], parts[i], i, query_tokens),
+                                                        with_kwargs=True) for i in mine]
+        try:
+            for b, h in enumerate(hidden):
+                out = layer(h.to(device), **_move(arguments[b], device))
+                out = out[0] if isinstance(out, tuple) else out
+                hidden[b] = out.to(keep)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for i in mine:
+            yield _layer_capture(family, model, modules[i], weights[i], i, parts.pop(i), ids)
+
+
+def _recorder(family, w, parts: dict, layer: int, query_tokens: int | None = None):
+    def hook(module, args, kwargs):
+        h = kwargs.get("hidden_states", args[0] if args else None)
+        pe = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+        q_pos = query_positions(h.shape[1], query_tokens)
+        parts["q_pos"] = q_pos
+        for name, value in zip(("x_hat", "q_latent", "q_rope", "k_rope"),
+                               block_pieces(family, module, w, h, pe, q_pos)):
+            check_finite(name, value, layer)
+            parts[name].append(value.float())
+
+    return hook
+
+
+def _layer_capture(family, model, attn, w, layer: int, parts: dict, ids: torch.Tensor) -> LayerCapture:
     gamma = w.kv_norm.detach().float()
     check_finite("the latent norm weight", gamma, layer)
+    q_pos = parts.get("q_pos")
     return LayerCapture(layer=layer, x_hat=torch.cat(parts["x_hat"]), gamma=gamma, latent_scale=w.latent_scale,
                         q_latent=torch.cat(parts["q_latent"]), q_rope=torch.cat(parts["q_rope"]),
                         k_rope=torch.cat(parts["k_rope"]), w_uv=w.w_uv().detach().float(), scale=float(attn.scaling),
-                        cached_layout=family.cached_rope_layout(model.config), ids=ids.cpu(), model=model)
+                        cached_layout=family.cached_rope_layout(model.config), ids=ids.cpu(), model=model,
+                        q_pos=None if q_pos is None else q_pos.to(parts["x_hat"][0].device))
 
 
-def block_pieces(family, module, w, h: torch.Tensor, pe):
-    """One MLA block's x_hat (x / rms(x)), absorbed query, RoPE query and RoPE key (after RoPE), float32."""
+def query_positions(t: int, query_tokens: int | None) -> torch.Tensor | None:
+    """The query positions kept of a T-token sequence: `query_tokens` evenly spaced ones ending at the last token
+    (every distance to the start is represented), or None for all."""
+    if query_tokens is None or query_tokens >= t:
+        return None
+    return torch.linspace(t - 1, 0, query_tokens).round().long().flip(0).unique()
+
+
+def block_pieces(family, module, w, h: torch.Tensor, pe, q_pos: torch.Tensor | None = None):
+    """One MLA block's x_hat (x / rms(x)), absorbed query, RoPE query and RoPE key (after RoPE), float32; the
+    queries at positions `q_pos` only (None: all), sampled before the absorption so no full (B, H, T, d_c) exists."""
     q_nope, q_rope, _ = family.query(module, h)
-    compressed = module.kv_a_proj_with_mqa(h)
+    compressed = linear(module.kv_a_proj_with_mqa, h)
     x, k_rope = torch.split(compressed, [w.d_c, w.d_r], dim=-1)
     xf = x.float()
     x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + w.norm_eps)
     q_rope, k_rope = family.rotate(module, q_rope, k_rope, pe)
+    if q_pos is not None:
+        q_pos = q_pos.to(q_nope.device)
+        q_nope, q_rope = q_nope[:, :, q_pos], q_rope[:, :, q_pos]
     return x_hat, q_nope.float() @ w.w_uk().float(), q_rope.float(), k_rope.float()
+
+
+CAPTURES = {"sweep": capture_layers, "stopped": capture_stopped}  # fit_all(capture=...)

@@ -23,6 +23,7 @@ import torch
 
 from mla_quant.calibration.capture import LayerCapture
 from mla_quant.kernels.attention import causal_mask, latent_attention
+from mla_quant.models.fp8 import compute_dtype, linear
 from mla_quant.quant.formats import PathFormat, fake_quantizer
 from mla_quant.quant.quantizers import fake_quantize
 from mla_quant.transforms.fold import pair_index
@@ -94,26 +95,36 @@ def _head_out(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     return torch.einsum("nhtc,hvc->nhtv", o_latent, w_uv)
 
 
+def _attend(cap: LayerCapture, content: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """o_latent (N, H, T_q, d_c) of the captured queries (at their positions) over every key of the sequences."""
+    return latent_attention(cap.q_latent, cap.q_rope, content, rope, cap.scale, q_positions=cap.q_pos)
+
+
+def _causal(cap: LayerCapture, device) -> torch.Tensor:
+    """(T_q, T) bool: the keys each captured query sees."""
+    t = cap.k_rope.shape[1]
+    if cap.q_pos is None:
+        return causal_mask(t, t, device)
+    return torch.arange(t, device=device)[None, :] <= cap.q_pos.to(device)[:, None]
+
+
 def reference_output(cap: LayerCapture) -> torch.Tensor:
     """The unquantized attention output per head (N, H, T, d_v); stored on the capture after the first call."""
     if cap.ref_out is None:
         with torch.no_grad():
-            cap.ref_out = _head_out(latent_attention(cap.q_latent, cap.q_rope, cap.content, cap.k_rope, cap.scale),
-                                    cap.w_uv)
+            cap.ref_out = _head_out(_attend(cap, cap.content, cap.k_rope), cap.w_uv)
     return cap.ref_out
 
 
 def attention_output_error(cap: LayerCapture, c_hat: torch.Tensor, k_hat: torch.Tensor | None = None) -> torch.Tensor:
     k = cap.k_rope
     ref = reference_output(cap)
-    out = _head_out(latent_attention(cap.q_latent, cap.q_rope, c_hat, k if k_hat is None else k_hat, cap.scale),
-                    cap.w_uv)
+    out = _head_out(_attend(cap, c_hat, k if k_hat is None else k_hat), cap.w_uv)
     return (out - ref).pow(2).sum() / ref.pow(2).sum()
 
 
 def positional_qk_error(cap: LayerCapture, k_hat: torch.Tensor) -> torch.Tensor:
-    t = cap.k_rope.shape[1]
-    keep = causal_mask(t, t, k_hat.device)
+    keep = _causal(cap, k_hat.device)
     err = (cap.q_rope @ (k_hat - cap.k_rope).unsqueeze(1).transpose(-1, -2)).masked_fill(~keep, 0.0)
     ref = (cap.q_rope @ cap.k_rope.unsqueeze(1).transpose(-1, -2)).masked_fill(~keep, 0.0)
     return err.pow(2).sum() / ref.pow(2).sum()
@@ -130,11 +141,14 @@ def next_token_kl(path: str):
     def error(cap: LayerCapture, x_hat: torch.Tensor) -> torch.Tensor:
         if cap.model is None or cap.ids is None:
             raise ValueError("objective next_token_kl needs the capture's model and token ids (capture_layer keeps them)")
+        if cap.q_pos is not None:
+            raise ValueError("objective next_token_kl replaces the attention output at every token: it needs every "
+                             "query, so calib.query_tokens must be null")
         from mla_quant.models.absorbed import attention_modules
 
         content = x_hat if path == "content" else cap.content
         rope = x_hat if path == "rope" else cap.k_rope
-        out = _head_out(latent_attention(cap.q_latent, cap.q_rope, content, rope, cap.scale), cap.w_uv)
+        out = _head_out(_attend(cap, content, rope), cap.w_uv)
         n, h, t, d_v = out.shape
         merged = out.transpose(1, 2).reshape(n, t, h * d_v)
         model = cap.model
@@ -142,7 +156,7 @@ def next_token_kl(path: str):
         ids = cap.ids.to(device)
 
         def replace(module, args, kwargs, output):
-            return module.o_proj(merged.to(module.o_proj.weight.dtype)), None
+            return linear(module.o_proj, merged.to(compute_dtype(model))), None
 
         with torch.no_grad():
             ref = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)
@@ -188,14 +202,14 @@ def rope_output_bound(cap: LayerCapture, angle, scale, quantize) -> dict[str, fl
     the RoPE key's quantization alone, and of its bound tau max_s |q^R . dk_s| * diam{W_UV c_s : s <= t}."""
     k_hat = rope_roundtrip(cap, angle, scale, quantize)
     c = cap.content
-    ref = _head_out(latent_attention(cap.q_latent, cap.q_rope, c, cap.k_rope, cap.scale), cap.w_uv)
-    out = _head_out(latent_attention(cap.q_latent, cap.q_rope, c, k_hat, cap.scale), cap.w_uv)
-    measured = (out - ref).norm(dim=-1)  # (N, H, T)
-    t = c.shape[1]
-    keep = causal_mask(t, t, c.device)
+    ref = _head_out(_attend(cap, c, cap.k_rope), cap.w_uv)
+    out = _head_out(_attend(cap, c, k_hat), cap.w_uv)
+    measured = (out - ref).norm(dim=-1)  # (N, H, T_q)
+    keep = _causal(cap, c.device)
     d_scores = (cap.scale * (cap.q_rope @ (k_hat - cap.k_rope).unsqueeze(1).transpose(-1, -2))).abs()
     d_max = d_scores.masked_fill(~keep, 0.0).amax(-1)  # (N, H, T)
     v_norm = torch.einsum("ntc,hvc->nhtv", c, cap.w_uv).norm(dim=-1)  # (N, H, S)
     radius = torch.cummax(v_norm, dim=-1).values  # max over s <= t
+    radius = radius if cap.q_pos is None else radius[..., cap.q_pos.to(c.device)]
     bound = d_max * 2 * radius  # diam <= 2 max ||v_s||
     return {"measured": float(measured.mean()), "bound": float(bound.mean())}

@@ -4,11 +4,86 @@ score(t, s) = scale * (q_latent_t . c_s + q_rope_t . k_s),   o_latent_t = sum_s 
 
 with q_latent = W_UK^T q_nope per head (docs/method.md section 1). All heads share the single latent "head", so this is
 multi-query attention with key [c ; k] (d_c + d_r) and value c (d_c); per-head K and V are never formed.
+
+Prefill over many tokens runs in blocks (`AttentionBlocks`): query blocks of `query` tokens, and within one, key
+blocks of `key * query / T_block` keys merged by an online softmax, so the workspace is at most H x query x key
+scores per batch row, whatever the context length; under a causal mask a query block skips the keys after its last
+query. `reference_attention` is the unblocked form (all H x T x S scores at once), kept as the spec.
+
+    out = latent_attention(q_latent, q_rope, content, rope, scale, mask)                   # default blocks
+    out = latent_attention(..., blocks=AttentionBlocks(query=128, key=1024))
+    mask = CausalMask(keys)      # causal + padding without a (B, 1, T, S) tensor: keys (B, S) bool, True = real
+
+Masks: None (causal, queries are the last T of the S slots), a `CausalMask`, or one of the (B, 1, T, S) tensors
+transformers hands attention modules (bool: True = attend; float: additive, as its eager attention adds it).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class AttentionBlocks:
+    """Block sizes of the absorbed attention: `query` tokens per query block and `key` keys per key block at that
+    query block size (a block of fewer query tokens, e.g. a decode step, takes proportionally more keys, so the
+    workspace bound H x query x key holds for every step). None for both: one block (the unblocked reference)."""
+
+    query: int | None = 64
+    key: int | None = 2048
+
+    def __post_init__(self):
+        if (self.query is None) != (self.key is None):
+            raise ValueError(f"attention blocks: query={self.query!r} and key={self.key!r} must both be set (positive "
+                             "integers) or both be null (unblocked)")
+        for name in ("query", "key"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"attention.{name}_block={value!r}: must be a positive integer (or null with the "
+                                 "other one null: unblocked)")
+
+    @property
+    def blocked(self) -> bool:
+        return self.query is not None
+
+    def keys_per_block(self, query_tokens: int) -> int:
+        """Keys per key block for a query block of `query_tokens` tokens (workspace <= query x key per head)."""
+        return max(self.key, self.key * self.query // max(query_tokens, 1))
+
+
+UNBLOCKED = AttentionBlocks(None, None)
+DEFAULT_BLOCKS = AttentionBlocks()
+
+
+@dataclass(frozen=True)
+class CausalMask:
+    """A causal mask with padding, without a (B, 1, T, S) tensor: query i of T sits at slot S - T + i and sees the
+    slots at or before it that hold real tokens. keys (B, S) bool, True = a real token."""
+
+    keys: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        b, s = self.keys.shape
+        return b, 1, s, s
+
+    def block(self, q_slots: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
+        """(B, 1, len(q_slots), k1 - k0) bool, True = attend: the queries at absolute slots `q_slots` over keys k0:k1."""
+        k_slots = torch.arange(k0, k1, device=self.keys.device)
+        causal = k_slots[None, :] <= q_slots[:, None]  # (Tb, Kb)
+        return (causal[None] & self.keys[:, None, k0:k1])[:, None]
+
+    def dense(self, t: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full (B, 1, T, S) mask for code that needs one (DeepSeek-V3.2's indexer): bool, or additive in
+        `dtype` as transformers' eager mask (0 / dtype min)."""
+        s = self.keys.shape[1]
+        t = s if t is None else t
+        ok = self.block(torch.arange(s - t, s, device=self.keys.device), 0, s)
+        if dtype is None:
+            return ok
+        return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(~ok, torch.finfo(dtype).min)
 
 
 def causal_mask(t: int, s: int, device) -> torch.Tensor:
@@ -18,15 +93,19 @@ def causal_mask(t: int, s: int, device) -> torch.Tensor:
     return k_pos <= q_pos
 
 
-def apply_attention_mask(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def apply_attention_mask(scores: torch.Tensor, mask) -> torch.Tensor:
     """Apply one of the masks transformers hands to attention modules to scores (B, H, T, S).
 
     None: causal (sdpa without padding). bool (B, 1, T, S): True = attend. float (B, 1, T, S): additive, exactly as
     transformers' eager attention adds it, so the absorbed path reproduces eager bit for bit where it can.
+    A `CausalMask`: causal and its padding.
     """
     t, s = scores.shape[-2:]
     if mask is None:
         return scores.masked_fill(~causal_mask(t, s, scores.device), torch.finfo(scores.dtype).min)
+    if isinstance(mask, CausalMask):
+        mask = mask.block(torch.arange(mask.keys.shape[1] - t, mask.keys.shape[1], device=scores.device), 0,
+                          mask.keys.shape[1])
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask[..., -s:], torch.finfo(scores.dtype).min)
     return scores + mask[..., -s:].to(scores.dtype)
@@ -37,29 +116,136 @@ def visible(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
+def key_validity(mask, t: int) -> torch.Tensor | None:
+    """(B, T) bool: which of the last T slots hold real tokens (False = padding), read off the attention mask
+    (a `CausalMask`, or the (B, 1, T, S) tensor transformers builds: the last query sees every real key at or before
+    it and no padding, for left and right padding alike). None: no mask, every slot is real."""
+    if mask is None:
+        return None
+    if isinstance(mask, CausalMask):
+        return mask.keys[:, mask.keys.shape[1] - t:]
+    return visible(mask[:, 0, -1, mask.shape[-1] - t:])
+
+
+def reference_attention(q_latent, q_rope, content, rope, scale, mask=None, values=None) -> torch.Tensor:
+    """The unblocked absorbed attention, every (B, H, T, S) score at once: the spec `latent_attention` is checked
+    against (same arguments, without blocks)."""
+    b, h, t, d_c = q_latent.shape
+    content = content.to(q_latent.dtype)
+    values = content if values is None else values.to(q_latent.dtype)
+    rope = rope.to(q_rope.dtype)
+    scores = q_latent.reshape(b, h * t, d_c) @ content.transpose(1, 2)  # (B, H*T, S)
+    scores = scores + q_rope.reshape(b, h * t, -1) @ rope.transpose(1, 2)
+    scores = apply_attention_mask(scores.view(b, h, t, -1) * scale, mask)  # (B, H, T, S)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
+    return (probs.view(b, h * t, -1) @ values).view(b, h, t, d_c)
+
+
 def latent_attention(
     q_latent: torch.Tensor,
     q_rope: torch.Tensor,
     content: torch.Tensor,
     rope: torch.Tensor,
     scale: float,
-    mask: torch.Tensor | None = None,
+    mask=None,
     values: torch.Tensor | None = None,
+    blocks: AttentionBlocks | None = None,
+    w_uk: torch.Tensor | None = None,
+    w_uv: torch.Tensor | None = None,
+    q_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q_latent (B, H, T, d_c), q_rope (B, H, T, d_r), content (B, S, d_c), rope (B, S, d_r) -> o_latent (B, H, T, d_c).
 
     `values` (B, S, d_c) replaces the content on the aggregation side only (default: the content itself); the
-    sensitivity study uses it to split the score-side and value-side effects of a content error.
+    sensitivity study uses it to split the score-side and value-side effects of a content error. `blocks`: the
+    block sizes (default `DEFAULT_BLOCKS`; `UNBLOCKED` = all scores at once).
+    With `w_uk` (H, d_nope, d_c) the first argument is q_nope (B, H, T, d_nope) and q_latent = q_nope @ w_uk is formed
+    one query block at a time; with `w_uv` (H, d_v, d_c) the result is each head's value o_latent @ w_uv^T
+    (B, H, T, d_v), also per block: then no (B, H, T, d_c) tensor exists for the whole step.
+    `q_positions` (T,) ascending: the slots of the T queries (default: the last T of the S slots), for queries
+    sampled from a sequence (calibration); the mask is then causal at those slots (None or a `CausalMask` only).
     """
-    b, h, t, d_c = q_latent.shape
-    content = content.to(q_latent.dtype)
-    values = content if values is None else values.to(q_latent.dtype)
+    blocks = DEFAULT_BLOCKS if blocks is None else blocks
+    b, h, t = q_latent.shape[:3]
+    d_c = content.shape[-1]
+    s = content.shape[1]
+    dtype = q_latent.dtype if w_uk is None else torch.promote_types(q_latent.dtype, w_uk.dtype)
+    content = content.to(dtype)
+    values = content if values is None else values.to(dtype)
     rope = rope.to(q_rope.dtype)
+    q_block = t if not blocks.blocked else min(t, blocks.query)
+    k_block = s if not blocks.blocked else blocks.keys_per_block(q_block)
+    causal = mask is None or isinstance(mask, CausalMask)
+    if q_positions is not None and not causal:
+        raise ValueError("latent_attention: q_positions take a causal mask (None or a CausalMask), not a dense one")
+    slots = (torch.arange(s - t, s, device=q_latent.device) if q_positions is None
+             else q_positions.to(device=q_latent.device, dtype=torch.long))
+    dense = None if causal else mask[..., -s:]
+    if isinstance(mask, CausalMask):
+        mask = CausalMask(mask.keys[:, -s:])
+    # Stored as (B, T, H, d): the caller's merge of the heads, out.transpose(1, 2).reshape(B, T, H * d), is then a view.
+    out = content.new_empty(b, t, h, d_c if w_uv is None else w_uv.shape[1]).transpose(1, 2)  # (B, H, T, d)
+    for t0 in range(0, t, q_block):
+        t1 = min(t, t0 + q_block)
+        q_slots = slots[t0:t1]
+        # Under a causal mask no query of this block sees a key after its last query's slot.
+        last = s - t + t1 - 1 if q_positions is None else int(q_slots[-1])  # (no device sync in the common case)
+        limit = min(s, last + 1) if causal else s
+        ql = q_latent[:, :, t0:t1] if w_uk is None else q_latent[:, :, t0:t1] @ w_uk  # (B, H, Tb, d_c)
+        qr = q_rope[:, :, t0:t1]
+
+        def block_mask(k0, k1):
+            if mask is None:
+                return (torch.arange(k0, k1, device=q_latent.device)[None, :] <= q_slots[:, None])[None, None]
+            if isinstance(mask, CausalMask):
+                return mask.block(q_slots, k0, k1)
+            return dense[..., t0:t1, k0:k1]
+
+        if limit <= k_block:
+            o = _one_block(ql, qr, content[:, :limit], rope[:, :limit], values[:, :limit], scale, block_mask(0, limit))
+        else:
+            o = _online_blocks(ql, qr, content, rope, values, scale, limit, k_block, block_mask)
+        out[:, :, t0:t1] = o if w_uv is None else o @ w_uv.transpose(-1, -2)  # (B, H, Tb, d_v)
+    return out
+
+
+def _masked_scores(ql, qr, content, rope, scale, mask) -> torch.Tensor:
+    """Scaled, masked scores (B, H, Tb, Kb) in the activation dtype. mask: bool (True = attend) or additive."""
+    b, h, tb, d_c = ql.shape
     # Heads and queries share one latent "head": fold them into one row dimension so each product is a single
-    # (B, H*T, d) @ (B, d, S) batch matmul over the cache, with no per-head copy of it.
-    scores = q_latent.reshape(b, h * t, d_c) @ content.transpose(1, 2)  # (B, H*T, S)
-    scores = scores + q_rope.reshape(b, h * t, -1) @ rope.transpose(1, 2)
-    scores = apply_attention_mask(scores.view(b, h, t, -1) * scale, mask)  # (B, H, T, S)
+    # (B, H*Tb, d) @ (B, d, Kb) batch matmul over the cache, with no per-head copy of it.
+    scores = ql.reshape(b, h * tb, d_c) @ content.transpose(1, 2)  # (B, H*Tb, Kb)
+    scores = scores + qr.reshape(b, h * tb, -1) @ rope.transpose(1, 2)
+    scores = scores.view(b, h, tb, -1) * scale
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return scores + mask.to(scores.dtype)
+
+
+def _one_block(ql, qr, content, rope, values, scale, mask) -> torch.Tensor:
+    """Every key of the query block at once: exactly the reference's arithmetic."""
+    b, h, tb, d_c = ql.shape
+    scores = _masked_scores(ql, qr, content, rope, scale, mask)
     # Softmax in float32 as transformers' eager attention does, then back to the activation dtype.
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
-    return (probs.view(b, h * t, -1) @ values).view(b, h, t, d_c)  # (B, H, T, d_c)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(ql.dtype)
+    return (probs.view(b, h * tb, -1) @ values).view(b, h, tb, d_c)
+
+
+def _online_blocks(ql, qr, content, rope, values, scale, limit: int, k_block: int, block_mask) -> torch.Tensor:
+    """Keys 0:limit in blocks of k_block, merged by an online softmax (running max, sum and output in float32)."""
+    b, h, tb, d_c = ql.shape
+    m = ql.new_full((b, h, tb, 1), float("-inf"), dtype=torch.float32)
+    total = torch.zeros(b, h, tb, 1, dtype=torch.float32, device=ql.device)
+    acc = torch.zeros(b, h * tb, d_c, dtype=torch.float32, device=ql.device)
+    for k0 in range(0, limit, k_block):
+        k1 = min(limit, k0 + k_block)
+        scores = _masked_scores(ql, qr, content[:, k0:k1], rope[:, k0:k1], scale, block_mask(k0, k1)).float()
+        m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
+        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row masked so far stays empty, not NaN
+        alpha = torch.exp(m - m_safe)  # (B, H, Tb, 1)
+        p = torch.exp(scores - m_safe)  # (B, H, Tb, Kb)
+        total = total * alpha + p.sum(-1, keepdim=True)
+        part = p.to(ql.dtype).view(b, h * tb, -1) @ values[:, k0:k1]  # (B, H*Tb, d_c)
+        acc = acc * alpha.view(b, h * tb, 1) + part.float()
+        m = m_new
+    return (acc / total.view(b, h * tb, 1)).view(b, h, tb, d_c).to(ql.dtype)

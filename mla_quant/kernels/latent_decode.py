@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_quant.kernels.attention import latent_attention
+from mla_quant.kernels.attention import reference_attention
 from mla_quant.kernels.layout import WordLayout
 
 KERNEL_BITS = (0, 2, 4, 8)  # 0 = float values
@@ -227,8 +227,8 @@ def latent_decode_reference(q_latent: torch.Tensor, q_rope: torch.Tensor, scale:
         oks.append(torch.arange(c.shape[1], device=c.device)[None, :] < seg.lengths.to(c.device)[:, None])
     ok = torch.cat(oks, dim=1)
     mask = torch.zeros(ok.shape, device=ok.device).masked_fill(~ok, float("-inf"))[:, None, None, :]
-    out = latent_attention(q_latent.float()[:, :, None], q_rope.float()[:, :, None], torch.cat(cs, 1),
-                           torch.cat(rs, 1), scale, mask)
+    out = reference_attention(q_latent.float()[:, :, None], q_rope.float()[:, :, None], torch.cat(cs, 1),
+                              torch.cat(rs, 1), scale, mask)
     return out[:, :, 0].nan_to_num(0.0)  # a sequence with no token at all attends to nothing
 
 

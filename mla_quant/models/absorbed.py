@@ -14,25 +14,51 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import transformers
 from packaging.version import Version
 from torch import nn
-
-import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, prepare_padding_mask, sdpa_mask
 
 from mla_quant.cache import LatentCache, layer_factory
-from mla_quant.kernels.attention import latent_attention, visible
+from mla_quant.kernels.attention import DEFAULT_BLOCKS, AttentionBlocks, CausalMask, key_validity, latent_attention
+from mla_quant.models import fp8
 from mla_quant.models.families import MLAFamily, family_for_config
 from mla_quant.quant.formats import cache_format
 
+# The attention implementation an absorbed model runs under: transformers builds its mask through `latent_mask`
+# (a `CausalMask`: (B, S) key validity instead of a (B, 1, T, S) tensor), and no module calls the attention function.
+ATTN_IMPLEMENTATION = "mla_absorbed"
 
-def key_validity(mask: torch.Tensor | None, t: int) -> torch.Tensor | None:
-    """(B, T) bool: which of the T new slots hold real tokens (False = padding), read off the attention mask
-    transformers builds (B, 1, T, S): the last query sees every real key at or before it and no padding, for left
-    and right padding alike. None: no mask, every slot is real."""
-    if mask is None:
+
+def latent_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
+                attention_mask=None, allow_is_causal_skip=True, device="cpu", **kwargs):
+    """transformers' mask hook for absorbed models: None (causal, no padding), or a `CausalMask` holding each
+    sequence's real slots; masks that are not plain causal (packed sequences, overlays) as transformers' own
+    boolean (B, 1, T, S) mask."""
+    q_offset = int(q_offset)
+    if mask_function is not causal_mask_function or kv_offset != 0 or q_offset + q_length != kv_length:
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                         allow_is_causal_skip=False, device=device, **kwargs)
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)  # (B, S) bool or None
+    if padding is None:
+        if allow_is_causal_skip:
+            return None
+        padding = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
+    elif allow_is_causal_skip and bool(padding.all()):
         return None
-    return visible(mask[:, 0, -1, mask.shape[-1] - t :])
+    return CausalMask(padding.to(device=device, dtype=torch.bool))
+
+
+def _not_absorbed(module, *args, **kwargs):
+    raise RuntimeError(f"{type(module).__name__} runs under attn_implementation={ATTN_IMPLEMENTATION!r}, which only "
+                       "absorbed MLA modules (mla_quant.models.absorbed.absorb) can run")
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, _not_absorbed)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, latent_mask)
 
 
 class AbsorbedMLA:
@@ -60,22 +86,23 @@ class AbsorbedMLA:
             position_ids=kwargs.get("position_ids"),
         )
 
-        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        kv_b = self.mla_kv_b if getattr(self, "mla_kv_b", None) is not None else self.kv_b_proj.weight
+        w = kv_b.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]  # (H, d_nope, d_c), (H, d_v, d_c)
-        q_latent = q_nope @ w_uk  # (B, H, T, d_c)
-
+        # q_latent = q_nope @ w_uk and out = o_latent @ w_uv^T are formed one query block at a time inside the
+        # attention, so no (B, H, T, d_c) tensor exists for a long prefill.
+        absorbed = dict(blocks=getattr(self, "mla_blocks", None), w_uk=w_uk, w_uv=w_uv)
         if isinstance(cache, LatentCache):
-            o_latent = cache.attend(self.layer_idx, q_latent, q_rope, content, k_rope, self.scaling, attention_mask,
-                                    valid)
+            out = cache.attend(self.layer_idx, q_nope, q_rope, content, k_rope, self.scaling, attention_mask, valid,
+                               **absorbed)
         else:
             if cache is not None:  # any other transformers Cache (e.g. the default DynamicCache) holds the same latents
                 content, k_rope = cache.update(content.unsqueeze(1), k_rope.unsqueeze(1), self.layer_idx)
                 content, k_rope = content[:, 0], k_rope[:, 0]
-            o_latent = latent_attention(q_latent, q_rope, content, k_rope, self.scaling, attention_mask)
+            out = latent_attention(q_nope, q_rope, content, k_rope, self.scaling, attention_mask, **absorbed)
 
-        out = o_latent @ w_uv.transpose(-1, -2)  # (B, H, T, d_v)
-        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_head_dim)
-        return self.o_proj(out), None
+        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_head_dim)  # (B, T, H * d_v)
+        return fp8.linear(self.o_proj, out), None
 
 
 @functools.cache
@@ -83,8 +110,9 @@ def _absorbed_class(cls: type) -> type:
     return type(f"Absorbed{cls.__name__}", (AbsorbedMLA, cls), {"__module__": __name__})
 
 
-def absorb(model: nn.Module) -> nn.Module:
-    """Switch every MLA module of `model` to the absorbed latent forward, in place. Returns the model."""
+def absorb(model: nn.Module, blocks: AttentionBlocks | None = None) -> nn.Module:
+    """Switch every MLA module of `model` to the absorbed latent forward, in place, with attention in `blocks`
+    (default `DEFAULT_BLOCKS`), and the model to the compact causal mask (`latent_mask`). Returns the model."""
     family = family_for_config(model.config)
     modules = family.attention_modules(model)
     for idx, attn in enumerate(modules):
@@ -93,8 +121,24 @@ def absorb(model: nn.Module) -> nn.Module:
         if not isinstance(attn, AbsorbedMLA):
             attn.__class__ = _absorbed_class(type(attn))
         attn.mla_family = family
+        attn.mla_blocks = DEFAULT_BLOCKS if blocks is None else blocks
+        # An FP8 kv_b (block-FP8 checkpoints) is read as a matrix every step: dequantized once here (as serving
+        # engines do when they absorb), a buffer outside the state dict.
+        kv_b = fp8.dequantize(attn.kv_b_proj, fp8.compute_dtype(model)) if fp8.is_fp8(attn.kv_b_proj) else None
+        attn.register_buffer("mla_kv_b", kv_b, persistent=False)
     model.mla_family = family
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
+
+
+def attention_blocks(cfg) -> AttentionBlocks:
+    """The `attention` config group (query_block, key_block) as `AttentionBlocks`; None: the defaults."""
+    if cfg is None:
+        return DEFAULT_BLOCKS
+    unknown = sorted(set(cfg) - {"name", "query_block", "key_block"})
+    if unknown:
+        raise ValueError(f"attention: unknown settings {unknown}; allowed: query_block, key_block")
+    return AttentionBlocks(cfg.get("query_block"), cfg.get("key_block"))
 
 
 def is_absorbed(model: nn.Module) -> bool:

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mla_quant.kernels.attention import CausalMask
+from mla_quant.models.fp8 import linear, weight_of
+
 
 @dataclass
 class MLAWeights:
@@ -43,20 +46,21 @@ class MLAWeights:
     latent_scale: float = 1.0  # a fixed factor the family applies to the normed latent before caching (LongCat)
     norm_eps: float = 1e-6  # the latent RMSNorm's epsilon
 
+    # Weights as full-precision matrices (`fp8.weight_of`): views of the parameters, or dequantized FP8 blocks.
     def w_uk(self) -> torch.Tensor:  # (H, d_nope, d_c)
-        return self.kv_b.weight.view(self.num_heads, self.d_nope + self.d_v, self.d_c)[:, : self.d_nope]
+        return weight_of(self.kv_b).view(self.num_heads, self.d_nope + self.d_v, self.d_c)[:, : self.d_nope]
 
     def w_uv(self) -> torch.Tensor:  # (H, d_v, d_c)
-        return self.kv_b.weight.view(self.num_heads, self.d_nope + self.d_v, self.d_c)[:, self.d_nope :]
+        return weight_of(self.kv_b).view(self.num_heads, self.d_nope + self.d_v, self.d_c)[:, self.d_nope :]
 
     def latent_rows(self) -> torch.Tensor:  # (d_c, hidden)
-        return self.kv_a.weight[: self.d_c]
+        return weight_of(self.kv_a)[: self.d_c]
 
     def rope_rows(self) -> torch.Tensor:  # (d_r, hidden)
-        return self.kv_a.weight[self.d_c :]
+        return weight_of(self.kv_a)[self.d_c :]
 
     def q_rope_rows(self) -> torch.Tensor:  # (H, d_r, q_in)
-        w = self.q_out.weight.view(self.num_heads, self.d_nope + self.d_r, -1)
+        w = weight_of(self.q_out).view(self.num_heads, self.d_nope + self.d_r, -1)
         return w[:, self.d_nope :]
 
 
@@ -132,17 +136,17 @@ class MLAFamily:
         b, t, _ = hidden_states.shape
         if attn.q_lora_rank is None:
             q_resid = None
-            q = attn.q_proj(hidden_states)
+            q = linear(attn.q_proj, hidden_states)
         else:
-            q_resid = attn.q_a_layernorm(attn.q_a_proj(hidden_states))
-            q = attn.q_b_proj(q_resid)
+            q_resid = attn.q_a_layernorm(linear(attn.q_a_proj, hidden_states))
+            q = linear(attn.q_b_proj, q_resid)
         q = q.view(b, t, -1, attn.qk_head_dim).transpose(1, 2)  # (B, H, T, d_nope + d_r)
         q_nope, q_rope = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
         return q_nope, q_rope, q_resid
 
     def latent(self, attn, hidden_states: torch.Tensor):
         """-> content latent c (B, T, d_c) after its RMSNorm, RoPE key (B, T, d_r) before RoPE."""
-        compressed = attn.kv_a_proj_with_mqa(hidden_states)
+        compressed = linear(attn.kv_a_proj_with_mqa, hidden_states)
         content, k_rope = torch.split(compressed, [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
         return attn.kv_a_layernorm(content), k_rope
 
@@ -249,6 +253,11 @@ class DeepseekV32Family(MLAFamily):
 
     def attention_mask(self, attn, mask, *, hidden_states, q_resid, position_embeddings, cache, position_ids):
         b, t, _ = hidden_states.shape
+        if not isinstance(mask, torch.Tensor):  # the indexer scores every (query, key) pair: it needs the dense mask
+            past = cache.get_seq_length(attn.layer_idx) if cache is not None else 0
+            keys = mask.keys if mask is not None else torch.ones(b, past + t, dtype=torch.bool,
+                                                                 device=hidden_states.device)
+            mask = CausalMask(keys).dense(t, hidden_states.dtype)
         topk = attn.indexer(hidden_states, q_resid, position_embeddings, mask[:, 0], position_ids, cache=cache)
         s = mask.shape[-1]
         not_selected = (

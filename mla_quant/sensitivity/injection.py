@@ -143,14 +143,14 @@ class InjectedLatentLayer(LatentCacheLayer):
             rope = self.spec.perturb(self.layer_idx, rope)
         super().append(content, rope, valid)
 
-    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None):
+    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, **absorbed):
         self.append(content, rope, valid)
         noisy_c, noisy_k = self.read()
         clean_c, _ = self.clean.read()
         side = self.spec.side
         score_c = noisy_c if side in ("both", "score") else clean_c
         value_c = noisy_c if side in ("both", "value") else clean_c
-        return latent_attention(q_latent, q_rope, score_c, noisy_k, scale, mask, values=value_c)
+        return latent_attention(q_latent, q_rope, score_c, noisy_k, scale, mask, values=value_c, **absorbed)
 
 
 def injection_factory(spec: InjectionSpec):

@@ -32,11 +32,18 @@ class RecordingLatentLayer(LatentCacheLayer):
         self.q_latent_energy: torch.Tensor | None = None  # (d_c,)
         self.q_rope_energy: torch.Tensor | None = None  # (d_r,)
 
-    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None):
-        d_c, d_r = q_latent.shape[-1], q_rope.shape[-1]
-        self.q_latent_energy = (q_latent.double() * scale).pow(2).reshape(-1, d_c).mean(0).cpu()
+    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, **absorbed):
+        w_uk, d_r = absorbed.get("w_uk"), q_rope.shape[-1]
+        # Summed one query token at a time block by block, so the (B, H, T, d_c) absorbed query never exists at once.
+        energy, count = 0.0, 0
+        for t0 in range(0, q_latent.shape[2], 64):
+            q = q_latent[:, :, t0:t0 + 64]
+            q = q if w_uk is None else q @ w_uk
+            energy = energy + (q.double() * scale).pow(2).reshape(-1, q.shape[-1]).sum(0)
+            count += q[..., 0].numel()
+        self.q_latent_energy = (energy / count).cpu()
         self.q_rope_energy = (q_rope.double() * scale).pow(2).reshape(-1, d_r).mean(0).cpu()
-        return super().attend(q_latent, q_rope, content, rope, scale, mask, valid)
+        return super().attend(q_latent, q_rope, content, rope, scale, mask, valid, **absorbed)
 
 
 @dataclass

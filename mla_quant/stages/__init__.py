@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-GROUPS = ("model", "quant", "transform", "objective", "calib", "eval")
+GROUPS = ("model", "quant", "transform", "objective", "calib", "eval", "attention")
 
 
 @dataclass
@@ -67,6 +67,15 @@ def refuse_overrides(groups, why: str, overrides: list[str] | None = None) -> No
     bad = [o for o in overrides if override_group(o) in groups]
     if bad:
         raise ValueError(f"{bad}: {why}; drop {'it' if len(bad) == 1 else 'them'}")
+
+
+def selected_models(task_cfg) -> list[str]:
+    """The keys of `task.models` a stage over several models runs: `task.only`, or all of them; unknown keys refused."""
+    names = list(task_cfg.models) if task_cfg.get("only") is None else list(task_cfg.only)
+    unknown = sorted(set(names) - set(task_cfg.models))
+    if unknown:
+        raise ValueError(f"task.only has unknown models {unknown}; known: {sorted(task_cfg.models)}")
+    return names
 
 
 def refuse_unused_groups(task_cfg, overrides: list[str] | None = None) -> None:

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from mla_quant.models.absorbed import absorb, cache_kwargs, latent_dims, new_cache
+from mla_quant.models.absorbed import absorb, attention_blocks, cache_kwargs, latent_dims, new_cache
 from mla_quant.models.build import resolve_device
 from mla_quant.prepare import prepare_model
 from mla_quant.stages import StageResult
@@ -68,7 +68,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     device = resolve_device(cfg.device)
     prep = prepare_model(cfg, tokenizer=False, absorbed=False, attn_implementation=task.reference_attention)
     reference = prep.model.to(device)
-    absorbed = absorb(copy.deepcopy(reference))
+    absorbed = absorb(copy.deepcopy(reference), attention_blocks(cfg.get("attention")))
     quantized = prep.fmt is not None and prep.fmt.quantized
     factory = prep.layer_factory() if quantized else None
     dims = latent_dims(absorbed)

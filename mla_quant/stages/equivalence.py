@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from mla_quant.models.absorbed import absorb, cache_kwargs, latent_dims, new_cache
 from mla_quant.prepare import build_model
-from mla_quant.stages import StageResult
+from mla_quant.stages import StageResult, selected_models
 from mla_quant.record import write_text_atomic
 
 
@@ -90,10 +90,7 @@ def check_model(model_cfg: DictConfig, *, prefill_tokens: int, decode_steps: int
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
-    names = list(task.models) if task.only is None else list(task.only)
-    unknown = sorted(set(names) - set(task.models))
-    if unknown:
-        raise ValueError(f"task.only has unknown models {unknown}; known: {sorted(task.models)}")
+    names = selected_models(task)
 
     metrics, rows = {}, []
     for name in tqdm(names, desc="equivalence", unit="family"):

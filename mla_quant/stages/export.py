@@ -32,12 +32,26 @@ def cache_description(prep) -> dict:
             "protected": {"n_sink": fmt.n_sink, "recent": fmt.recent}, "d_c": fmt.d_c, "d_r": fmt.d_r}
 
 
+def write_checkpoint(model, out: Path) -> list[str]:
+    """save_pretrained, with a block-FP8 model's `quantization_config` listing the projections the folds rewrote
+    in full precision (`model.mla_dequantized`) as not quantized, so transformers loads those as plain linears and
+    the rest as FP8. Returns those module names."""
+    dequantized = sorted(getattr(model, "mla_dequantized", []) or [])
+    qc = getattr(model.config, "quantization_config", None)
+    if qc is not None and dequantized:
+        qc = dict(qc) if isinstance(qc, dict) else qc.to_dict()
+        qc["modules_to_not_convert"] = sorted(set(qc.get("modules_to_not_convert") or []) | set(dequantized))
+        model.config.quantization_config = qc
+    model.save_pretrained(out)
+    return dequantized
+
+
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
     prep = prepare_model(cfg, absorbed=False)
     model = prep.model
     out = run_dir / "checkpoint"
-    model.save_pretrained(out)
+    dequantized = write_checkpoint(model, out)
     if prep.tokenizer is not None:
         prep.tokenizer.save_pretrained(out)
     tm = prep.transform_metrics or {}
@@ -47,6 +61,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         "transform": OmegaConf.to_container(cfg.transform, resolve=True),
         "calibration": {k: v for k, v in tm.items() if k in ("calib/file", "calib/format", "calib/seconds")},
         "family": family_for_config(model.config).name,
+        # block-FP8 projections the transforms rewrote, stored in the model's compute dtype
+        "dequantized_modules": dequantized,
     }
     write_json_atomic(out / "mla_quant_cache.json", description)
 

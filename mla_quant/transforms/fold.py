@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mla_quant.models import fp8
 from mla_quant.models.families import MLAWeights, family_for_config, rope_pair
 
 
@@ -162,16 +163,33 @@ def fold_layer(w: MLAWeights, lt: LayerTransform, where: str = "layer") -> None:
         fold_rope(w, *lt.rope_params(w.d_r))
 
 
+def rewritten_linears(attn: nn.Module, lt: LayerTransform) -> list[str]:
+    """The projections of one MLA module a fold of `lt` rewrites (content: kv_a, kv_b; RoPE: kv_a, the query's)."""
+    names = []
+    if lt.rotation is not None or lt.scale is not None:
+        names += ["kv_a_proj_with_mqa", "kv_b_proj"]
+    if lt.angle is not None or lt.pair_scale is not None:
+        names += ["kv_a_proj_with_mqa", "q_proj" if attn.q_lora_rank is None else "q_b_proj"]
+    return list(dict.fromkeys(names))
+
+
 def apply_transforms(model: nn.Module, tset: TransformSet) -> nn.Module:
-    """Fold `tset` into every MLA block of `model` (in place; every layer is checked before any weight changes)."""
+    """Fold `tset` into every MLA block of `model` (in place; every layer is checked before any weight changes).
+    Block-FP8 projections a fold rewrites become full-precision linears in the model's compute dtype first; their
+    names are kept in `model.mla_dequantized` (export lists them as not quantized)."""
     family = family_for_config(model.config)
     modules = family.attention_modules(model)
     if len(tset.layers) != len(modules):
         raise ValueError(f"the transform set has {len(tset.layers)} layers but the model has {len(modules)} MLA "
                          f"blocks")
-    weights = [family.mla_weights(attn) for attn in modules]
-    for i, (w, lt) in enumerate(zip(weights, tset.layers)):
-        check_layer_transform(w, lt, f"layer {i}")
-    for i, (w, lt) in enumerate(zip(weights, tset.layers)):
-        fold_layer(w, lt, f"layer {i}")
+    for i, (attn, lt) in enumerate(zip(modules, tset.layers)):
+        check_layer_transform(family.mla_weights(attn), lt, f"layer {i}")
+    names = {id(m): n for n, m in model.named_modules()}
+    dequantized = list(getattr(model, "mla_dequantized", []))
+    dtype = fp8.compute_dtype(model)
+    for attn, lt in zip(modules, tset.layers):
+        dequantized += [f"{names[id(attn)]}.{n}" for n in fp8.dense(attn, rewritten_linears(attn, lt), dtype)]
+    model.mla_dequantized = dequantized
+    for i, (attn, lt) in enumerate(zip(modules, tset.layers)):
+        fold_layer(family.mla_weights(attn), lt, f"layer {i}")
     return model

@@ -1,0 +1,72 @@
+"""Write a Hugging Face checkpoint folder of a real family's exact attention shape with random weights, for
+rehearsing the real-checkpoint path (`model=<real> model.path=<folder>`) on a machine without the real weights.
+
+    python run.py experiment=write_checkpoint task.like=deepseek_v2_lite task.layers=2
+    python run.py experiment=write_checkpoint task.like=deepseek_v3 task.out=/tmp/v3_shaped
+    python run.py experiment=quality model=deepseek_v2_lite model.path=<folder> model.dtype=float32 \\
+        model.device_map=null task.data.source=random
+
+`task.like` picks one of `task.shapes` (model YAMLs holding the family's exact attention config: heads, d_c, d_r,
+d_nope, d_v, q LoRA, YaRN); `task.layers` and `task.experts` shrink the depth and the experts; the weights are
+random (seeded), written as safetensors shards of at most `task.shard_mb` MB with the config.json transformers
+writes, and the shipped toy tokenizer beside them (its 1024-token vocabulary is the folder's vocab_size).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from mla_quant.prepare import build_model
+from mla_quant.record import write_json_atomic
+from mla_quant.stages import StageResult
+
+
+def run(cfg: DictConfig, run_dir: Path) -> StageResult:
+    task = cfg.task
+    if task.like not in task.shapes:
+        raise ValueError(f"task.like={task.like!r}: no such shape; allowed: {sorted(task.shapes)}")
+    if isinstance(task.layers, bool) or not isinstance(task.layers, int) or task.layers < 1:
+        raise ValueError(f"task.layers={task.layers!r}: a positive integer")
+    if isinstance(task.shard_mb, bool) or not isinstance(task.shard_mb, (int, float)) or task.shard_mb <= 0:
+        raise ValueError(f"task.shard_mb={task.shard_mb!r}: a positive size in MB")
+    from mla_quant.toy.model import load_toy_tokenizer
+
+    tokenizer = load_toy_tokenizer()
+    run_as = task.run_as[task.like]
+    source = task.shapes[task.like].copy()
+    with open_dict(source):
+        source.config.vocab_size = len(tokenizer)
+        source.config.num_hidden_layers = int(task.layers)
+        if task.experts is not None and "n_routed_experts" in source.config:
+            source.config.n_routed_experts = int(task.experts)
+            source.config.num_experts_per_tok = min(int(source.config.num_experts_per_tok), int(task.experts))
+        source.dtype = task.dtype
+        source.device = "cpu"
+    model = build_model(source, absorbed=False).eval()
+    out = Path(task.out) if task.out else run_dir / "checkpoint"
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, max_shard_size=f"{max(1, int(task.shard_mb * 1000))}KB")
+    tokenizer.save_pretrained(out)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    params = sum(p.numel() for p in model.parameters())
+    text = model.config.get_text_config(decoder=True)
+    description = {"like": task.like, "run_as": run_as, "family": source.family, "layers": int(task.layers),
+                   "random_weights_seed": int(cfg.seed), "dtype": task.dtype, "parameters": params, "shards": shards,
+                   "attention": {k: getattr(text, k, None) for k in (
+                       "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                       "q_lora_rank", "hidden_size", "max_position_embeddings")},
+                   "rope_parameters": OmegaConf.to_container(source.config.get("rope_parameters"))
+                   if source.config.get("rope_parameters") is not None else None}
+    write_json_atomic(out / "mla_quant_rehearsal.json", description)
+    print(f"[write_checkpoint] {out}: {task.like}-shaped {source.family}, {task.layers} layers, {params / 1e6:.1f}M "
+          f"random parameters ({task.dtype}) in {len(shards)} shard(s); attention {json.dumps(description['attention'])}")
+    print(f"  run it as a real checkpoint: python run.py model={run_as} model.path={out} model.dtype=float32 "
+          f"model.device_map=null ...")
+    del model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return StageResult(metrics={"checkpoint/path": str(out), "checkpoint/parameters": params,
+                                "checkpoint/shards": len(shards), "checkpoint/like": task.like})
