@@ -3,7 +3,7 @@
     with PeakMemory("cpu") as mem:
         model(ids)
     mem.added_bytes, mem.peak_bytes, mem.seconds   # peak above the start, absolute peak, wall time
-    mem.metrics()                                  # {"run/peak_memory_gb": ..., ...}: every run record has them
+    mem.summary()                                  # {"peak_gb": ..., ...}: every run record's `memory`
 
 On CUDA: the caching allocator's `max_memory_allocated` (tensors only, exact). On the CPU: the process's resident set
 (`/proc/self/statm`) sampled every `interval` seconds by a thread while the work runs (torch releases the GIL in its
@@ -75,8 +75,8 @@ class PeakMemory:
             self.peak_bytes = self._peak
         self.added_bytes = max(0, self.peak_bytes - self.start_bytes)
 
-    def metrics(self, prefix: str = "run") -> dict:
-        """For a run record: peak and peak added memory (GB), and what was measured."""
+    def summary(self) -> dict:
+        """For a run record: peak and peak added memory (GB) and what was measured (zeros before the work ran)."""
         what = "cuda_allocated" if self.device.type == "cuda" else "cpu_resident"
-        return {f"{prefix}/peak_memory_gb": self.peak_bytes / 1e9, f"{prefix}/peak_added_memory_gb":
-                self.added_bytes / 1e9, f"{prefix}/memory_measured": what}
+        return {"peak_gb": self.peak_bytes / 1e9, "peak_added_gb": self.added_bytes / 1e9, "measured": what,
+                "seconds": self.seconds}

@@ -259,15 +259,15 @@ def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None)
                             seconds=time.perf_counter() - start, device=device_description(device), status=status,
                             error=error, choices=choices, identity=identity, resume=prog.summary(),
                             determinism=determinism(), signal=signal.Signals(signum).name if signum else None,
-                            **prog.fields)
+                            memory=memory.summary(), **prog.fields)
 
+    memory = PeakMemory(device, interval=5e-3)  # the stage's peak memory, in its record (`memory`)
     record("running", None, prog.metrics)  # on disk before any tracker starts: a tracker never costs the record
     tracker = instantiate(cfg.logger)
     tags = [f"{g}:{choices[g]}" for g in ("model", "quant", "transform") if choices.get(g)]
     _quietly("start", tracker.start, resolved, run_dir, name=run_name(cfg, choices, run_dir), group=sweep_group(),
              tags=tags)
     result, status, error = StageResult(), "failed", None
-    memory = PeakMemory(device, interval=5e-3)  # the stage's peak memory, in its record
     with signals_as_exceptions() as signals, active_progress(prog):
         try:
             with memory:
@@ -291,7 +291,7 @@ def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None)
                 prog.save()
             except OSError as exc:
                 warnings.warn(f"could not save {run_dir / PROGRESS_NAME} ({exc})", stacklevel=2)
-            metrics = {**prog.metrics, **result.metrics, **memory.metrics()}  # every metric finished so far
+            metrics = {**prog.metrics, **result.metrics}  # every metric finished so far
             path = record(status, error, metrics, signals.signum)
             _quietly("log_metrics", tracker.log_metrics, metrics)
             for name, table in result.tables.items():

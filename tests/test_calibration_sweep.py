@@ -154,3 +154,29 @@ def test_query_tokens_with_an_end_to_end_objective_is_refused_before_loading():
     cfg = compose(["model=toy_mla", "transform=quantmla", "objective=next_token_kl", "calib.query_tokens=16"])
     with pytest.raises(ValueError, match="next_token_kl .* needs every query"):
         validate(cfg, model_dims(cfg.model))
+
+
+@pytest.mark.parametrize("option", ["toy_mla", "tiny_longcat_flash", "tiny_deepseek_v32"])
+def test_capture_through_the_absorbed_view_equals_the_model_and_leaves_it_as_it_was(option):
+    """fit_all captures through the blocked absorbed attention (linear memory at long contexts): the same pieces as
+    transformers' own attention gives, and the model is handed back unabsorbed, with its attention implementation."""
+    from mla_quant.models.absorbed import absorbed_view, is_absorbed
+
+    model = build_model(compose([f"model={option}"]).model, absorbed=False, dtype="float32")
+    ids = random_ids(model)
+    before = [type(m) for m in attention_modules(model)], model.config._attn_implementation
+    plain = list(capture_layers(model, ids, batch_size=2))
+    with torch.no_grad():
+        logits = model(ids).logits
+    with absorbed_view(model):
+        assert is_absorbed(model)
+        viewed = list(capture_layers(model, ids, batch_size=2))
+    for a, b in zip(viewed, plain):
+        for name in FIELDS:
+            err = float((getattr(a, name) - getattr(b, name)).abs().max() / getattr(b, name).abs().max())
+            assert err <= 1e-5, f"{option} block {a.layer}: {name} through the absorbed view differs by {err:.3g}"
+    assert ([type(m) for m in attention_modules(model)], model.config._attn_implementation) == before
+    assert not is_absorbed(model) and not hasattr(model, "mla_family")
+    assert not any(hasattr(m, "mla_blocks") or "mla_kv_b" in m._buffers for m in attention_modules(model))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, logits)

@@ -22,7 +22,7 @@ from mla_quant.calibration.fit import DATA_FREE, FITTED, FitOptions, fit_content
 from mla_quant.calibration.objectives import (CONTENT_OBJECTIVES, ROPE_OBJECTIVES, rope_output_bound,
                                               ste_quantizer)
 from mla_quant.calibration.store import config_sha256, load_transforms, save_transforms, transform_path
-from mla_quant.models.absorbed import attention_modules
+from mla_quant.models.absorbed import absorbed_view, attention_modules
 from mla_quant.models.build import _plain
 from mla_quant.models.families import family_for_config
 from mla_quant.models.fp8 import weight_of
@@ -204,8 +204,9 @@ def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: 
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.requires_grad_(False)  # end-to-end objectives backpropagate through the model, never into its weights
     try:
-        return _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size, seed, checkpoints,
-                           query_tokens, capture_module.CAPTURES[capture])
+        with absorbed_view(model):  # the capture's forwards through the blocked absorbed attention: linear memory
+            return _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size, seed, checkpoints,
+                               query_tokens, capture_module.CAPTURES[capture])
     finally:
         for p in trainable:
             p.requires_grad_(True)

@@ -12,6 +12,7 @@ supplies the few pieces that differ between families.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -139,6 +140,29 @@ def attention_blocks(cfg) -> AttentionBlocks:
     if unknown:
         raise ValueError(f"attention: unknown settings {unknown}; allowed: query_block, key_block")
     return AttentionBlocks(cfg.get("query_block"), cfg.get("key_block"))
+
+
+@contextlib.contextmanager
+def absorbed_view(model: nn.Module, blocks: AttentionBlocks | None = None):
+    """The model absorbed (blocked attention, compact mask) inside the block, as it was after: for work that runs
+    an unabsorbed model's forward at long contexts (calibration capture) without transformers' O(T^2) attention."""
+    if is_absorbed(model):
+        yield model
+        return
+    modules = family_for_config(model.config).attention_modules(model)
+    classes = [type(m) for m in modules]
+    implementation = model.config._attn_implementation
+    absorb(model, blocks)
+    try:
+        yield model
+    finally:
+        for m, cls in zip(modules, classes):
+            m.__class__ = cls
+            for name in ("mla_family", "mla_blocks"):
+                m.__dict__.pop(name, None)
+            m._buffers.pop("mla_kv_b", None)
+        model.__dict__.pop("mla_family", None)
+        model.set_attn_implementation(implementation)
 
 
 def is_absorbed(model: nn.Module) -> bool:
