@@ -212,8 +212,8 @@ def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: 
             p.requires_grad_(True)
 
 
-def _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size, seed, checkpoints=None,
-                query_tokens=None, captures=None):
+def _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size, seed, checkpoints, query_tokens,
+                captures):
     layers, report = [], []
     sweep = None  # one pass over the decoder layers, started at the first layer that is not fitted yet
     for i in tqdm(range(len(modules)), desc="calibrate", unit="layer"):
@@ -232,8 +232,7 @@ def _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size
             report.extend(done[1])
             continue
         if sweep is None:
-            sweep = (captures or capture_module.capture_layers)(model, ids, batch_size, start=i,
-                                                                query_tokens=query_tokens)
+            sweep = captures(model, ids, batch_size, start=i, query_tokens=query_tokens)
         cap = next(sweep)
         start = time.perf_counter()
         content_kind = k["content"] if fmt.content.quantized else "none"

@@ -64,11 +64,6 @@ class CausalMask:
 
     keys: torch.Tensor
 
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        b, s = self.keys.shape
-        return b, 1, s, s
-
     def block(self, q_slots: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
         """(B, 1, len(q_slots), k1 - k0) bool, True = attend: the queries at absolute slots `q_slots` over keys k0:k1."""
         k_slots = torch.arange(k0, k1, device=self.keys.device)
@@ -104,8 +99,7 @@ def apply_attention_mask(scores: torch.Tensor, mask) -> torch.Tensor:
     if mask is None:
         return scores.masked_fill(~causal_mask(t, s, scores.device), torch.finfo(scores.dtype).min)
     if isinstance(mask, CausalMask):
-        mask = mask.block(torch.arange(mask.keys.shape[1] - t, mask.keys.shape[1], device=scores.device), 0,
-                          mask.keys.shape[1])
+        mask = mask.dense(t)
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask[..., -s:], torch.finfo(scores.dtype).min)
     return scores + mask[..., -s:].to(scores.dtype)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mla_quant.prepare import build_model
@@ -66,7 +65,5 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
           f"random parameters ({task.dtype}) in {len(shards)} shard(s); attention {json.dumps(description['attention'])}")
     print(f"  run it as a real checkpoint: python run.py model={run_as} model.path={out} model.dtype=float32 "
           f"model.device_map=null ...")
-    del model
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return StageResult(metrics={"checkpoint/path": str(out), "checkpoint/parameters": params,
                                 "checkpoint/shards": len(shards), "checkpoint/like": task.like})
