@@ -126,7 +126,7 @@ def summary(t: DictConfig, methods: list[str], formats: list[str], results: dict
     if ref is not None:
         metrics[f"pipeline/accuracy/{t.reference}"] = ref
     if any(len(r) > 1 for r in rows) and t.evaluate is not None:
-        lines.append(f"Accuracy, mean over tasks (objective error content/rope, mean over layers)"
+        lines.append("Accuracy, mean over tasks (objective error content/rope, mean over layers)"
                      + (f"; {t.reference} reference {ref:.3f}" if ref is not None else "") + ":")
         lines.append(pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True))
     paired = report.tables.get("paired") if report is not None else None

@@ -85,6 +85,42 @@ def test_fitted_rotation_stays_orthogonal_and_scale_positive(toy):
         content_objective("kl", caps[3], r, s, ste_quantizer(fmt.content, 96))
 
 
+def test_a_new_kind_is_one_registered_class(toy):
+    """transform.<path>.kind comes from the kinds registry: one class adds a kind that the option checks accept, the
+    fit starts from (and keeps the best of) its candidates and the invariance sampler draws from; unknown kinds are
+    refused with the registered names."""
+    from mla_quant.calibration import check_transform
+    from mla_quant.transforms import KINDS, TransformKind, register, sample_layer_transform
+
+    cfg, _, caps = toy
+    fmt = _formats(cfg, "int2_joint")
+
+    class HalfHadamard(TransformKind):  # a made-up baseline: the Hadamard start, or the Hadamard with a balanced scale
+        path, name, data_free = "content", "test_half_hadamard", False
+
+        def starts(self, ctx):
+            return [(ctx.hadamard, None), (ctx.hadamard, ctx.balanced(ctx.hadamard))]
+
+        def sample(self, d, generator, log_normal):
+            return None, log_normal(d)
+
+    register(HalfHadamard)
+    try:
+        check_transform({"name": "t", "content": {"kind": "test_half_hadamard"}, "rope": {"kind": "none"},
+                         "fit": {"format": "auto"}})
+        q = ste_quantizer(fmt.content, 96)
+        opts = FitOptions(steps=1)
+        r, s, err = fit_content(caps[3], "test_half_hadamard", "attention_output", q, opts, torch.Generator().manual_seed(0))
+        _, _, had = fit_content(caps[3], "hadamard", "attention_output", q, opts, torch.Generator().manual_seed(0))
+        assert r is not None and err["fitted"] <= had["fitted"] + 1e-7, (err, had)  # the Hadamard start is a candidate
+        lt = sample_layer_transform("test_half_hadamard", "none", 96, 16, torch.Generator().manual_seed(0))
+        assert lt.rotation is None and lt.scale.shape == (96,) and bool((lt.scale > 0).all())
+    finally:
+        del KINDS["content"]["test_half_hadamard"]
+    with pytest.raises(ValueError, match=r"transform.content.kind='test_half_hadamard'; allowed: \['none', 'hadamard'"):
+        check_transform({"name": "t", "content": {"kind": "test_half_hadamard"}, "rope": {"kind": "none"}})
+
+
 def test_nan_in_captured_activations_names_the_layer():
     model = build_model(compose(["model=tiny_deepseek_v3"]).model, absorbed=False)
     with torch.no_grad():

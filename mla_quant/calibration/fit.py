@@ -1,18 +1,16 @@
 """Per-layer fitting of the content (R, s) and RoPE (phi, t) transforms on one block's captured activations.
 
-Kinds (`transform.<path>.kind`):
-    content  none | hadamard (randomized Hadamard, QuaRot) | smooth (range-balancing scale, SmoothQuant)
-             | rotation (R fitted, no scale; ablation) | rotation_scaling (QuantMLA: R and s fitted)
-    rope     none | pair_scale (range-balancing scale per frequency pair) | pairwise (QuantMLA: phi and t fitted)
-A fitted kind starts from the best of its closed-form candidates (identity, Hadamard, balanced scale, both) under
-its objective, then runs Adam: R stays orthogonal through `torch.nn.utils.parametrizations.orthogonal`, s and t stay
-positive as exp(log), rounding is straight-through. The best iterate (objective on every calibration sequence) is
-kept, so a fitted transform is never worse than its initialisation on the calibration data.
+The kinds (`transform.<path>.kind`) are mla_quant.transforms.kinds' registry. A kind's transform starts from the best
+of its closed-form candidates (`starts`: identity, Hadamard, balanced scale, both) under its objective; a fitted kind
+then runs Adam: R stays orthogonal through `torch.nn.utils.parametrizations.orthogonal`, s and t stay positive as
+exp(log), rounding is straight-through. The best iterate (objective on every calibration sequence) is kept, so a
+fitted transform is never worse than its initialisation on the calibration data.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -21,11 +19,12 @@ from tqdm.auto import tqdm
 
 from mla_quant.calibration.capture import LayerCapture
 from mla_quant.calibration.objectives import content_objective, rope_objective
-from mla_quant.transforms import CONTENT_KINDS, ROPE_KINDS, random_hadamard
+from mla_quant.transforms import random_hadamard
+from mla_quant.transforms.kinds import KINDS, kind as transform_kind
 from mla_quant.transforms.fold import pair_index
 
-FITTED = {"content": ("rotation", "rotation_scaling"), "rope": ("pairwise",)}
-DATA_FREE = {"content": ("none", "hadamard"), "rope": ("none",)}  # kinds that need no calibration data
+FITTED = {p: tuple(n for n, k in KINDS[p].items() if k.fitted) for p in KINDS}
+DATA_FREE = {p: tuple(n for n, k in KINDS[p].items() if k.data_free) for p in KINDS}  # need no calibration data
 
 
 @dataclass
@@ -91,8 +90,7 @@ def _adam(params, loss_fn, evaluate, opts: FitOptions, n_rows: int, desc: str, b
 def fit_content(cap: LayerCapture, kind: str, objective: str, quantize, opts: FitOptions,
                 generator: torch.Generator) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
     """-> (R or None, s or None, {"none": error, "fitted": error})."""
-    if kind not in CONTENT_KINDS:
-        raise ValueError(f"transform.content.kind={kind!r}; allowed: {list(CONTENT_KINDS)}")
+    spec = transform_kind("content", kind)
     d = cap.x_hat.shape[-1]
     eye, ones = torch.eye(d, device=cap.x_hat.device), torch.ones(d, device=cap.x_hat.device)
     had = random_hadamard(d, generator).float().to(cap.x_hat.device)
@@ -101,24 +99,20 @@ def fit_content(cap: LayerCapture, kind: str, objective: str, quantize, opts: Fi
         return content_objective(objective, c, r, s, quantize)
 
     base = _evaluate(obj, cap, eye, ones)
-    if kind == "none":
+    candidates = spec.starts(SimpleNamespace(eye=eye, hadamard=had,
+                                             balanced=lambda r: smooth_scale(cap, r, opts.alpha)))
+    if not candidates:
         return None, None, {"none": base, "fitted": base}
-    candidates = {"hadamard": [(had, None)], "smooth": [(eye, smooth_scale(cap, eye, opts.alpha))]}.get(kind)
-    if candidates is None and kind == "rotation":  # the best rotation start, no scale
-        candidates = [(eye, None), (had, None)]
-    if candidates is None:  # rotation_scaling: the best closed-form start
-        candidates = [(eye, None), (had, None), (eye, smooth_scale(cap, eye, opts.alpha)),
-                      (had, smooth_scale(cap, had, opts.alpha))]
     scored = [(_evaluate(obj, cap, r, ones if s is None else s), r, s) for r, s in candidates]
     value, r0, s0 = min(scored, key=lambda x: x[0])
-    if kind not in FITTED["content"]:
+    if not spec.fitted:
         return (None if r0 is eye else r0), s0, {"none": base, "fitted": value}
 
     lin = nn.Linear(d, d, bias=False, device=cap.x_hat.device)
     with torch.no_grad():
         lin.weight.copy_(r0)
     orthogonal(lin)
-    log_s = nn.Parameter(torch.log(ones if s0 is None else s0).clone(), requires_grad=kind == "rotation_scaling")
+    log_s = nn.Parameter(torch.log(ones if s0 is None else s0).clone(), requires_grad=spec.learns_scale)
 
     def loss_fn(idx):
         return obj(cap.rows(idx), lin.weight, torch.exp(log_s))
@@ -131,14 +125,13 @@ def fit_content(cap: LayerCapture, kind: str, objective: str, quantize, opts: Fi
     best = _adam(params, loss_fn, evaluate, opts, cap.x_hat.shape[0],
                  f"content layer {cap.layer}", (value, (r0, ones if s0 is None else s0)))
     value, (r, s) = best
-    return r, (s if kind == "rotation_scaling" else None), {"none": base, "fitted": value}
+    return r, (s if spec.learns_scale else None), {"none": base, "fitted": value}
 
 
 def fit_rope(cap: LayerCapture, kind: str, objective: str, quantize, opts: FitOptions
              ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
     """-> (phi or None, t or None, {"none": error, "fitted": error})."""
-    if kind not in ROPE_KINDS:
-        raise ValueError(f"transform.rope.kind={kind!r}; allowed: {list(ROPE_KINDS)}")
+    spec = transform_kind("rope", kind)
     n = cap.k_rope.shape[-1] // 2
     zeros, ones = torch.zeros(n, device=cap.k_rope.device), torch.ones(n, device=cap.k_rope.device)
 
@@ -146,14 +139,14 @@ def fit_rope(cap: LayerCapture, kind: str, objective: str, quantize, opts: FitOp
         return rope_objective(objective, c, phi, t, quantize)
 
     base = _evaluate(obj, cap, zeros, ones)
-    if kind == "none":
+    candidates = spec.starts(SimpleNamespace(zeros=zeros, ones=ones, balanced=lambda: pair_balance(cap, opts.alpha)))
+    if not candidates:
         return None, None, {"none": base, "fitted": base}
-    balanced = pair_balance(cap, opts.alpha)
-    bal_value = _evaluate(obj, cap, zeros, balanced)
-    if kind == "pair_scale":
-        return None, balanced, {"none": base, "fitted": bal_value}
-    value, t0 = min([(base, ones), (bal_value, balanced)], key=lambda x: x[0])
-    phi = nn.Parameter(zeros.clone())
+    scored = [(base if (p0 is zeros and t0 is ones) else _evaluate(obj, cap, p0, t0), p0, t0) for p0, t0 in candidates]
+    value, p0, t0 = min(scored, key=lambda x: x[0])
+    if not spec.fitted:
+        return (None if p0 is zeros else p0), (None if t0 is ones else t0), {"none": base, "fitted": value}
+    phi = nn.Parameter(p0.clone())
     log_t = nn.Parameter(torch.log(t0).clone())
 
     def loss_fn(idx):
@@ -164,5 +157,5 @@ def fit_rope(cap: LayerCapture, kind: str, objective: str, quantize, opts: FitOp
         return _evaluate(obj, cap, p, t), (p, t)
 
     value, (p, t) = _adam([phi, log_t], loss_fn, evaluate, opts, cap.k_rope.shape[0], f"rope layer {cap.layer}",
-                          (value, (zeros, t0)))
+                          (value, (p0, t0)))
     return p, t, {"none": base, "fitted": value}

@@ -1,0 +1,109 @@
+"""The transform.* and objective.* options of a run: which kinds each path uses, whether they need calibration data,
+the format they are fitted for, and the checks that refuse unknown keys and kinds by name before any model work."""
+
+from __future__ import annotations
+
+from mla_quant.calibration.fit import DATA_FREE, FITTED, FitOptions
+from mla_quant.calibration.objectives import CONTENT_OBJECTIVES, ROPE_OBJECTIVES
+from mla_quant.models.build import _plain
+from mla_quant.quant.formats import CacheFormat, cache_format
+from mla_quant.transforms import KINDS
+
+OBJECTIVES = {"content": CONTENT_OBJECTIVES, "rope": ROPE_OBJECTIVES}
+TRANSFORM_KEYS = ("name", "content", "rope", "fit")
+FIT_KEYS = ("format", "steps", "lr", "alpha", "batch", "eval_every", "cache_dir", "reuse")
+DEFAULT_FIT_FORMAT = "int4_joint"  # fit.format=auto when the run stores no quantized cache
+CONTENT_CODECS = (None, "codebook")  # transform.content.codec: store the content path with TurboQuant's codebook
+
+
+def kinds(transform_cfg) -> dict[str, str]:
+    t = _plain(transform_cfg)
+    return {p: (t.get(p) or {}).get("kind", "none") for p in ("content", "rope")}
+
+
+def fitted_paths(transform_cfg) -> list[str]:
+    k = kinds(transform_cfg)
+    return [p for p in ("content", "rope") if k[p] in FITTED[p]]
+
+
+def needs_data(transform_cfg) -> bool:
+    k = kinds(transform_cfg)
+    return any(k[p] not in DATA_FREE[p] for p in ("content", "rope"))
+
+
+def check_transform(transform_cfg, objective_cfg=None) -> None:
+    """transform.* and objective.*: unknown keys or kinds refused by name, before any model work (overrides that
+    would do nothing are refused by the pipeline, `refuse_idle_calibration`)."""
+    t = _plain(transform_cfg)
+    unknown = sorted(set(t) - set(TRANSFORM_KEYS))
+    if unknown:
+        raise ValueError(f"transform: unknown key(s) {unknown}; allowed: {list(TRANSFORM_KEYS)}")
+    for path in ("content", "rope"):
+        node = t.get(path) or {}
+        allowed = ["kind", "codec"] if path == "content" else ["kind"]
+        extra = sorted(set(node) - set(allowed))
+        if extra:
+            raise ValueError(f"transform.{path}: unknown key(s) {extra}; allowed: {allowed}")
+        if path == "content" and node.get("codec") not in CONTENT_CODECS:
+            raise ValueError(f"transform.content.codec={node.get('codec')!r}; allowed: {list(CONTENT_CODECS)}")
+        kind = node.get("kind", "none")
+        if kind not in KINDS[path]:
+            raise ValueError(f"transform.{path}.kind={kind!r}; allowed: {list(KINDS[path])}")
+    extra = sorted(set(t.get("fit") or {}) - set(FIT_KEYS))
+    if extra:
+        raise ValueError(f"transform.fit: unknown key(s) {extra}; allowed: {list(FIT_KEYS)}")
+    if needs_data(transform_cfg) and not t.get("fit"):
+        raise ValueError(f"transform={t.get('name')!r} uses calibration data and needs a transform.fit block")
+    o = _plain(objective_cfg)
+    extra = sorted(set(o) - {"name", "content", "rope"})
+    if extra:
+        raise ValueError(f"objective: unknown key(s) {extra}; allowed: ['name', 'content', 'rope']")
+    for path in ("content", "rope"):
+        kind = (o.get(path) or {}).get("kind")
+        if kind is not None and kind not in OBJECTIVES[path]:
+            raise ValueError(f"objective.{path}.kind={kind!r}; allowed: {list(OBJECTIVES[path])}")
+
+
+def transformed_format(transform_cfg, fmt: CacheFormat | None) -> CacheFormat | None:
+    """The cache format with the transform's content codec (transform=turboquant: the quant option's content bits
+    stored as TurboQuant's codebook with one norm per token instead of per-group scales)."""
+    codec = (_plain(transform_cfg).get("content") or {}).get("codec")
+    if codec is None or fmt is None or not fmt.content.quantized:
+        return fmt
+    import dataclasses
+
+    from mla_quant.quant.formats import PathFormat
+
+    if fmt.content.format != "int":
+        raise ValueError(f"transform.content.codec={codec} re-encodes an integer content path at its bit width; "
+                         f"quant={fmt.name} stores content as {fmt.content.format} (use an int option, e.g. "
+                         f"int4_joint)")
+    content = PathFormat(format=codec, bits=fmt.content.bits, group_size=None, scale_dtype=fmt.content.scale_dtype)
+    content.check(fmt.d_c, "quant.content")
+    if fmt.backend == "triton":
+        raise ValueError(f"transform.content.codec={codec}: quant.backend=triton cannot read format={codec}; use "
+                         f"quant.backend=torch")
+    return dataclasses.replace(fmt, name=f"{fmt.name}_{codec}", content=content)
+
+
+def fit_format(transform_cfg, run_format: CacheFormat | None, d_c: int, d_r: int, groups: dict | None) -> CacheFormat:
+    """The cache format the transforms are fitted for: transform.fit.format, `auto` = the run's quantized format,
+    else int4_joint."""
+    from mla_quant.cache.bytes import load_quant_option
+
+    name = (_plain(transform_cfg).get("fit") or {}).get("format", "auto")
+    if name == "auto":
+        if run_format is not None and run_format.quantized:
+            return run_format
+        name = DEFAULT_FIT_FORMAT
+    fmt = transformed_format(transform_cfg, cache_format(load_quant_option(name, groups=groups), d_c, d_r))
+    if not fmt.quantized:
+        raise ValueError(f"transform.fit.format={name!r} stores both paths unquantized: nothing to fit against; "
+                         f"name a quantized option (e.g. int4_joint)")
+    return fmt
+
+
+def fit_options(transform_cfg, seed: int) -> FitOptions:
+    fit = _plain(transform_cfg).get("fit") or {}
+    keys = ("steps", "lr", "alpha", "batch", "eval_every")
+    return FitOptions(**{k: fit[k] for k in keys if k in fit}, seed=seed)
