@@ -5,10 +5,16 @@
     mem.added_bytes, mem.peak_bytes, mem.seconds   # peak above the start, absolute peak, wall time
     mem.summary()                                  # {"peak_gb": ..., ...}: every run record's `memory`
 
+    with PeakMemory("cpu") as mem, LayerProfile(mem) as layers:   # per decoder layer (profile_layers=true)
+        model(ids)
+    layers.summary()                               # [{"layer": 0, "calls": 1, "seconds": ..., "peak_added_gb": ...}]
+
 On CUDA: the caching allocator's `max_memory_allocated` (tensors only, exact). On the CPU: the process's resident set
 (`/proc/self/statm`) sampled every `interval` seconds by a thread while the work runs (torch releases the GIL in its
 kernels); large tensors are mapped and unmapped one by one, so the resident set follows the live tensors. Where
 /proc is missing, the process's lifetime peak (`ru_maxrss`), which only measures work that sets a new peak.
+A section (`section_start` / `section_peak`, what LayerProfile uses per layer) measures a part of the work the same
+way without losing the whole's peak; on CUDA it synchronizes the device at both ends.
 """
 
 from __future__ import annotations
@@ -42,12 +48,13 @@ class PeakMemory:
         self.interval = interval
         self.start_bytes = self.peak_bytes = self.added_bytes = 0
         self.seconds = 0.0
+        self._peak = self._section_peak = 0
 
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.start_bytes = torch.cuda.memory_allocated(self.device)
+            self.start_bytes = self._peak = torch.cuda.memory_allocated(self.device)
         else:
             self.start_bytes = resident_bytes()
             self._peak = self.start_bytes
@@ -59,14 +66,33 @@ class PeakMemory:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self._peak = max(self._peak, resident_bytes())
+            now = resident_bytes()
+            self._peak, self._section_peak = max(self._peak, now), max(self._section_peak, now)
             time.sleep(self.interval)
+
+    def section_start(self) -> int:
+        """Start measuring a part of the work: the bytes in use now."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._peak = max(self._peak, torch.cuda.max_memory_allocated(self.device))  # the whole's peak so far
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        self._section_peak = resident_bytes()
+        return self._section_peak
+
+    def section_peak(self) -> int:
+        """The peak bytes since the last section_start."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        self._section_peak = max(self._section_peak, resident_bytes())
+        return self._section_peak
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.seconds = time.perf_counter() - self._t0
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            self.peak_bytes = max(self._peak, torch.cuda.max_memory_allocated(self.device))
         else:
             self.seconds = time.perf_counter() - self._t0
             self._peak = max(self._peak, resident_bytes())
@@ -80,3 +106,52 @@ class PeakMemory:
         what = "cuda_allocated" if self.device.type == "cuda" else "cpu_resident"
         return {"peak_gb": self.peak_bytes / 1e9, "peak_added_gb": self.added_bytes / 1e9, "measured": what,
                 "seconds": self.seconds}
+
+
+class LayerProfile:
+    """Seconds and peak added memory per decoder layer of every model that runs inside it (global module hooks; a
+    decoder layer is a module whose `self_attn` has a `layer_idx`, as transformers' are), aggregated by layer index
+    over calls: seconds summed, the peak added memory the largest of any call. `enabled=False`: no hooks, no rows."""
+
+    def __init__(self, memory: PeakMemory, enabled: bool = True):
+        self.memory, self.enabled = memory, enabled
+        self.rows: dict[int, dict] = {}
+        self._active = None  # (module, start time, start bytes) of the layer running now
+        self._handles = []
+
+    @staticmethod
+    def layer_index(module) -> int | None:
+        idx = getattr(getattr(module, "self_attn", None), "layer_idx", None)
+        return idx if isinstance(idx, int) else None
+
+    def _pre(self, module, args):
+        if self._active is None and self.layer_index(module) is not None:
+            self._active = (module, time.perf_counter(), self.memory.section_start())
+
+    def _post(self, module, args, output):
+        if self._active is None or self._active[0] is not module:
+            return
+        _, t0, start = self._active
+        self._active = None
+        peak = self.memory.section_peak()
+        row = self.rows.setdefault(self.layer_index(module), {"calls": 0, "seconds": 0.0, "peak_added_bytes": 0})
+        row["calls"] += 1
+        row["seconds"] += time.perf_counter() - t0
+        row["peak_added_bytes"] = max(row["peak_added_bytes"], peak - start)
+
+    def __enter__(self) -> LayerProfile:
+        if self.enabled:
+            from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+            self._handles = [register_module_forward_pre_hook(self._pre),
+                             register_module_forward_hook(self._post, always_call=True)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._active = [], None
+
+    def summary(self) -> list[dict]:
+        return [{"layer": i, "calls": r["calls"], "seconds": r["seconds"], "peak_added_gb": r["peak_added_bytes"] / 1e9}
+                for i, r in sorted(self.rows.items())]

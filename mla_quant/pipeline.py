@@ -33,7 +33,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from mla_quant.memory import PeakMemory
+from mla_quant.memory import LayerProfile, PeakMemory
 from mla_quant.models.build import resolve_device
 from mla_quant.record import (PROGRESS_NAME, RunProgress, active_progress, prior_runs, read_json, run_identity,
                               write_record)
@@ -259,9 +259,11 @@ def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None)
                             seconds=time.perf_counter() - start, device=device_description(device), status=status,
                             error=error, choices=choices, identity=identity, resume=prog.summary(),
                             determinism=determinism(), signal=signal.Signals(signum).name if signum else None,
-                            memory=memory.summary(), **prog.fields)
+                            memory={**memory.summary(), **({"layers": layers.summary()} if layers.enabled else {})},
+                            **prog.fields)
 
     memory = PeakMemory(device, interval=5e-3)  # the stage's peak memory, in its record (`memory`)
+    layers = LayerProfile(memory, enabled=bool(cfg.get("profile_layers", False)))  # and per decoder layer
     record("running", None, prog.metrics)  # on disk before any tracker starts: a tracker never costs the record
     tracker = instantiate(cfg.logger)
     tags = [f"{g}:{choices[g]}" for g in ("model", "quant", "transform") if choices.get(g)]
@@ -270,7 +272,7 @@ def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None)
     result, status, error = StageResult(), "failed", None
     with signals_as_exceptions() as signals, active_progress(prog):
         try:
-            with memory:
+            with memory, layers:
                 result = stage(cfg, run_dir)
             status = "ok" if result.ok else "failed"
             error = None if result.ok else result.message

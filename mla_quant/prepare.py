@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hydra.utils import get_method
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 from torch import nn
 
 from mla_quant.cache import layer_factory
 from mla_quant.calibration import calibrated_transforms, check_transform, transformed_format
 from mla_quant.calibration.data import check_calib, resolve_source
+from mla_quant.eval.harness import ContextTooLong
 from mla_quant.models.absorbed import absorb, attention_blocks, latent_dims, new_cache
 from mla_quant.models.build import _plain, load_tokenizer, pretrained_config, tiny_config
 from mla_quant.models.families import family_for_config
@@ -81,16 +82,19 @@ def model_dims(model_cfg) -> dict[str, int]:
             "context": int(text.max_position_embeddings)}
 
 
-def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True) -> CacheFormat | None:
-    """Check the quant, transform, objective and calib groups against the model's dims; the validated cache format."""
+def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True, calib_report: bool = False
+             ) -> CacheFormat | None:
+    """Check the quant, transform, objective and calib groups against the model's dims; the validated cache format.
+    calib_report=True: calibration data is read even for a data-free transform (experiment=calibrate)."""
     check_transform(cfg.get("transform"), cfg.get("objective"))
     attention_blocks(cfg.get("attention"))
     from mla_quant.calibration import needs_data
 
-    if needs_data(cfg.get("transform")):
+    if needs_data(cfg.get("transform")) or calib_report:
         if cfg.get("calib") is None:
             raise ValueError(f"transform={cfg.transform.get('name')!r} needs calibration data: add calib=<option>")
         check_calib(cfg.calib, resolve_source(cfg.calib, cfg.model.get("_target_")))
+        check_context("calib.seq_len", cfg.calib.seq_len, dims)
         objectives = {(cfg.get("objective") or {}).get(p, {}).get("kind") for p in ("content", "rope")}
         if cfg.calib.get("query_tokens") is not None and "next_token_kl" in objectives:
             raise ValueError(f"calib.query_tokens={cfg.calib.query_tokens}: objective next_token_kl replaces the "
@@ -99,6 +103,17 @@ def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True) -> Ca
         return None
     return transformed_format(cfg.get("transform"),
                               cache_format(cfg.quant, dims["d_c"], dims["d_r"], context=dims["context"]))
+
+
+def check_context(key: str, value, dims: Mapping[str, int]) -> None:
+    """A sequence length (or a list of them) a setting asks for, within the model's positions
+    (config.max_position_embeddings, read from the config alone): else refused by name before any weight is read."""
+    lengths = [int(n) for n in value] if isinstance(value, (list, tuple, ListConfig)) else [int(value)]
+    too_long = [n for n in lengths if n > dims["context"]]
+    if too_long:
+        shown = too_long if isinstance(value, (list, tuple, ListConfig)) else too_long[0]
+        raise ContextTooLong(f"{key}: {shown} exceeds the model's limit of {dims['context']} positions "
+                             f"(config.max_position_embeddings)")
 
 
 def build_model(model_cfg, **overrides) -> nn.Module:
@@ -159,7 +174,7 @@ def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True
     quant=False: the stage does not use the quant group. tokenizer=False: do not load one. calib_report=True: report
     the calibration objectives per layer even for transforms that fit nothing (experiment=calibrate)."""
     dims = model_dims(cfg.model)
-    fmt = validate(cfg, dims, quant=quant)
+    fmt = validate(cfg, dims, quant=quant, calib_report=calib_report)
     model = build_model(cfg.model, absorbed=False, **build_overrides)
     tok = load_tokenizer(cfg.model) if tokenizer or needs_tokenizer(cfg, calib_report) else None
     tset, transform_metrics, report = calibrated_transforms(model, cfg, tok, fmt, report=calib_report)

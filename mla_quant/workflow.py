@@ -25,7 +25,7 @@ from mla_quant import pipeline
 from mla_quant.record import write_text_atomic
 from mla_quant.stages import GROUPS, StageResult, override_group, refuse_unused_groups, user_overrides
 
-ALWAYS = ("seed", "device", "logger", "force")  # top-level settings every step takes from the command line
+ALWAYS = ("seed", "device", "logger", "force", "profile_layers")  # top-level settings every step takes as given
 SELECTS = ("quant", "transform")  # `quant=X` / `transform=Y` on the command line pick the pipeline's formats / methods
 STEP_LOG = "step.log"  # each step's own output (the console shows one line per step and the summary)
 

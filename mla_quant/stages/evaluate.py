@@ -22,12 +22,12 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mla_quant.eval.harness import ContextTooLong, LatentCacheHFLM, compact_samples, evaluate_tasks, rope_zeroed
+from mla_quant.eval.harness import LatentCacheHFLM, compact_samples, evaluate_tasks, rope_zeroed
 from mla_quant.eval.task_files import CODE_TASKS, TOY_TASKS, write_task_files
 from mla_quant.eval.task_utils import ALLOW_ENV, OPT_IN_HINT
 from mla_quant.eval.suites import CODE_STOCK_TASKS, load_stock_tasks, plan_tasks
 from mla_quant.models.build import load_tokenizer
-from mla_quant.prepare import model_dims, prepare_model
+from mla_quant.prepare import check_context, model_dims, prepare_model
 from mla_quant.stages import StageResult
 from mla_quant.record import progress, write_json_atomic, write_text_atomic
 
@@ -73,14 +73,11 @@ def evaluate_each(lm, tasks: list[str], folder, prefix: str, loaded: dict | None
 
 def check_lengths(cfg: DictConfig, plan) -> None:
     """Toy needle lengths and RULER lengths within the model's positions (read from its config, no weights)."""
-    limit = model_dims(cfg.model)["context"]
-    asked = {"eval.data.niah_lengths": list(cfg.eval.data.niah_lengths) if plan.toy else [],
-             "eval.ruler.lengths": list(cfg.eval.ruler.lengths) if plan.ruler else []}
-    for key, lengths in asked.items():
-        too_long = [n for n in lengths if n > limit]
-        if too_long:
-            raise ContextTooLong(f"{key} {too_long} exceed the model's limit of {limit} positions "
-                                 f"(config.max_position_embeddings)")
+    dims = model_dims(cfg.model)
+    if plan.toy:
+        check_context("eval.data.niah_lengths", cfg.eval.data.niah_lengths, dims)
+    if plan.ruler:
+        check_context("eval.ruler.lengths", cfg.eval.ruler.lengths, dims)
 
 
 def code_tasks_allowed(tasks: list[str], allow: bool) -> list[str]:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from mla_quant.calibration.data import resolve_source, text_ids, toy_ids
 from mla_quant.models.absorbed import cache_kwargs, new_cache
-from mla_quant.prepare import model_dims, prepare_model
+from mla_quant.prepare import check_context, model_dims, prepare_model
 from mla_quant.record import write_text_atomic
 from mla_quant.stages import StageResult
 from mla_quant.stats import clustered_stderr
@@ -87,9 +87,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     if chunk is not None and int(chunk) < 1:
         raise ValueError(f"task.chunk={chunk}: give a positive number of tokens per forward, or null")
     source = resolve_source(t.data, cfg.model.get("_target_"))
-    context = model_dims(cfg.model)["context"]  # from the config alone: refused before any weight is read
-    if int(t.data.seq_len) > context:
-        raise ValueError(f"task.data.seq_len={t.data.seq_len} exceeds the model's limit of {context} positions")
+    check_context("task.data.seq_len", t.data.seq_len, model_dims(cfg.model))  # before any weight is read
     prep = prepare_model(cfg, tokenizer=source in ("toy", "text"))
     model = prep.model
     ids, scored = held_out_ids(t.data, source, prep.tokenizer, int(model.config.vocab_size))

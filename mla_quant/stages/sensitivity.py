@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from mla_quant.models.absorbed import new_cache  # noqa: E402
-from mla_quant.prepare import model_dims, prepare_model  # noqa: E402
+from mla_quant.prepare import check_context, model_dims, prepare_model  # noqa: E402
 from mla_quant.stages import StageResult, refuse_overrides  # noqa: E402
 from mla_quant.record import atomic_path, progress, write_text_atomic  # noqa: E402
 from mla_quant.sensitivity.injection import InjectionSpec, check_nmse_target, injection_factory  # noqa: E402
@@ -60,6 +60,7 @@ def validate(cfg: DictConfig) -> list[float]:
         raise ValueError(f"task.seeds={task.seeds}; need at least 1")
     if task.noise not in ("gaussian", "quantizer"):
         raise ValueError(f"task.noise={task.noise!r}; allowed: gaussian, quantizer")
+    check_context("task.probe.seq_len", task.probe.seq_len, model_dims(cfg.model))
     if task.noise == "gaussian":
         refuse_overrides(["quant"], "task.noise=gaussian injects Gaussian noise and reads no quant setting (use "
                                     "task.noise=quantizer to inject the error of quant.<path>)")
