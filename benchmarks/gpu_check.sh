@@ -44,7 +44,8 @@ torch.cuda.get_device_properties(0).multi_processor_count, 'SMs') if torch.cuda.
   for f in csv md png; do cp "$RUNS/bench_kernel/bench_kernel.$f" "$OUT/" 2>/dev/null; done
 
   step "kernel tests on $DEVICE: the gpu-marked ones first, then the rest (each compiles its own kernels)"
-  timeout 60 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_kernel.py tests/test_kernel_launch.py \
+  timeout 90 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_kernel.py tests/test_kernel_launch.py \
+    tests/test_attention_blocks.py \
     2>&1 | tee "$OUT/kernel_tests.txt"
   echo "gpu-marked kernel tests rc=$?"
   timeout "$T_TESTS" python3 -m pytest -q -rfEs -p no:cacheprovider --durations=5 -m "not gpu" tests/test_kernel.py \
@@ -59,7 +60,7 @@ torch.cuda.get_device_properties(0).multi_processor_count, 'SMs') if torch.cuda.
     echo "bench_decode $ctx rc=$?"
     cp "$RUNS/bench_decode_$ctx/bench_decode.csv" "$OUT/bench_decode_$ctx.csv" 2>/dev/null
   done
-  step "prefill at V2-Lite dims, bf16: blocked vs unblocked attention, up to RULER's 32K, with peak memory"
+  step "prefill at V2-Lite dims, bf16: blocked (latent, expanded) vs unblocked attention, up to RULER 32K, peak memory"
   timeout "$T_PREFILL" python3 run.py experiment=bench_prefill logger=none device=$DEVICE task.dtype=bfloat16 \
     "task.only=[v2_lite]" "task.contexts.v2_lite=[$PREFILL_CONTEXTS]" task.reference_budget_gb=40 \
     hydra.run.dir="$RUNS/bench_prefill" ${BENCH_PREFILL_ARGS:-}

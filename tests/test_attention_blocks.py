@@ -1,7 +1,8 @@
 """The blocked absorbed attention equals the unblocked reference: odd shapes, every mask form transformers hands an
 attention module and the compact causal mask, left/right padding, block sizes down to one token, the absorbed query
 and value projections per block; on the toy through the cache for every format in both modes; the mask an absorbed
-model receives holds (B, S) key validity, not a (B, 1, T, S) tensor; bad block sizes are refused by name."""
+model receives holds (B, S) key validity, not a (B, 1, T, S) tensor; bad block sizes are refused by name. The
+expanded form (per-head K/V and scaled_dot_product_attention, attention=expanded) equals the same reference."""
 
 import copy
 
@@ -36,6 +37,16 @@ def padded_keys(b, s, t, side):
     return keys
 
 
+def mask_forms(b, s, t, side):
+    """The compact mask, the rows holding real queries, and every mask form an attention module may be handed."""
+    keys = padded_keys(b, s, t, side)
+    compact = CausalMask(keys)
+    forms = {"compact": compact, "bool": compact.dense(t), "additive": compact.dense(t, torch.float32)}
+    if side == "none":
+        forms["none"] = None
+    return compact, keys[:, s - t:], forms
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("side", ["none", "left", "right"])
 def test_blocked_equals_reference_for_every_mask_form(shape, side):
@@ -43,18 +54,76 @@ def test_blocked_equals_reference_for_every_mask_form(shape, side):
     g = torch.Generator().manual_seed(sum(shape))
     ql, qr = torch.randn(b, h, t, d_c, generator=g), torch.randn(b, h, t, d_r, generator=g)
     c, r = torch.randn(b, s, d_c, generator=g), torch.randn(b, s, d_r, generator=g)
-    keys = padded_keys(b, s, t, side)
-    compact = CausalMask(keys)
-    rows = keys[:, s - t:]
-    forms = {"compact": compact, "bool": compact.dense(t), "additive": compact.dense(t, torch.float32)}
-    if side == "none":
-        forms["none"] = None
+    compact, rows, forms = mask_forms(b, s, t, side)
     want = reference_attention(ql, qr, c, r, 0.3, compact.dense(t, torch.float32))
     for blocks in BLOCKS:
         for name, mask in forms.items():
             got = latent_attention(ql, qr, c, r, 0.3, mask, blocks=blocks)
             err = rel_err(got, want, rows)
             assert err <= 1e-5, f"{blocks} mask={name} padding={side}: max relative error {err:.3g}"
+
+
+EXPANDED = [AttentionBlocks(1, 1, expand_from=1), AttentionBlocks(7, 11, expand_from=2),
+            AttentionBlocks(256, 2048, expand_from=1)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("side", ["none", "left", "right"])
+@pytest.mark.parametrize("head_group", [16, 2])
+def test_expanded_equals_reference_for_every_mask_form(shape, side, head_group, monkeypatch):
+    """Per-head keys and values up-projected from the latent, scaled_dot_product_attention per query block (or one
+    is_causal call), per group of heads: the absorbed reference's head outputs, for every mask form, with values and
+    sampled queries."""
+    monkeypatch.setattr(attn_mod, "EXPANDED_HEAD_GROUP", head_group)  # 2: several groups, the last one partial
+    b, h, t, s, d_c, d_r = shape
+    d_nope, d_v = 12, 10
+    g = torch.Generator().manual_seed(sum(shape) + 1)
+    q_nope, qr = torch.randn(b, h, t, d_nope, generator=g), torch.randn(b, h, t, d_r, generator=g)
+    w_uk, w_uv = torch.randn(h, d_nope, d_c, generator=g) / 3, torch.randn(h, d_v, d_c, generator=g) / 3
+    c, r, v = torch.randn(b, s, d_c, generator=g), torch.randn(b, s, d_r, generator=g), torch.randn(b, s, d_c, generator=g)
+    compact, rows, forms = mask_forms(b, s, t, side)
+    for values in (None, v):
+        want = reference_attention(q_nope @ w_uk, qr, c, r, 0.3, compact.dense(t, torch.float32), values=values)
+        want = want @ w_uv.transpose(-1, -2)
+        for blocks in EXPANDED:
+            for name, mask in forms.items():
+                got = latent_attention(q_nope, qr, c, r, 0.3, mask, values=values, blocks=blocks, w_uk=w_uk, w_uv=w_uv)
+                assert got.shape == (b, h, t, d_v) and torch.isfinite(got).all()
+                err = rel_err(got, want, rows)
+                assert err <= 1e-5, f"{blocks} mask={name} padding={side} values={values is not None}: {err:.3g}"
+    if t > 4:  # sampled query positions (calibration): the expanded form masks at those slots too
+        pos = torch.tensor(sorted({0, t // 3, t // 2, t - 1})) + (s - t)
+        for mask in ([compact] + ([None] if side == "none" else [])):
+            want = latent_attention(q_nope[:, :, pos - (s - t)], qr[:, :, pos - (s - t)], c, r, 0.3, mask,
+                                    blocks=UNBLOCKED, w_uk=w_uk, w_uv=w_uv, q_positions=pos)
+            got = latent_attention(q_nope[:, :, pos - (s - t)], qr[:, :, pos - (s - t)], c, r, 0.3, mask,
+                                   blocks=EXPANDED[1], w_uk=w_uk, w_uv=w_uv, q_positions=pos)
+            assert rel_err(got, want, rows[:, pos - (s - t)]) <= 1e-5
+
+
+def test_expanded_form_only_from_its_query_count():
+    """attention.expand_from: forwards with fewer queries (decode steps) stay in the latent form."""
+    import torch.nn.functional as F
+
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        calls.append(q.shape[2])
+        return real(q, k, v, **kw)
+
+    g = torch.Generator().manual_seed(0)
+    h, d_c, d_r, d_nope, d_v = 2, 16, 4, 8, 8
+    w_uk, w_uv = torch.randn(h, d_nope, d_c, generator=g), torch.randn(h, d_v, d_c, generator=g)
+    F.scaled_dot_product_attention = spy
+    try:
+        for t in (1, 7, 8, 20):
+            latent_attention(torch.randn(1, h, t, d_nope), torch.randn(1, h, t, d_r), torch.randn(1, 20, d_c),
+                             torch.randn(1, 20, d_r), 0.5, None, blocks=AttentionBlocks(64, 64, expand_from=8),
+                             w_uk=w_uk, w_uv=w_uv)
+    finally:
+        F.scaled_dot_product_attention = real
+    assert calls == [8, 20], calls  # t=8 over 20 keys: one masked block; t=20=S unpadded: one is_causal call
 
 
 def test_values_and_absorbed_projections_per_block():
@@ -110,7 +179,9 @@ def test_cache_attention_blocked_equals_unblocked_for_every_format(option, mode)
     g = torch.Generator().manual_seed(3)
     b, h, d_c, d_r, d_nope, d_v = 2, 4, 96, 16, 32, 32
     w_uk, w_uv = torch.randn(h, d_nope, d_c, generator=g) / 6, torch.randn(h, d_v, d_c, generator=g) / 10
-    layers = {name: cache_layer_factory(cfg, d_c, d_r)() for name in ("blocked", "unblocked")}
+    forms = {"blocked": AttentionBlocks(16, 24), "expanded": AttentionBlocks(16, 24, expand_from=4),
+             "unblocked": UNBLOCKED}
+    layers = {name: cache_layer_factory(cfg, d_c, d_r)() for name in forms}
     keys = torch.ones(b, 0, dtype=torch.bool)
     for t in (83, 1, 1, 5):
         new = torch.ones(b, t, dtype=torch.bool)
@@ -119,11 +190,11 @@ def test_cache_attention_blocked_equals_unblocked_for_every_format(option, mode)
         keys = torch.cat([keys, new], 1)
         q, qr = torch.randn(b, h, t, d_nope, generator=g), torch.randn(b, h, t, d_r, generator=g)
         c, r = torch.randn(b, t, d_c, generator=g), torch.randn(b, t, d_r, generator=g)
-        out = {name: layer.attend(q, qr, c, r, 0.1, CausalMask(keys), new, w_uk=w_uk, w_uv=w_uv,
-                                  blocks=AttentionBlocks(16, 24) if name == "blocked" else UNBLOCKED)
+        out = {name: layer.attend(q, qr, c, r, 0.1, CausalMask(keys), new, w_uk=w_uk, w_uv=w_uv, blocks=forms[name])
                for name, layer in layers.items()}
-        err = rel_err(out["blocked"], out["unblocked"], keys[:, -t:])
-        assert err <= 1e-5, f"{option} {mode}, step of {t}: blocked vs unblocked, max relative error {err:.3g}"
+        for name in ("blocked", "expanded"):
+            err = rel_err(out[name], out["unblocked"], keys[:, -t:])
+            assert err <= 1e-5, f"{option} {mode}, step of {t}: {name} vs unblocked, max relative error {err:.3g}"
 
 
 @pytest.mark.parametrize("option", ["bf16", "fp8_ds_mla"])
@@ -138,7 +209,8 @@ def test_toy_logits_blocked_equal_unblocked(toy, option):
     mask[0, :9] = 0
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     out = {}
-    for name, blocks in (("blocked", AttentionBlocks(16, 24)), ("unblocked", UNBLOCKED)):
+    for name, blocks in (("blocked", AttentionBlocks(16, 24)), ("expanded", AttentionBlocks(16, 24, expand_from=2)),
+                         ("unblocked", UNBLOCKED)):
         model = absorb(copy.deepcopy(toy), blocks)
         with torch.no_grad():
             cache = quantized_cache(model, cfg)
@@ -148,8 +220,9 @@ def test_toy_logits_blocked_equal_unblocked(toy, option):
                          **cache_kwargs(cache)).logits
         out[name] = torch.cat([prefill, step], 1)
     valid = mask.bool()
-    err = float((out["blocked"] - out["unblocked"])[valid].abs().max() / out["unblocked"][valid].abs().max())
-    assert err <= 1e-5, f"{option}: blocked vs unblocked logits, max relative error {err:.3g}"
+    for name in ("blocked", "expanded"):
+        err = float((out[name] - out["unblocked"])[valid].abs().max() / out["unblocked"][valid].abs().max())
+        assert err <= 1e-5, f"{option}: {name} vs unblocked logits, max relative error {err:.3g}"
 
 
 def test_absorbed_model_receives_the_compact_mask(toy):
@@ -170,7 +243,9 @@ def test_absorbed_model_receives_the_compact_mask(toy):
 
 @pytest.mark.parametrize("bad", [{"query_block": 0, "key_block": 64}, {"query_block": 64, "key_block": -1},
                                  {"query_block": 64, "key_block": None}, {"query_block": 2.5, "key_block": 64},
-                                 {"query_block": 64, "key_block": 64, "size": 3}])
+                                 {"query_block": 64, "key_block": 64, "size": 3},
+                                 {"query_block": 64, "key_block": 64, "expand_from": 0},
+                                 {"query_block": 64, "key_block": 64, "expand_from": "yes"}])
 def test_bad_block_sizes_are_refused_by_name(bad):
     cfg = OmegaConf.create({"name": "blocked", **bad})
     with pytest.raises(ValueError) as err:
@@ -187,6 +262,36 @@ def test_attention_option_reaches_the_model():
     prep = prepare_model(cfg, tokenizer=False)
     blocks = {m.mla_blocks for m in prep.model.mla_family.attention_modules(prep.model)}
     assert blocks == {AttentionBlocks(5, 9)}
+    cfg = compose(["experiment=quality", "model=tiny_deepseek_v2", "attention=expanded"])
+    prep = prepare_model(cfg, tokenizer=False)
+    assert {m.mla_blocks for m in prep.model.mla_family.attention_modules(prep.model)} == {
+        AttentionBlocks(256, 2048, expand_from=256)}
     cfg = compose(["experiment=quality", "model=tiny_deepseek_v2", "attention=unblocked"])
     prep = prepare_model(cfg, tokenizer=False)
     assert {m.mla_blocks for m in prep.model.mla_family.attention_modules(prep.model)} == {UNBLOCKED}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("t,s,pad", [(2048, 2048, 0), (2048, 2048, 5), (300, 4096, 0)])
+def test_expanded_on_cuda_matches_the_reference(t, s, pad):
+    """On CUDA the expanded form runs flash / memory-efficient attention (one is_causal call when unpadded): within
+    bfloat16 rounding of the float32 unblocked reference at DeepSeek-V2-Lite's dims."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, h, d_c, d_r, d_nope, d_v = 2, 16, 512, 64, 128, 128
+
+    def rnd(*shape, std=1.0):
+        return torch.randn(*shape, generator=g, device="cuda") * std
+
+    q_nope, qr, c, r = rnd(b, h, t, d_nope), rnd(b, h, t, d_r), rnd(b, s, d_c), rnd(b, s, d_r)
+    w_uk, w_uv = rnd(h, d_nope, d_c, std=d_c ** -0.5), rnd(h, d_v, d_c, std=d_c ** -0.5)
+    keys = torch.ones(b, s, dtype=torch.bool, device="cuda")
+    keys[0, :pad] = False
+    mask = CausalMask(keys) if pad else None
+    scale = (d_nope + d_r) ** -0.5
+    want = latent_attention(q_nope, qr, c, r, scale, mask, blocks=UNBLOCKED, w_uk=w_uk, w_uv=w_uv)
+    args = [x.bfloat16() for x in (q_nope, qr, c, r)]
+    got = latent_attention(*args, scale, mask, blocks=AttentionBlocks(256, 2048, expand_from=256),
+                           w_uk=w_uk.bfloat16(), w_uv=w_uv.bfloat16())
+    rows = keys[:, s - t:]
+    assert rel_err(got.float(), want, rows) < 2e-2

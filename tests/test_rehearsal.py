@@ -1,6 +1,8 @@
 """The real-checkpoint path on a written folder: experiment=write_checkpoint writes a family-shaped Hugging Face folder
-(config.json, safetensors shards, tokenizer), and `model=<real> model.path=<folder>` loads it through
-from_pretrained and runs a stage end to end, its record holding seconds and peak memory; bad shapes are refused."""
+(config.json, safetensors shards, tokenizer, GSM8K-format data files), and `model=<real> model.path=<folder>` loads it
+through from_pretrained and runs every stage of the rehearsal end to end (quality, sensitivity, calibration, lm-eval's
+own gsm8k task on the local files and RULER's niah_single_1), each record holding seconds and peak memory, per stage
+and per decoder layer; bad shapes are refused."""
 
 import json
 import subprocess
@@ -33,6 +35,9 @@ def test_the_folder_is_a_checkpoint(folder):
     meta = json.loads((folder / "mla_quant_rehearsal.json").read_text())
     assert config["model_type"] == "deepseek_v2" and config["vocab_size"] == 1024
     assert meta["run_as"] == "deepseek_v2_lite" and meta["attention"]["kv_lora_rank"] == config["kv_lora_rank"]
+    rows = [json.loads(line) for line in (folder / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()]
+    assert len(rows) == 64 and all(set(r) == {"question", "answer"} and "\n#### " in r["answer"] for r in rows)
+    assert meta["data_files"]["gsm8k"]["train"].endswith("data/gsm8k/train.jsonl")
 
 
 def test_a_stage_runs_on_it_as_a_real_checkpoint(folder, tmp_path):
@@ -47,6 +52,47 @@ def test_a_stage_runs_on_it_as_a_real_checkpoint(folder, tmp_path):
     assert m["quality/kl"] > 0, m  # tokens past the protected region were read back quantized
     assert record["memory"]["peak_gb"] > 0 and record["memory"]["measured"] == "cpu_resident"
     assert record["seconds"] > 0
+
+
+REAL = ["model=deepseek_v2_lite", "model.dtype=float32", "model.device_map=null", "model.quant_group_size.wide=16",
+        "model.quant_group_size.narrow=8", "profile_layers=true"]
+
+
+def _stage_record(out, run_dir, layers=2):
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    record = json.loads((run_dir / "record.json").read_text())
+    assert record["status"] == "ok", record.get("error")
+    per_layer = record["memory"]["layers"]  # profile_layers=true: seconds and peak added memory per decoder layer
+    assert [r["layer"] for r in per_layer] == list(range(layers)), per_layer
+    assert all(r["calls"] > 0 and r["seconds"] > 0 for r in per_layer), per_layer
+    return record
+
+
+@pytest.mark.parametrize("stage", ["sensitivity", "calibrate", "gsm8k", "ruler"])
+def test_the_rehearsal_stages_run_on_it(folder, tmp_path, stage):
+    args = {"sensitivity": ["experiment=sensitivity", "task.probe.source=random", "task.probe.num_sequences=1",
+                            "task.probe.seq_len=64", "task.sweep_nmse=[]", "task.seeds=1"],
+            "calibrate": ["experiment=calibrate", "transform=quantmla", "quant=int4_joint", "calib.source=random",
+                          "calib.samples=2", "calib.seq_len=64", "calib.batch_size=2", "calib.query_tokens=16",
+                          "transform.fit.steps=2", f"transform.fit.cache_dir={tmp_path / 'calibration'}"],
+            "gsm8k": ["experiment=evaluate", "quant=int4_joint", "quant.protected.recent=8", "eval=gsm8k",
+                      f"eval.data_files={{gsm8k:{{train:{folder}/data/gsm8k/train.jsonl,"
+                      f"test:{folder}/data/gsm8k/test.jsonl}}}}", "eval.limit=2", "eval.num_fewshot=1",
+                      "eval.gen_kwargs={max_gen_toks:4}"],
+            "ruler": ["experiment=evaluate", "quant=int4_joint", "quant.protected.recent=8", "eval=ruler",
+                      "eval.tasks=[niah_single_1]", "eval.ruler.lengths=[256]", "eval.limit=2",
+                      "eval.gen_kwargs={max_gen_toks:4}"]}[stage]
+    run_dir = tmp_path / "run"
+    record = _stage_record(run_py(*args, *REAL, f"model.path={folder}", f"hydra.run.dir={run_dir}"), run_dir)
+    m = record["metrics"]
+    if stage == "calibrate":
+        assert m["calib/reused"] == 0 and m["calib/content/error"] <= m["calib/content/error_none"], m
+    elif stage == "gsm8k":  # lm-eval's own gsm8k task (5-shot regex filters) on the folder's local files
+        assert "eval/gsm8k/exact_match" in m and "eval/gsm8k/exact_match@flexible-extract" in m, m
+    elif stage == "ruler":  # RULER's synthetic haystack at 256 tokens with the folder's tokenizer
+        assert "eval/niah_single_1/256" in m, m
+    else:
+        assert any(k.startswith("sensitivity/") for k in m), m
 
 
 def test_unknown_shape_is_refused_by_name(tmp_path):

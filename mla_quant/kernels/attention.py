@@ -12,7 +12,14 @@ query. `reference_attention` is the unblocked form (all H x T x S scores at once
 
     out = latent_attention(q_latent, q_rope, content, rope, scale, mask)                   # default blocks
     out = latent_attention(..., blocks=AttentionBlocks(query=128, key=1024))
+    out = latent_attention(q_nope, ..., w_uk=w_uk, w_uv=w_uv, blocks=AttentionBlocks(256, 2048, expand_from=256))
     mask = CausalMask(keys)      # causal + padding without a (B, 1, T, S) tensor: keys (B, S) bool, True = real
+
+The expanded form (`expanded_attention`, serving engines' prefill): with many queries per forward it pays to
+up-project the latent to per-head keys [W_UK c ; k] and values W_UV c once and call
+`torch.nn.functional.scaled_dot_product_attention` (flash / memory-efficient attention on CUDA): per key and head it
+multiplies d_nope + d_r + d_v numbers instead of 2 d_c + d_r (320 against 1088 at V2's dims), for a one-off H x S x
+d_c x (d_nope + d_v) up-projection. `AttentionBlocks.expand_from` sets the query count from which a forward takes it.
 
 Masks: None (causal, queries are the last T of the S slots), a `CausalMask`, or one of the (B, 1, T, S) tensors
 transformers hands attention modules (bool: True = attend; float: additive, as its eager attention adds it).
@@ -33,6 +40,7 @@ class AttentionBlocks:
 
     query: int | None = 64
     key: int | None = 2048
+    expand_from: int | None = None  # queries per forward from which the expanded form runs (None: never)
 
     def __post_init__(self):
         if (self.query is None) != (self.key is None):
@@ -43,6 +51,10 @@ class AttentionBlocks:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"attention.{name}_block={value!r}: must be a positive integer (or null with the "
                                  "other one null: unblocked)")
+        e = self.expand_from
+        if e is not None and (isinstance(e, bool) or not isinstance(e, int) or e <= 0):
+            raise ValueError(f"attention.expand_from={e!r}: a positive number of queries per forward (or null: the "
+                             "latent form always)")
 
     @property
     def blocked(self) -> bool:
@@ -161,6 +173,9 @@ def latent_attention(
     """
     blocks = DEFAULT_BLOCKS if blocks is None else blocks
     b, h, t = q_latent.shape[:3]
+    if blocks.expand_from is not None and t >= blocks.expand_from and w_uk is not None and w_uv is not None:
+        return expanded_attention(q_latent, q_rope, content, rope, scale, mask, values, blocks, w_uk, w_uv,
+                                  q_positions)
     d_c = content.shape[-1]
     s = content.shape[1]
     dtype = q_latent.dtype if w_uk is None else torch.promote_types(q_latent.dtype, w_uk.dtype)
@@ -200,6 +215,61 @@ def latent_attention(
         else:
             o = _online_blocks(ql, qr, content, rope, values, scale, limit, k_block, block_mask)
         out[:, :, t0:t1] = o if w_uv is None else o @ w_uv.transpose(-1, -2)  # (B, H, Tb, d_v)
+    return out
+
+
+EXPANDED_HEAD_GROUP = 16  # heads whose keys and values the expanded form holds at once (V2-Lite has 16 in all)
+
+
+def expanded_attention(q_nope, q_rope, content, rope, scale, mask, values, blocks: AttentionBlocks, w_uk, w_uv,
+                       q_positions=None) -> torch.Tensor:
+    """`latent_attention` with w_uk and w_uv in the expanded form, (B, H, T, d_v): per group of EXPANDED_HEAD_GROUP
+    heads, keys [content @ w_uk^T ; rope] and values values @ w_uv^T formed once, then scaled_dot_product_attention.
+    Pure causal prefill (T = S, no padding, no sampled positions) is one call per head group with is_causal;
+    otherwise one call per query block of `blocks.query` tokens over the keys up to its last query, with that block's
+    mask in additive form (so a row without any visible key averages its keys as the reference does, never NaN).
+    Memory: one head group's keys and values (16 x S x (d_nope + d_r + d_v) numbers) and one block's mask."""
+    import torch.nn.functional as F
+
+    b, h, t = q_nope.shape[:3]
+    s = content.shape[1]
+    dtype = torch.promote_types(q_nope.dtype, w_uk.dtype)
+    content = content.to(dtype)
+    values = content if values is None else values.to(dtype)
+    causal = mask is None or isinstance(mask, CausalMask)
+    if q_positions is not None and not causal:
+        raise ValueError("latent_attention: q_positions take a causal mask (None or a CausalMask), not a dense one")
+    whole = mask is None and q_positions is None and t == s  # one is_causal call
+    slots = (torch.arange(s - t, s, device=q_nope.device) if q_positions is None
+             else q_positions.to(device=q_nope.device, dtype=torch.long))
+    if isinstance(mask, CausalMask):
+        mask = CausalMask(mask.keys[:, -s:])
+    q_block = t if not blocks.blocked else min(t, blocks.query)
+    # Stored as (B, T, H, d_v): the caller's merge of the heads is then a view.
+    out = content.new_empty(b, t, h, w_uv.shape[1]).transpose(1, 2)
+    for h0 in range(0, h, EXPANDED_HEAD_GROUP):
+        h1 = min(h, h0 + EXPANDED_HEAD_GROUP)
+        k = torch.cat([content[:, None] @ w_uk[h0:h1].to(dtype).transpose(1, 2)[None],  # (B, Hg, S, d_nope)
+                       rope.to(dtype)[:, None].expand(b, h1 - h0, s, rope.shape[-1])], dim=-1)
+        v = values[:, None] @ w_uv[h0:h1].to(dtype).transpose(1, 2)[None]  # (B, Hg, S, d_v)
+        q = torch.cat([q_nope[:, h0:h1].to(dtype), q_rope[:, h0:h1].to(dtype)], dim=-1)  # (B, Hg, T, d_nope + d_r)
+        if whole:
+            out[:, h0:h1] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            continue
+        for t0 in range(0, t, q_block):
+            t1 = min(t, t0 + q_block)
+            q_slots = slots[t0:t1]
+            last = s - t + t1 - 1 if q_positions is None else int(q_slots[-1])
+            limit = min(s, last + 1) if causal else s
+            if mask is None:
+                ok = (torch.arange(limit, device=q.device)[None, :] <= q_slots[:, None])[None, None]
+            elif isinstance(mask, CausalMask):
+                ok = mask.block(q_slots, 0, limit)
+            else:
+                ok = visible(mask[..., -s:][..., t0:t1, :limit])
+            bias = torch.zeros(ok.shape, dtype=dtype, device=q.device).masked_fill(~ok, torch.finfo(dtype).min)
+            out[:, h0:h1, t0:t1] = F.scaled_dot_product_attention(q[:, :, t0:t1], k[:, :, :limit], v[:, :, :limit],
+                                                                  attn_mask=bias, scale=scale)
     return out
 
 

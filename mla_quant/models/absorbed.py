@@ -133,13 +133,13 @@ def absorb(model: nn.Module, blocks: AttentionBlocks | None = None) -> nn.Module
 
 
 def attention_blocks(cfg) -> AttentionBlocks:
-    """The `attention` config group (query_block, key_block) as `AttentionBlocks`; None: the defaults."""
+    """The `attention` config group (query_block, key_block, expand_from) as `AttentionBlocks`; None: the defaults."""
     if cfg is None:
         return DEFAULT_BLOCKS
-    unknown = sorted(set(cfg) - {"name", "query_block", "key_block"})
+    unknown = sorted(set(cfg) - {"name", "query_block", "key_block", "expand_from"})
     if unknown:
-        raise ValueError(f"attention: unknown settings {unknown}; allowed: query_block, key_block")
-    return AttentionBlocks(cfg.get("query_block"), cfg.get("key_block"))
+        raise ValueError(f"attention: unknown settings {unknown}; allowed: query_block, key_block, expand_from")
+    return AttentionBlocks(cfg.get("query_block"), cfg.get("key_block"), cfg.get("expand_from"))
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
-"""Prefill benchmark: peak memory and time of one absorbed layer's prefill, blocked against the unblocked reference,
-side by side in one run, at real attention dimensions.
+"""Prefill benchmark: peak memory and time of one absorbed layer's prefill, blocked (latent and expanded forms)
+against the unblocked reference, side by side in one run, at real attention dimensions.
 
     python run.py experiment=bench_prefill                                  # V2-Lite (16 heads) and V3 (128 heads) dims
     python run.py experiment=bench_prefill attention.query_block=128 'task.contexts.v2_lite=[2048,8192]'
@@ -7,10 +7,14 @@ side by side in one run, at real attention dimensions.
 
 For each model of `task.models` (one decoder layer of a family's real attention config, random weights) and each
 context T: the whole forward of a batch of `task.batch_size` prompts of T tokens, the first row left-padded by
-`task.left_pad` (so the attention gets a mask), in two forms measured alternately, `task.repeats` times each:
+`task.left_pad` (so the attention gets a mask), in the forms of `task.forms` measured alternately, `task.repeats`
+times each:
 - `unblocked`: every (H, T, S) score at once and transformers' eager (B, 1, T, S) additive mask, as the absorbed
   path ran before it was blocked;
-- `blocked`: the configured `attention` blocks and the compact causal mask (docs/method.md section 1).
+- `blocked`: the configured `attention` blocks and the compact causal mask (docs/method.md section 1), in the latent
+  form (the option's expand_from left out);
+- `expanded`: the same query blocks in the expanded form (per-head K/V and scaled_dot_product_attention; the
+  option's expand_from, or 1 when it has none).
 The reference is skipped where its scores alone would exceed `task.reference_budget_gb`. Reports peak added memory
 (CPU resident set or CUDA allocator, mla_quant.memory), seconds (the fastest repeat), their ratios, the growth of
 the blocked form's memory per doubling of the context, and the largest relative difference of the outputs.
@@ -18,6 +22,7 @@ the blocked form's memory per doubling of the context, and the largest relative 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from pathlib import Path
 
@@ -61,7 +66,15 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     blocks = attention_blocks(cfg.get("attention"))
     if not blocks.blocked:
         raise ValueError("experiment=bench_prefill compares the blocked attention against the unblocked one: "
-                         "attention=unblocked leaves nothing to compare; use attention=blocked")
+                         "attention=unblocked leaves nothing to compare; use attention=blocked or expanded")
+    known = {"blocked": dataclasses.replace(blocks, expand_from=None),
+             "expanded": dataclasses.replace(blocks, expand_from=blocks.expand_from or 1), "unblocked": UNBLOCKED}
+    chosen = list(task.forms)
+    bad = [f for f in chosen if f not in known]
+    if bad or "unblocked" not in chosen or len(chosen) < 2:
+        raise ValueError(f"task.forms={chosen}: the unblocked reference and at least one of blocked, expanded "
+                         f"(allowed: {list(known)})")
+    compared = [f for f in chosen if f != "unblocked"]
     rows, metrics = [], {}
     for name in names:
         model_cfg = task.models[name].copy()
@@ -79,14 +92,14 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                              " positions")
         element = torch.finfo(next(model.parameters()).dtype).bits // 8
         warm_ids, warm_mask = _inputs(model.config.vocab_size, task.batch_size, 64, task.left_pad, device, cfg.seed)
-        for form_blocks in (blocks, UNBLOCKED):  # lazy initialisation and allocator warm-up outside the measurements
-            absorb(model, form_blocks)
+        for form in chosen:  # lazy initialisation and allocator warm-up outside the measurements
+            absorb(model, known[form])
             _measure(model, warm_ids, warm_mask, device)
         for ctx in tqdm(contexts, desc=f"bench_prefill {name}", unit="context"):
             ids, mask = _inputs(model.config.vocab_size, task.batch_size, ctx, task.left_pad, device, cfg.seed)
             # scores, their float32 softmax and the probabilities: what the unblocked form holds at once
             reference_gb = task.batch_size * heads * ctx * ctx * (2 * element + 4) / GB
-            forms = {"blocked": blocks}
+            forms = {f: known[f] for f in compared}
             if reference_gb <= task.reference_budget_gb:
                 forms["unblocked"] = UNBLOCKED
             best, outs = {}, {}
@@ -101,27 +114,32 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                                   max(prev[1], mem.added_bytes) if prev else mem.added_bytes)
             absorb(model, blocks)
             valid = mask.bool()
-            diff = None
+            diff = {}
             if "unblocked" in outs:
                 ref = outs["unblocked"][valid]
-                diff = float((outs["blocked"][valid] - ref).abs().max() / ref.abs().max())
+                diff = {f: float((outs[f][valid] - ref).abs().max() / ref.abs().max()) for f in compared}
             for form, (seconds, added) in best.items():
                 rows.append({"model": name, "heads": heads, "d_c": dims["d_c"], "d_r": dims["d_r"], "context": ctx,
                              "form": form, "peak_added_gb": added / GB, "seconds": seconds,
-                             "max_rel_diff": diff if form == "blocked" else None})
+                             "max_rel_diff": diff.get(form)})
                 metrics[f"bench/prefill/{name}/ctx{ctx}/{form}/peak_added_gb"] = added / GB
                 metrics[f"bench/prefill/{name}/ctx{ctx}/{form}/seconds"] = seconds
-            if "unblocked" in best:
-                metrics[f"bench/prefill/{name}/ctx{ctx}/memory_ratio_blocked_vs_unblocked"] = (
-                    best["blocked"][1] / max(best["unblocked"][1], 1))
-                metrics[f"bench/prefill/{name}/ctx{ctx}/speed_blocked_vs_unblocked"] = (
-                    best["unblocked"][0] / best["blocked"][0])
-                metrics[f"bench/prefill/{name}/ctx{ctx}/max_rel_diff"] = diff
+            for form in compared if "unblocked" in best else ():
+                metrics[f"bench/prefill/{name}/ctx{ctx}/memory_ratio_{form}_vs_unblocked"] = (
+                    best[form][1] / max(best["unblocked"][1], 1))
+                metrics[f"bench/prefill/{name}/ctx{ctx}/speed_{form}_vs_unblocked"] = (
+                    best["unblocked"][0] / best[form][0])
+                metrics[f"bench/prefill/{name}/ctx{ctx}/{form}/max_rel_diff"] = diff[form]
+            if "blocked" in best and "expanded" in best:
+                metrics[f"bench/prefill/{name}/ctx{ctx}/speed_expanded_vs_blocked"] = (
+                    best["blocked"][0] / best["expanded"][0])
             del ids, mask, outs
-        blocked = {r["context"]: r["peak_added_gb"] for r in rows if r["model"] == name and r["form"] == "blocked"}
-        ctxs = sorted(blocked)
-        for lo, hi in {(a, b) for a, b in zip(ctxs, ctxs[1:])} | ({(ctxs[0], ctxs[-1])} if len(ctxs) > 1 else set()):
-            metrics[f"bench/prefill/{name}/growth_ctx{lo}_to_ctx{hi}"] = blocked[hi] / max(blocked[lo], 1e-9)
+        for form in compared:
+            peak = {r["context"]: r["peak_added_gb"] for r in rows if r["model"] == name and r["form"] == form}
+            ctxs = sorted(peak)
+            pairs = {(a, b) for a, b in zip(ctxs, ctxs[1:])} | ({(ctxs[0], ctxs[-1])} if len(ctxs) > 1 else set())
+            for lo, hi in pairs:
+                metrics[f"bench/prefill/{name}/{form}/growth_ctx{lo}_to_ctx{hi}"] = peak[hi] / max(peak[lo], 1e-9)
         del model
         gc.collect()
 

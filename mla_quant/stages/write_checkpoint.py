@@ -20,8 +20,27 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mla_quant.prepare import build_model
-from mla_quant.record import write_json_atomic
+from mla_quant.record import write_json_atomic, write_text_atomic
 from mla_quant.stages import StageResult
+
+
+def write_gsm8k_format(folder: Path, n: int, seed: int) -> dict[str, str]:
+    """GSM8K-format problems (question, worked answer ending in `#### N`) from the project's arithmetic generator:
+    `n` held-out test problems and 8 train problems (the few-shot pool), for lm-eval's own gsm8k task through
+    eval.data_files. -> {split: path}."""
+    import random
+
+    from mla_quant.tasks.arithmetic import make_problem, test_set
+
+    rng = random.Random(f"gsm8k-format-train:{seed}")
+    splits = {"train": [make_problem(rng, "train") for _ in range(8)], "test": test_set(n, seed)}
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, rows in splits.items():
+        lines = [json.dumps({"question": r["question"], "answer": r["answer"]}) for r in rows]
+        write_text_atomic(folder / f"{split}.jsonl", "".join(f"{line}\n" for line in lines))
+        paths[split] = str(folder / f"{split}.jsonl")
+    return paths
 
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
@@ -30,6 +49,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         raise ValueError(f"task.like={task.like!r}: no such shape; allowed: {sorted(task.shapes)}")
     if isinstance(task.layers, bool) or not isinstance(task.layers, int) or task.layers < 1:
         raise ValueError(f"task.layers={task.layers!r}: a positive integer")
+    if isinstance(task.gsm8k_problems, bool) or not isinstance(task.gsm8k_problems, int) or task.gsm8k_problems < 1:
+        raise ValueError(f"task.gsm8k_problems={task.gsm8k_problems!r}: a positive integer")
     if isinstance(task.shard_mb, bool) or not isinstance(task.shard_mb, (int, float)) or task.shard_mb <= 0:
         raise ValueError(f"task.shard_mb={task.shard_mb!r}: a positive size in MB")
     from mla_quant.toy.model import load_toy_tokenizer
@@ -50,6 +71,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size=f"{max(1, int(task.shard_mb * 1000))}KB")
     tokenizer.save_pretrained(out)
+    data = write_gsm8k_format(out / "data" / "gsm8k", int(task.gsm8k_problems), int(cfg.seed))
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     params = sum(p.numel() for p in model.parameters())
     text = model.config.get_text_config(decoder=True)
@@ -58,6 +80,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                    "attention": {k: getattr(text, k, None) for k in (
                        "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
                        "q_lora_rank", "hidden_size", "max_position_embeddings")},
+                   "data_files": {"gsm8k": data},
                    "rope_parameters": OmegaConf.to_container(source.config.get("rope_parameters"))
                    if source.config.get("rope_parameters") is not None else None}
     write_json_atomic(out / "mla_quant_rehearsal.json", description)
@@ -65,5 +88,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
           f"random parameters ({task.dtype}) in {len(shards)} shard(s); attention {json.dumps(description['attention'])}")
     print(f"  run it as a real checkpoint: python run.py model={run_as} model.path={out} model.dtype=float32 "
           f"model.device_map=null ...")
+    print(f"  GSM8K-format data for lm-eval's gsm8k task: 'eval.data_files={{gsm8k:{{train:{data['train']},"
+          f"test:{data['test']}}}}}'")
     return StageResult(metrics={"checkpoint/path": str(out), "checkpoint/parameters": params,
                                 "checkpoint/shards": len(shards), "checkpoint/like": task.like})
