@@ -54,6 +54,7 @@ def _pretrained_config(node: Mapping):
 # How each model builder's config is read without its weights (the `_target_` of conf/model/*.yaml).
 CONFIG_READERS = {
     "mla_quant.models.build.tiny_model": _tiny_config,
+    "mla_quant.models.build.config_only": _tiny_config,
     "mla_quant.models.build.pretrained_model": _pretrained_config,
     "mla_quant.toy.model.load_toy_model": _toy_config,
 }

@@ -66,6 +66,14 @@ def tiny_config(family: str, config: Mapping | None = None):
     return cfg
 
 
+def config_only(family: str, config: Mapping | None = None, **_):
+    """A model YAML that holds a real checkpoint's config without its weights (conf/model/spec_*.yaml): its config is
+    read (`tiny_config`), building it is refused."""
+    raise ValueError(f"this model option holds the config of a {family} checkpoint only (no weights): experiments "
+                     "that read a model's shape (experiment=serving) take it; for one that runs the model use the "
+                     "checkpoint's option (e.g. model=deepseek_v3) or a tiny_* model")
+
+
 def tiny_model(
     family: str,
     config: Mapping | None = None,

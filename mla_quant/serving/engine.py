@@ -1,0 +1,163 @@
+"""vLLM's own v1 scheduler and KV block manager, driven over a request trace without a model (CPU only).
+
+    result = schedule_trace(requests, num_blocks, block_size=64, reserve_full_isl=True, step_seconds=fn)
+
+A model runner that answers every scheduled request with one sampled token once its computed tokens reach its known
+tokens stands in for the GPU; everything else (admission, chunked prefill, block allocation, preemption and
+recomputation) is vLLM's. `step_seconds(plan)` turns each engine step's plan ([(new tokens, context before), ...]
+per scheduled request) into seconds (mla_quant.serving.timing), which advances the clock: requests arrive on it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+VLLM_VERSION = "0.33.0"
+INSTALL_HINT = (f'pip install -e ".[serving]" && pip install --no-deps vllm=={VLLM_VERSION}  (vLLM without its CUDA '
+                "dependencies: its scheduler runs on the CPU)")
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    input_tokens: int
+    output_tokens: int
+    arrival_s: float = 0.0
+
+
+@dataclass
+class TraceResult:
+    steps: int = 0
+    preemptions: int = 0
+    scheduled_tokens: int = 0
+    needed_tokens: int = 0
+    max_running: int = 0
+    makespan_s: float = 0.0
+    output_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    preempted_requests: int = 0
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return self.scheduled_tokens - self.needed_tokens
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.makespan_s if self.makespan_s > 0 else 0.0
+
+
+def import_vllm():
+    """vLLM's scheduler classes, or a clear error naming the install command."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm
+        from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import Request
+        from vllm.v1.structured_output import StructuredOutputManager
+    except ImportError as err:
+        raise ImportError(f"experiment=serving drives vLLM's scheduler, which is not installed ({err}); install it "
+                          f"with: {INSTALL_HINT}") from err
+    import logging
+
+    logging.getLogger("vllm").setLevel(logging.WARNING)  # its config objects log every construction at INFO
+    if vllm.__version__ != VLLM_VERSION:
+        raise ImportError(f"experiment=serving is pinned to vLLM {VLLM_VERSION} (its scheduler's policies change "
+                          f"between releases); found {vllm.__version__}: {INSTALL_HINT}")
+    return dict(CacheConfig=CacheConfig, DeviceConfig=DeviceConfig, ModelConfig=ModelConfig,
+                SchedulerConfig=SchedulerConfig, VllmConfig=VllmConfig, SamplingParams=SamplingParams,
+                Scheduler=Scheduler, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
+                MLAAttentionSpec=MLAAttentionSpec, ModelRunnerOutput=ModelRunnerOutput, Request=Request,
+                StructuredOutputManager=StructuredOutputManager)
+
+
+def _model_folder(max_model_len: int) -> str:
+    """A folder with a minimal config.json for vLLM's ModelConfig (the scheduler reads only lengths from it)."""
+    import json
+
+    folder = Path(tempfile.gettempdir()) / f"mla_quant_vllm_model_{max_model_len}"
+    folder.mkdir(exist_ok=True)
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "kv_lora_rank": 512,
+              "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "vocab_size": 32000,
+              "max_position_embeddings": max_model_len, "intermediate_size": 128}
+    path = folder / "config.json"
+    if not path.is_file():
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(config))
+        tmp.replace(path)
+    return str(folder)
+
+
+def schedule_trace(requests: list[TraceRequest], num_blocks: int, block_size: int, reserve_full_isl: bool,
+                   step_seconds: Callable[[list[tuple[int, int]]], float], max_num_batched_tokens: int = 8192,
+                   max_num_seqs: int = 256) -> TraceResult:
+    """Run vLLM's scheduler over `requests` with `num_blocks` KV blocks of `block_size` tokens."""
+    import torch
+
+    v = import_vllm()
+    max_len = max(r.input_tokens + r.output_tokens for r in requests)
+    model_config = v["ModelConfig"](model=_model_folder(max_len), skip_tokenizer_init=True, max_model_len=max_len,
+                                    dtype="bfloat16")
+    sched_config = v["SchedulerConfig"](max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                        max_model_len=max_len, enable_chunked_prefill=True,
+                                        scheduler_reserve_full_isl=reserve_full_isl, is_encoder_decoder=False)
+    cache_config = v["CacheConfig"](block_size=block_size, enable_prefix_caching=False)
+    cache_config.num_gpu_blocks = num_blocks
+    config = v["VllmConfig"](model_config=model_config, scheduler_config=sched_config, cache_config=cache_config,
+                             device_config=v["DeviceConfig"](device="cpu"))
+    # The scheduler counts blocks only: the spec's page size does not enter its decisions.
+    spec = v["MLAAttentionSpec"](block_size=block_size, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    kv = v["KVCacheConfig"](num_blocks=num_blocks, kv_cache_tensors=[],
+                            kv_cache_groups=[v["KVCacheGroupSpec"](["layers.0.self_attn"], spec)])
+    scheduler = v["Scheduler"](vllm_config=config, kv_cache_config=kv, block_size=block_size,
+                               structured_output_manager=v["StructuredOutputManager"](config))
+    pending = sorted(enumerate(requests), key=lambda x: x[1].arrival_s)
+    arrival, first_token = {}, {}
+    out = TraceResult(needed_tokens=sum(r.input_tokens + r.output_tokens - 1 for r in requests),
+                      output_tokens=sum(r.output_tokens for r in requests))
+    preempted = set()
+    clock = 0.0
+    while pending or scheduler.has_unfinished_requests():
+        while pending and pending[0][1].arrival_s <= clock:
+            i, r = pending.pop(0)
+            params = v["SamplingParams"](max_tokens=r.output_tokens, ignore_eos=True)
+            # distinct token ids per request: no prefix of one is a prefix of another
+            tokens = [(i % 30000) + 1] * r.input_tokens
+            scheduler.add_request(v["Request"](request_id=str(i), prompt_token_ids=tokens, sampling_params=params,
+                                               pooling_params=None))
+            arrival[str(i)] = r.arrival_s
+        if not scheduler.has_unfinished_requests():
+            clock = pending[0][1].arrival_s  # idle until the next arrival
+            continue
+        so = scheduler.schedule()
+        ids = list(so.num_scheduled_tokens)
+        plan, sampled = [], []
+        for rid in ids:
+            req = scheduler.requests[rid]
+            new = so.num_scheduled_tokens[rid]
+            plan.append((new, req.num_computed_tokens - new))  # num_computed_tokens already counts this step
+            sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
+        out.steps += 1
+        out.preemptions += len(so.preempted_req_ids or ())
+        preempted |= set(so.preempted_req_ids or ())
+        out.scheduled_tokens += so.total_num_scheduled_tokens
+        out.max_running = max(out.max_running, len(scheduler.running))
+        clock += step_seconds(plan)
+        for rid, s in zip(ids, sampled):
+            if s and rid not in first_token:
+                first_token[rid] = clock
+        runner = v["ModelRunnerOutput"](req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)},
+                                        sampled_token_ids=sampled)
+        scheduler.update_from_output(so, runner)
+    out.makespan_s = clock
+    out.ttft_s = [first_token[r] - arrival[r] for r in sorted(first_token, key=int)]
+    out.preempted_requests = len(preempted)
+    return out
