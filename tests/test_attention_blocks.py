@@ -101,6 +101,24 @@ def test_expanded_equals_reference_for_every_mask_form(shape, side, head_group, 
             assert rel_err(got, want, rows[:, pos - (s - t)]) <= 1e-5
 
 
+@pytest.mark.parametrize("d_v", [10, 20, 31])
+def test_expanded_pads_the_smaller_head_dim(d_v):
+    """Values narrower or wider than the keys (d_nope + d_r = 20): zero padding to one head dim changes nothing."""
+    g = torch.Generator().manual_seed(d_v)
+    b, h, t, d_c, d_r, d_nope = 2, 3, 30, 16, 8, 12
+    q_nope, qr = torch.randn(b, h, t, d_nope, generator=g), torch.randn(b, h, t, d_r, generator=g)
+    w_uk, w_uv = torch.randn(h, d_nope, d_c, generator=g) / 4, torch.randn(h, d_v, d_c, generator=g) / 4
+    c, r = torch.randn(b, t, d_c, generator=g), torch.randn(b, t, d_r, generator=g)
+    want = reference_attention(q_nope @ w_uk, qr, c, r, 0.3) @ w_uv.transpose(-1, -2)
+    for mask in (None, CausalMask(padded_keys(b, t, t, "left"))):
+        got = latent_attention(q_nope, qr, c, r, 0.3, mask, blocks=AttentionBlocks(8, 8, expand_from=1), w_uk=w_uk,
+                               w_uv=w_uv)
+        rows = torch.ones(b, t, dtype=torch.bool) if mask is None else mask.keys
+        if mask is not None:
+            want = reference_attention(q_nope @ w_uk, qr, c, r, 0.3, mask.dense(t, torch.float32)) @ w_uv.transpose(-1, -2)
+        assert got.shape == (b, h, t, d_v) and rel_err(got, want, rows) <= 1e-5
+
+
 def test_expanded_form_only_from_its_query_count():
     """attention.expand_from: forwards with fewer queries (decode steps) stay in the latent form."""
     import torch.nn.functional as F

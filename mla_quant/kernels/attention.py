@@ -228,7 +228,8 @@ def expanded_attention(q_nope, q_rope, content, rope, scale, mask, values, block
     Pure causal prefill (T = S, no padding, no sampled positions) is one call per head group with is_causal;
     otherwise one call per query block of `blocks.query` tokens over the keys up to its last query, with that block's
     mask in additive form (so a row without any visible key averages its keys as the reference does, never NaN).
-    Memory: one head group's keys and values (16 x S x (d_nope + d_r + d_v) numbers) and one block's mask."""
+    Memory: one head group's keys and values (16 x S x (d_nope + d_r + d_v) numbers, the values padded to the keys'
+    head dim) and one block's mask."""
     import torch.nn.functional as F
 
     b, h, t = q_nope.shape[:3]
@@ -253,8 +254,16 @@ def expanded_attention(q_nope, q_rope, content, rope, scale, mask, values, block
                        rope.to(dtype)[:, None].expand(b, h1 - h0, s, rope.shape[-1])], dim=-1)
         v = values[:, None] @ w_uv[h0:h1].to(dtype).transpose(1, 2)[None]  # (B, Hg, S, d_v)
         q = torch.cat([q_nope[:, h0:h1].to(dtype), q_rope[:, h0:h1].to(dtype)], dim=-1)  # (B, Hg, T, d_nope + d_r)
+        # Flash attention (CUDA, and PyTorch's CPU kernel) wants one head dim for q, k and v: zeros pad the smaller
+        # side (the values' 128 up to the keys' 192 at DeepSeek's dims, as vLLM does), which changes no product.
+        # Without it SDPA falls back to its math path, which holds every (T, S) score.
+        d_v, d_qk = v.shape[-1], q.shape[-1]
+        if d_v < d_qk:
+            v = F.pad(v, (0, d_qk - d_v))
+        elif d_v > d_qk:
+            q, k = F.pad(q, (0, d_v - d_qk)), F.pad(k, (0, d_v - d_qk))
         if whole:
-            out[:, h0:h1] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            out[:, h0:h1] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :d_v]
             continue
         for t0 in range(0, t, q_block):
             t1 = min(t, t0 + q_block)
@@ -269,7 +278,7 @@ def expanded_attention(q_nope, q_rope, content, rope, scale, mask, values, block
                 ok = visible(mask[..., -s:][..., t0:t1, :limit])
             bias = torch.zeros(ok.shape, dtype=dtype, device=q.device).masked_fill(~ok, torch.finfo(dtype).min)
             out[:, h0:h1, t0:t1] = F.scaled_dot_product_attention(q[:, :, t0:t1], k[:, :, :limit], v[:, :, :limit],
-                                                                  attn_mask=bias, scale=scale)
+                                                                  attn_mask=bias, scale=scale)[..., :d_v]
     return out
 
 
