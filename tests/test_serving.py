@@ -178,3 +178,18 @@ def test_decode_attention_from_a_kernel_csv(tmp_path):
               tmp_path / "run")
     table = out.tables["serving"]
     assert set(table["timing"]) == {f"bench_kernel:{path}"}
+
+
+def test_data_parallel_attention_splits_the_requests(tmp_path):
+    """task.parallel=dp_attention: one scheduler per GPU over a round-robin share of the requests, each with the
+    blocks its GPU's memory leaves after the attention and dense weights and its share of the experts."""
+    from mla_quant.stages.serving import run
+
+    common = ["model=spec_deepseek_v2_lite", "task.gpu=h100", "task.formats=[bf16]", "task.policies=[chunked_admission]",
+              "task.requests.count=4", "task.requests.input=16384", "task.requests.output=16", "task.capacity_requests=[]"]
+    tp = run(_cfg(*common, "task.num_gpus=2", "task.parallel=tp"), tmp_path / "tp").tables["serving"].iloc[0]
+    dp = run(_cfg(*common, "task.num_gpus=2", "task.parallel=dp_attention"), tmp_path / "dp").tables["serving"].iloc[0]
+    shape = shape_of("spec_deepseek_v2_lite")
+    dep = Deployment(GPU("h100", 80, 3.35, 989, 1979), num_gpus=2, parallel="dp_attention")
+    assert dp["kv_blocks"] == kv_blocks(shape, dep, 1152, 64) < tp["kv_blocks"]  # more weights per GPU
+    assert dp["max_running"] == 4 and dp["preemptions"] == 0  # two requests on each rank
