@@ -200,3 +200,12 @@ def test_channel_block_beats_per_token_rtn_on_outlier_channels(bits):
 def test_channel_block_refuses_a_partial_block():
     with pytest.raises(ValueError, match=r"30 tokens do not fill blocks of block=32"):
         channel_block_quantize(torch.randn(30, 8), 2, 32)
+
+
+def test_fake_quantize_refuses_values_its_zeros_cannot_hold():
+    """|x| ~ 1e5 overflows fp16 zeros (max 65504): refused by name, as the cache refuses it, instead of inf."""
+    x = torch.tensor([[1e5, -1e5, 3.0, 4.0]])
+    with pytest.raises(ValueError, match=r"zeros overflow scale_dtype=fp16 \(max \|x\| = 1e\+05\).*scale_dtype=fp32"):
+        fake_quantize(x, 4, None, False, "fp16")
+    out = fake_quantize(x, 4, None, False, "fp32")
+    assert bool(torch.isfinite(out).all()) and float((out - x).abs().max()) <= 2e5 / 15 / 2 + 1

@@ -95,6 +95,25 @@ def test_the_rehearsal_stages_run_on_it(folder, tmp_path, stage):
         assert any(k.startswith("sensitivity/") for k in m), m
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_corrupt_weight_file_is_named(folder, tmp_path, damage):
+    """A local folder whose safetensors shard is cut short or overwritten: one line naming the file and what is
+    wrong, before transformers reads it (not safetensors' traceback without the file's name)."""
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(folder, copy)
+    shard = sorted(copy.glob("*.safetensors"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 1000] if damage == "truncated" else b"\x10\x00" + data[2:])
+    out = run_py("experiment=quality", *REAL, f"model.path={copy}", "task.data.source=random", "task.data.samples=1",
+                 "task.data.seq_len=32", f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode != 0
+    line = [x for x in out.stderr.splitlines() if "is not a valid safetensors file" in x]
+    assert line and str(shard) in line[-1], out.stderr[-3000:]
+    assert ("the file has" in line[-1]) if damage == "truncated" else ("header" in line[-1]), line[-1]
+
+
 def test_unknown_shape_is_refused_by_name(tmp_path):
     out = run_py("experiment=write_checkpoint", "task.like=deepseek_v9", f"hydra.run.dir={tmp_path}")
     assert out.returncode != 0

@@ -184,6 +184,9 @@ def verify_weight_files(files: list[Path], expected: Mapping[str, str] | None = 
     if unknown:
         raise ValueError(f"model.sha256 names {unknown}, which are not weight files of the checkpoint; its weight "
                          f"files: {[f.name for f in files]}")
+    for f in files:
+        if f.suffix == ".safetensors":
+            check_safetensors(f)
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(files)))) as pool:
         digests = dict(zip([f.name for f in files], pool.map(sha256_file, files)))
     for f in files:
@@ -194,6 +197,52 @@ def verify_weight_files(files: list[Path], expected: Mapping[str, str] | None = 
             raise ValueError(f"weight file {f} has SHA-256 {digests[f.name]} but {source} says {want}: the file is "
                              f"corrupted or incompletely downloaded; delete it and download it again")
     return digests
+
+
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "U16": 2,
+                     "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+
+
+def check_safetensors(file: Path) -> None:
+    """Refuse a .safetensors file whose header or size is not what the format says (corrupt or truncated), naming
+    the file and what is wrong, before transformers reads it."""
+    import json
+    import struct
+
+    size = file.stat().st_size
+
+    def bad(why: str):
+        return ValueError(f"weight file {file} is not a valid safetensors file: {why}; it is corrupt or incompletely "
+                          f"copied: replace it")
+
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad(f"{size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100_000_000:
+            raise bad(f"its header claims {n} bytes, the file has {size}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise bad(f"its {n}-byte header is not JSON ({err})") from None
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, stop = info["data_offsets"]
+            numel = 1
+            for dim in info["shape"]:
+                numel *= int(dim)
+            expected = numel * SAFETENSORS_BYTES.get(info["dtype"], 0)
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {name!r} has no valid dtype/shape/data_offsets") from None
+        if info["dtype"] in SAFETENSORS_BYTES and stop - begin != expected:
+            raise bad(f"tensor {name!r} ({info['dtype']} {info['shape']}) spans {stop - begin} bytes, needs {expected}")
+        end = max(end, stop)
+    if 8 + n + end != size:
+        raise bad(f"its tensors end at byte {8 + n + end} but the file has {size} bytes")
 
 
 def check_finite(model: nn.Module, source: str) -> None:

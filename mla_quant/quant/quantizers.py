@@ -157,8 +157,15 @@ def fake_quantize(
     symmetric: bool = False,
     scale_dtype: str = "fp16",
 ) -> torch.Tensor:
-    """Quantize then dequantize, back in x.dtype."""
+    """Quantize then dequantize, back in x.dtype. Values whose scales or zeros overflow the stored dtype (|x| beyond
+    fp16's 65504 with scale_dtype=fp16) are refused, as the cache refuses them, instead of reading back inf."""
     codes, scales, zeros = group_quantize(x, bits, group_size, symmetric, scale_dtype)
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            big = float(x.detach().abs().float().nan_to_num(posinf=float("inf")).max())
+            raise ValueError(f"fake_quantize: the {name} overflow scale_dtype={scale_dtype} (max |x| = {big:.3g}"
+                             f"{', or x is not finite' if not bool(torch.isfinite(x).all()) else ''}); use "
+                             f"scale_dtype=fp32 (or bf16) for values this large")
     return group_dequantize(codes, scales, zeros, bits, x.dtype)
 
 
