@@ -101,7 +101,8 @@ def test_the_scheduler_preempts_and_recomputes_when_blocks_run_out():
 
 
 def _cfg(*overrides):
-    return compose(["experiment=serving", "logger=none", "task.sweep.concurrency=[]", *overrides])
+    return compose(["experiment=serving", "logger=none", "task.sweep.concurrency=[]", "task.sweep.kv_budget_gb=[]",
+                    *overrides])
 
 
 def test_paper_case_under_both_policies(tmp_path):
@@ -110,7 +111,8 @@ def test_paper_case_under_both_policies(tmp_path):
     the byte ratio."""
     from mla_quant.stages.serving import run
 
-    result = run(_cfg("task.formats=[bf16,int4_joint]", "task.capacity_requests=[1,5]"), tmp_path)
+    result = run(_cfg("task.formats=[bf16,int4_joint]", "task.capacity_requests=[1,5]", "task.sweep.kv_budget_gb=[20,60]"),
+                 tmp_path)
     m = result.metrics
     assert m["serving/bf16/chunked_admission/preemptions"] > 0
     assert m["serving/int4_joint/chunked_admission/preemptions"] == 0
@@ -120,8 +122,10 @@ def test_paper_case_under_both_policies(tmp_path):
     assert m["serving/int4_joint/chunked_admission/output_tok_s_vs_bf16"] > 1.5
     ratio = m["serving/int4_joint/capacity_vs_bf16"] / m["serving/int4_joint/byte_ratio_vs_bf16"]
     assert 0.95 <= ratio <= 1.05, ratio
-    for name in ("serving.csv", "serving.md", "serving_capacity.csv", "serving_capacity.png"):
+    for name in ("serving.csv", "serving.md", "serving_capacity.csv", "serving_capacity.png", "serving_budget.png"):
         assert (tmp_path / name).is_file(), name
+    budget = result.tables["serving_budget"].set_index(["format", "policy", "kv_budget_gb"])["preemptions"]
+    assert budget["bf16", "chunked_admission", 20] > 0 and budget["bf16", "chunked_admission", 60] == 0  # room
     assert "paper: bf16 preemptions = 32" in (tmp_path / "serving.md").read_text()  # the paper's figures beside ours
 
 

@@ -13,7 +13,8 @@ formula at the trace's context: protected region and scales included) and vLLM's
 `chunked_admission`: scheduler_reserve_full_isl=false, older vLLM's behaviour). Each engine step is timed by the
 roofline of mla_quant.serving.capacity (or the measured decode kernel of a bench_kernel CSV, `task.kernel_csv`).
 Writes serving.csv / serving.md (per format and policy), serving_sweep.csv and serving_throughput.png (throughput
-and preemptions against concurrency), serving_capacity.csv and serving_capacity.png (the longest context each format
+and preemptions against concurrency), serving_budget.csv and serving_budget.png (the trace at the fixed KV budgets of
+`task.sweep.kv_budget_gb`), serving_capacity.csv and serving_capacity.png (the longest context each format
 serves N requests without preemption).
 """
 
@@ -94,6 +95,9 @@ def validate(cfg):
     sweep_inputs = [int(task.sweep.input)] if task.sweep.concurrency else []
     for n in [*task.sweep.concurrency, *task.capacity_requests]:
         _positive("task.sweep.concurrency / task.capacity_requests", n)
+    for gb in task.sweep.kv_budget_gb:
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or gb <= 0:
+            raise ValueError(f"task.sweep.kv_budget_gb has {gb!r}: positive GB per GPU")
     longest = max([r.input_tokens for r in reqs] + sweep_inputs) + int(task.requests.output)
     if longest > shape.max_positions:
         raise ValueError(f"task.requests: {longest} tokens (input + output) exceed the model's limit of "
@@ -110,17 +114,19 @@ def validate(cfg):
     return shape, dep, fmts, reqs
 
 
-def blocks_for(task, shape, dep, fmt, context: int) -> tuple[int, float]:
-    """(KV blocks per scheduler rank, bytes per token per layer at `context`)."""
+def blocks_for(task, shape, dep, fmt, context: int, budget_gb: float | None = None) -> tuple[int, float]:
+    """(KV blocks per scheduler rank, bytes per token per layer at `context`); `budget_gb` (or task.kv_budget_gb)
+    fixes the KV bytes per GPU instead of what the memory leaves."""
     bpt = cache_bytes_per_token(fmt, shape.d_c, shape.d_r, context)
-    if task.kv_budget_gb is not None:
-        return int(float(task.kv_budget_gb) * 1e9 // (task.block_size * bpt * shape.layers)), bpt
+    budget_gb = task.kv_budget_gb if budget_gb is None else budget_gb
+    if budget_gb is not None:
+        return int(float(budget_gb) * 1e9 // (task.block_size * bpt * shape.layers)), bpt
     return kv_blocks(shape, dep, bpt, int(task.block_size)), bpt
 
 
-def run_one(task, shape, dep, fmt, reqs, policy: str, kernel) -> dict:
+def run_one(task, shape, dep, fmt, reqs, policy: str, kernel, budget_gb: float | None = None) -> dict:
     context = max(r.input_tokens + r.output_tokens for r in reqs)
-    blocks, bpt = blocks_for(task, shape, dep, fmt, context)
+    blocks, bpt = blocks_for(task, shape, dep, fmt, context, budget_gb)
     if blocks < 1:
         raise ValueError(f"format {fmt.name}: no KV block fits the memory left ({task.kv_budget_gb or 'computed'})")
     step = StepTime(shape, dep, lambda c: cache_bytes_per_token(fmt, shape.d_c, shape.d_r, max(1, c)), kernel)
@@ -132,6 +138,7 @@ def run_one(task, shape, dep, fmt, reqs, policy: str, kernel) -> dict:
     out_tokens = sum(r.output_tokens for r in results)
     ttft = [t for r in results for t in r.ttft_s]
     return {"format": fmt.name, "policy": policy, "requests": len(reqs), "input": reqs[0].input_tokens,
+            "kv_budget_gb": budget_gb if budget_gb is not None else task.kv_budget_gb,
             "output": reqs[0].output_tokens, "bytes_per_token_per_layer": bpt, "kv_blocks": blocks,
             "kv_tokens": blocks * int(task.block_size), "preemptions": sum(r.preemptions for r in results),
             "preempted_requests": sum(r.preempted_requests for r in results),
@@ -211,6 +218,14 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         write_text_atomic(run_dir / "serving_sweep.csv", sweep_df.to_csv(index=False))
         images["serving_throughput"] = _sweep_figure(sweep_df, run_dir)
         tables["serving_sweep"] = sweep_df
+    if task.sweep.kv_budget_gb:  # the main trace at fixed KV budgets: how the outcome moves with memory
+        budget = [run_one(task, shape, dep, fmt, reqs, policy, kernels[name], float(gb))
+                  for name, fmt in tqdm(fmts.items(), desc="serving budgets", unit="format")
+                  for policy in task.policies for gb in task.sweep.kv_budget_gb]
+        budget_df = pd.DataFrame(budget)
+        write_text_atomic(run_dir / "serving_budget.csv", budget_df.to_csv(index=False))
+        images["serving_budget"] = _budget_figure(budget_df, run_dir)
+        tables["serving_budget"] = budget_df
     if task.capacity_requests:
         cap = []
         out_tokens = int(task.requests.output)
@@ -254,6 +269,22 @@ def _sweep_figure(df: pd.DataFrame, run_dir: Path) -> str:
         fig.savefig(run_dir / f"serving_throughput.{ext}")
     plt.close(fig)
     return str(run_dir / "serving_throughput.png")
+
+
+def _budget_figure(df: pd.DataFrame, run_dir: Path) -> str:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for (name, policy), g in df.groupby(["format", "policy"]):
+        style = "-" if policy == "chunked_admission" else "--"
+        axes[0].plot(g["kv_budget_gb"], g["output_tok_s"], style, marker="o", label=f"{name} ({policy})")
+        axes[1].plot(g["kv_budget_gb"], g["preemptions"], style, marker="o", label=f"{name} ({policy})")
+    axes[0].set(xlabel="KV budget per GPU (GB)", ylabel="output tokens / s", title="throughput")
+    axes[1].set(xlabel="KV budget per GPU (GB)", ylabel="preemptions", title="preemptions")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    for ext in ("png", "pdf"):
+        fig.savefig(run_dir / f"serving_budget.{ext}")
+    plt.close(fig)
+    return str(run_dir / "serving_budget.png")
 
 
 def _capacity_figure(df: pd.DataFrame, run_dir: Path, output: int) -> str:
