@@ -399,3 +399,34 @@ def test_cache_bytes_experiment_measures_every_option(tmp_path):
     # The protected region (4 + 128 BF16 tokens) weighs less as the context grows.
     assert m["bytes/int4_joint/ctx1024/pct_of_bf16"] < m["bytes/int4_joint/ctx512/pct_of_bf16"]
     assert (tmp_path / "cache_bytes.md").exists()
+
+
+@pytest.mark.parametrize("quantizer", ["clip", "hqq"])
+def test_cache_stores_what_the_chosen_quantizer_reads_back(quantizer):
+    """quant.<path>.quantizer reaches the cache: it reads back exactly fake_quantizer's values for that quantizer,
+    in the same bytes as RTN, closer to the latent than RTN at 2 bits; other formats refuse it by name."""
+    from omegaconf import OmegaConf
+
+    from mla_quant.cache import cache_layer_factory
+    from mla_quant.cache.bytes import load_quant_option
+    from mla_quant.quant.formats import cache_format, fake_quantizer
+
+    g = torch.Generator().manual_seed(0)
+    c, r = torch.randn(2, 40, 96, generator=g) * torch.exp(torch.randn(96, generator=g)), torch.randn(2, 40, 16,
+                                                                                                      generator=g)
+    out = {}
+    for qz in ("rtn", quantizer):
+        cfg = OmegaConf.merge(load_quant_option("int2_joint", groups={"wide": 32, "narrow": 32}),
+                              {"protected": {"n_sink": 0, "recent": 0}, "content": {"quantizer": qz},
+                               "rope": {"quantizer": qz}})
+        layer = cache_layer_factory(cfg, 96, 16)()
+        layer.append(c, r)
+        got_c, got_r = layer.read()
+        fmt = cache_format(cfg, 96, 16)
+        torch.testing.assert_close(got_c, fake_quantizer(fmt.content, 96)(c), rtol=0, atol=0)
+        torch.testing.assert_close(got_r, fake_quantizer(fmt.rope, 16)(r), rtol=0, atol=0)
+        out[qz] = (float((got_c - c).pow(2).sum() / c.pow(2).sum()), layer.nbytes())
+    assert out[quantizer][1] == out["rtn"][1] and out[quantizer][0] < out["rtn"][0], out
+    bad = OmegaConf.merge(load_quant_option("fp8_ds_mla"), {"content": {"quantizer": quantizer}})
+    with pytest.raises(ValueError, match=f"quant.content.quantizer='{quantizer}' .* format=fp8 takes quantizer=rtn"):
+        cache_format(bad, 512, 64)

@@ -209,3 +209,42 @@ def test_fake_quantize_refuses_values_its_zeros_cannot_hold():
         fake_quantize(x, 4, None, False, "fp16")
     out = fake_quantize(x, 4, None, False, "fp32")
     assert bool(torch.isfinite(out).all()) and float((out - x).abs().max()) <= 2e5 / 15 / 2 + 1
+
+
+@pytest.mark.parametrize("bits,group", [(2, 16), (2, None), (3, 8), (4, 16), (8, None)])
+@pytest.mark.parametrize("quantizer", ["clip", "hqq"])
+def test_searched_quantizers_never_lose_to_rtn(bits, group, quantizer):
+    """clip and hqq keep every group at least as well reconstructed as RTN (its range is a candidate), with the same
+    stored layout; at 2 bits on heavy-tailed groups they are clearly better."""
+    from mla_quant.quant.quantizers import group_dequantize, group_quantize
+
+    g = torch.Generator().manual_seed(bits * 7 + (group or 0))
+    x = torch.randn(64, 48, generator=g) * torch.exp(torch.randn(48, generator=g))
+    ref = group_quantize(x, bits, group, False, "fp16", "rtn")
+    got = group_quantize(x, bits, group, False, "fp16", quantizer)
+    assert got.codes.dtype == ref.codes.dtype and got.scales.shape == ref.scales.shape
+    assert got.zeros.shape == ref.zeros.shape and got.zeros.dtype == ref.zeros.dtype
+    assert int(got.codes.max()) < 2**bits
+
+    def group_err(q):
+        xh = group_dequantize(q.codes, q.scales, q.zeros, bits)
+        return (xh - x).pow(2).reshape(64, -1, group or 48).sum(-1)
+
+    assert bool((group_err(got) <= group_err(ref) * (1 + 1e-6) + 1e-12).all())
+    if bits == 2:
+        gain = float(group_err(ref).sum() / group_err(got).sum())
+        assert gain > (1.3 if quantizer == "clip" else 1.02), gain
+
+
+def test_clip_has_a_symmetric_form_and_bad_quantizers_are_refused():
+    from mla_quant.quant.quantizers import group_dequantize, group_quantize
+
+    x = torch.randn(32, 64) ** 3
+    ref = group_quantize(x, 2, 16, True, "fp16", "rtn")
+    got = group_quantize(x, 2, 16, True, "fp16", "clip")
+    err = [float((group_dequantize(q.codes, q.scales, None, 2) - x).pow(2).sum()) for q in (ref, got)]
+    assert got.zeros is None and err[1] < err[0]
+    with pytest.raises(ValueError, match=r"quantizer='gptq'; allowed: \['rtn', 'clip', 'hqq'\]"):
+        group_quantize(x, 2, 16, False, "fp16", "gptq")
+    with pytest.raises(ValueError, match="hqq optimizes each group's zero point: it needs symmetric=false"):
+        group_quantize(x, 2, 16, True, "fp16", "hqq")

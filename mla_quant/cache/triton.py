@@ -93,6 +93,8 @@ class KernelDecode:
             return None
         if fmt.format != "int":
             return f"format={fmt.format}"
+        if fmt.quantizer != "rtn":  # the store kernel rounds to the group's min/max range: PyTorch encodes these
+            return f"quantizer={fmt.quantizer}"
         return kernel_store_unsupported(fmt.bits, self._dim(path), fmt.group_size)
 
     def _hides_only_padding(self, mask, valid) -> bool:

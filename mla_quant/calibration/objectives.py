@@ -47,7 +47,7 @@ def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Ten
     fake_quantizer(fmt, d)  # validates the format against d
 
     def exact(x: torch.Tensor) -> torch.Tensor:  # the cache's codes and stored scales, without bit packing
-        return fake_quantize(x, bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype)
+        return fake_quantize(x, bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype, fmt.quantizer)
 
     def approx(x: torch.Tensor) -> torch.Tensor:
         xg = x.reshape(*x.shape[:-1], d // group, group)

@@ -10,7 +10,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from mla_quant.calibration import capture as capture_module
+from mla_quant.calibration.capture import CAPTURES
 from mla_quant.calibration.fit import fit_content, fit_rope
 from mla_quant.calibration.objectives import rope_output_bound, ste_quantizer
 from mla_quant.calibration.options import OBJECTIVES, fit_options, kinds
@@ -26,8 +26,8 @@ def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: 
     `checkpoints`: keep each fitted layer on disk and continue from the layers found there. `query_tokens`: the
     per-head query tensors at that many positions per sequence (None: all). `capture`: "sweep" (one pass over the
     decoder layers) or "stopped" (one forward stopped at each block; the reference)."""
-    if capture not in capture_module.CAPTURES:
-        raise ValueError(f"capture={capture!r}; allowed: {sorted(capture_module.CAPTURES)}")
+    if capture not in CAPTURES:
+        raise ValueError(f"capture={capture!r}; allowed: {sorted(CAPTURES)}")
     k = kinds(transform_cfg)
     objectives = {p: (_plain(objective_cfg).get(p) or {}).get("kind") or OBJECTIVES[p][0] for p in ("content", "rope")}
     opts = fit_options(transform_cfg, seed)
@@ -38,7 +38,7 @@ def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: 
     try:
         with absorbed_view(model):  # the capture's forwards through the blocked absorbed attention: linear memory
             return _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size, seed, checkpoints,
-                               query_tokens, capture_module.CAPTURES[capture])
+                               query_tokens, CAPTURES[capture])
     finally:
         for p in trainable:
             p.requires_grad_(True)

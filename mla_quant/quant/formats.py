@@ -182,7 +182,8 @@ class IntCodec(Codec):
         return packing.unpack(packed, fmt.bits, d)
 
     def encode(self, fmt, x, tensor_scale):
-        codes, scales, zeros = quantizers.group_quantize(x, fmt.bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype)
+        codes, scales, zeros = quantizers.group_quantize(x, fmt.bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype,
+                                                         fmt.quantizer)
         parts = {"codes": self.pack_codes(fmt, codes), "scales": scales}
         if zeros is not None:
             parts["zeros"] = zeros
@@ -202,7 +203,8 @@ class IntCodec(Codec):
 
     def describe(self, fmt):
         group = "per-token" if fmt.group_size is None else f"g={fmt.group_size}"
-        return f"int{fmt.bits} {group} {'sym' if fmt.symmetric else 'asym'} {fmt.scale_dtype}"
+        how = "" if fmt.quantizer == "rtn" else f" {fmt.quantizer}"
+        return f"int{fmt.bits} {group} {'sym' if fmt.symmetric else 'asym'} {fmt.scale_dtype}{how}"
 
 
 class Fp8Codec(Codec):
@@ -386,6 +388,7 @@ class PathFormat:
     scale_dtype: str = "fp16"
     granularity: str = "group"
     token_block: int | None = None  # format=channel_block: tokens per block (one scale + zero per channel and block)
+    quantizer: str = "rtn"  # format=int: how each group's scale and zero are chosen (quantizers.QUANTIZERS)
 
     @classmethod
     def from_cfg(cls, cfg, where: str = "quant.<path>") -> "PathFormat":
@@ -407,6 +410,11 @@ class PathFormat:
         if self.format not in CODECS:
             raise ValueError(f"{where}.format={self.format!r} is unknown; allowed: {list(CODECS)}")
         self.codec.check(self, where)
+        if self.format == "int":
+            quantizers.check_quantizer(self.quantizer, self.symmetric, f"{where}.quantizer")
+        elif self.quantizer != "rtn":
+            raise ValueError(f"{where}.quantizer={self.quantizer!r} chooses integer groups' ranges: it applies to "
+                             f"format=int; format={self.format} takes quantizer=rtn")
         if self.group_size is not None and (
             isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0
         ):

@@ -102,16 +102,38 @@ def _round_zero(z: torch.Tensor, scale_dtype: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- integer groups
+QUANTIZERS = ("rtn", "clip", "hqq")  # how a group's scale and zero are chosen; the stored layout is the same
+CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # clip: the group's range shrunk toward its middle, 1.0 .. 0.5
+HQQ_OPTIONS = {"lp_norm": 0.7, "beta": 10.0, "kappa": 1.01, "iters": 20}  # the published defaults
+
+
+def check_quantizer(quantizer: str, symmetric: bool = False, where: str = "quantizer") -> None:
+    if quantizer not in QUANTIZERS:
+        raise ValueError(f"{where}={quantizer!r}; allowed: {list(QUANTIZERS)}")
+    if quantizer == "hqq" and symmetric:
+        raise ValueError(f"{where}=hqq optimizes each group's zero point: it needs symmetric=false")
+
+
 def group_quantize(
     x: torch.Tensor,
     bits: int,
     group_size: int | None = None,
     symmetric: bool = False,
     scale_dtype: str = "fp16",
+    quantizer: str = "rtn",
 ) -> Quantized:
-    """x (..., d) -> codes (..., d) uint8 in [0, 2^bits), scales (..., n_groups), zeros (..., n_groups) or None."""
+    """x (..., d) -> codes (..., d) uint8 in [0, 2^bits), scales (..., n_groups), zeros (..., n_groups) or None.
+
+    quantizer: `rtn` (the group's min/max range), `clip` (per group, the range shrunk toward its middle by the ratio
+    of CLIP_RATIOS with the least squared reconstruction error, as AWQ's clipping search), `hqq` (half-quadratic
+    optimisation of each group's zero point under an l_p<1 error, Badri & Shaji's HQQ with its published defaults,
+    keeping per group the best iterate by squared error). Every quantizer keeps a group at least as well
+    reconstructed as `rtn` (its range is one of the candidates) and stores the same codes, scales and zeros."""
     check_bits(bits)
     check_scale_dtype(scale_dtype)
+    check_quantizer(quantizer, symmetric)
+    if quantizer != "rtn":
+        return _searched(x, bits, group_size, symmetric, scale_dtype, quantizer)
     xg = _grouped(x.float(), group_size)  # (..., G, g)
     if symmetric:
         half = 2 ** (bits - 1)
@@ -129,6 +151,77 @@ def group_quantize(
         q = torch.round((xg - zeros.float().unsqueeze(-1)) / load_scale(scales).unsqueeze(-1))
     codes = q.clamp(0, 2**bits - 1).to(torch.uint8).reshape(x.shape)
     return Quantized(codes, scales, zeros)
+
+
+def _encode_range(xg, lo, s, bits, symmetric, scale_dtype):
+    """Codes, stored scales and zeros of groups xg (..., G, g) for ranges starting at lo with steps s (..., G)."""
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    scales = store_scale(s, scale_dtype)
+    step = load_scale(scales).unsqueeze(-1)
+    if symmetric:
+        half = 2 ** (bits - 1)
+        return (torch.round(xg / step) + half).clamp(0, 2**bits - 1), scales, None
+    zeros = _round_zero(lo, scale_dtype)
+    return torch.round((xg - zeros.float().unsqueeze(-1)) / step).clamp(0, 2**bits - 1), scales, zeros
+
+
+def _decoded(q, scales, zeros, bits):
+    step = load_scale(scales).unsqueeze(-1)
+    return (q - 2 ** (bits - 1)) * step if zeros is None else q * step + zeros.float().unsqueeze(-1)
+
+
+def _searched(x, bits, group_size, symmetric, scale_dtype, quantizer) -> Quantized:
+    xg = _grouped(x.float(), group_size)  # (..., G, g)
+    levels = 2**bits - 1
+    lo, hi = xg.amin(-1), xg.amax(-1)
+    if symmetric:
+        amax = xg.abs().amax(-1)
+        ranges = [(None, r * amax / (2 ** (bits - 1) - 1)) for r in CLIP_RATIOS]
+    else:
+        mid, half = (hi + lo) / 2, (hi - lo) / 2
+        ranges = [(mid - r * half, 2 * r * half / levels) for r in (CLIP_RATIOS if quantizer == "clip" else (1.0,))]
+    best = None
+    for start, step in ranges:
+        cand = _encode_range(xg, start, step, bits, symmetric, scale_dtype)
+        best = _keep_better(best, cand, xg, bits)
+    if quantizer == "hqq":
+        best = _hqq(xg, best, bits, scale_dtype)
+    q, scales, zeros = best[:3]
+    return Quantized(q.to(torch.uint8).reshape(x.shape), scales, zeros)
+
+
+def _keep_better(best, cand, xg, bits):
+    err = (_decoded(cand[0], cand[1], cand[2], bits) - xg).pow(2).sum(-1)  # (..., G)
+    if best is None:
+        return (*cand, err)
+    q, scales, zeros, best_err = best
+    better = err < best_err
+    q = torch.where(better.unsqueeze(-1), cand[0], q)
+    scales = torch.where(better, cand[1], scales)
+    zeros = None if zeros is None else torch.where(better, cand[2], zeros)
+    return q, scales, zeros, torch.minimum(err, best_err)
+
+
+def _hqq(xg, best, bits, scale_dtype):
+    """HQQ's zero-point iterations at the RTN scale: W_q = round(x / s + z); the residual shrunk under the l_p norm,
+    e = sign(r) relu(|r| - |r|^(p-1) / beta); z = mean(W_q - (x - e) / s); beta *= kappa."""
+    o = HQQ_OPTIONS
+    levels = 2**bits - 1
+    scales = best[1]
+    s = load_scale(scales).unsqueeze(-1)  # (..., G, 1): the stored step, fixed
+    z = -best[2].float().unsqueeze(-1) / s  # the zero in code units
+    beta = o["beta"]
+    for _ in range(o["iters"]):
+        q = torch.round(xg / s + z).clamp(0, levels)
+        residual = xg - (q - z) * s
+        mag = residual.abs().clamp_min(1e-12)
+        e = torch.sign(residual) * torch.relu(mag - mag.pow(o["lp_norm"] - 1) / beta)
+        z = (q - (xg - e) / s).mean(-1, keepdim=True)
+        beta *= o["kappa"]
+        zeros = _round_zero(-(z * s).squeeze(-1), scale_dtype)
+        q_stored = torch.round((xg - zeros.float().unsqueeze(-1)) / s).clamp(0, levels)
+        best = _keep_better(best, (q_stored, scales, zeros), xg, bits)
+    return best
 
 
 def group_dequantize(
@@ -156,10 +249,11 @@ def fake_quantize(
     group_size: int | None = None,
     symmetric: bool = False,
     scale_dtype: str = "fp16",
+    quantizer: str = "rtn",
 ) -> torch.Tensor:
     """Quantize then dequantize, back in x.dtype. Values whose scales or zeros overflow the stored dtype (|x| beyond
     fp16's 65504 with scale_dtype=fp16) are refused, as the cache refuses them, instead of reading back inf."""
-    codes, scales, zeros = group_quantize(x, bits, group_size, symmetric, scale_dtype)
+    codes, scales, zeros = group_quantize(x, bits, group_size, symmetric, scale_dtype, quantizer)
     for name, t in (("scales", scales), ("zeros", zeros)):
         if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
             big = float(x.detach().abs().float().nan_to_num(posinf=float("inf")).max())
