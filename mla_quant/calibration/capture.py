@@ -46,10 +46,18 @@ class LayerCapture:
     ids: torch.Tensor | None = None  # (N, T) the token ids captured (end-to-end objectives rerun the model on them)
     model: Any = field(default=None, repr=False, compare=False)  # the model they came from
     q_pos: torch.Tensor | None = None  # (T_q,) positions of the captured queries (calib.query_tokens); None = all T
+    chunks: dict = field(default_factory=dict, repr=False, compare=False)  # `chunk` sub-captures, kept with their
+    # reference outputs: every evaluation of the fit reuses them instead of recomputing the reference
 
     @property
     def content(self) -> torch.Tensor:
         return self.latent_scale * self.gamma * self.x_hat
+
+    def chunk(self, start: int, stop: int) -> "LayerCapture":
+        """rows(start:stop), the same object on every call (its reference output computed once)."""
+        if (start, stop) not in self.chunks:
+            self.chunks[start, stop] = self.rows(slice(start, stop))
+        return self.chunks[start, stop]
 
     def rows(self, idx) -> "LayerCapture":
         """The same capture restricted to sequences `idx`."""

@@ -66,7 +66,7 @@ def _evaluate(fn, cap: LayerCapture, *params, chunk: int = 8) -> float:
         n = cap.x_hat.shape[0]
         if n <= chunk:
             return float(fn(cap, *params))
-        values = [float(fn(cap.rows(slice(i, i + chunk)), *params)) for i in range(0, n, chunk)]
+        values = [float(fn(cap.chunk(i, min(n, i + chunk)), *params)) for i in range(0, n, chunk)]
         return sum(values) / len(values)
 
 
