@@ -42,7 +42,7 @@ def test_serving_mode_sees_quantization_only_across_chunks(tmp_path, monkeypatch
 def test_bad_quality_settings_are_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="task.chunk=0"):
         _quality(tmp_path, monkeypatch, "c", ["task.chunk=0"])
-    with pytest.raises(ValueError, match="seq_len=2048.*1024"):
+    with pytest.raises(ValueError, match="task.data.seq_len: 2048 exceeds .*1024"):
         _quality(tmp_path, monkeypatch, "l", ["task.data.seq_len=2048"])
 
 
