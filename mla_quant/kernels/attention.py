@@ -184,38 +184,45 @@ def latent_attention(
     rope = rope.to(q_rope.dtype)
     q_block = t if not blocks.blocked else min(t, blocks.query)
     k_block = s if not blocks.blocked else blocks.keys_per_block(q_block)
-    causal = mask is None or isinstance(mask, CausalMask)
-    if q_positions is not None and not causal:
-        raise ValueError("latent_attention: q_positions take a causal mask (None or a CausalMask), not a dense one")
-    slots = (torch.arange(s - t, s, device=q_latent.device) if q_positions is None
-             else q_positions.to(device=q_latent.device, dtype=torch.long))
-    dense = None if causal else mask[..., -s:]
-    if isinstance(mask, CausalMask):
-        mask = CausalMask(mask.keys[:, -s:])
     # Stored as (B, T, H, d): the caller's merge of the heads, out.transpose(1, 2).reshape(B, T, H * d), is then a view.
     out = content.new_empty(b, t, h, d_c if w_uv is None else w_uv.shape[1]).transpose(1, 2)  # (B, H, T, d)
-    for t0 in range(0, t, q_block):
-        t1 = min(t, t0 + q_block)
-        q_slots = slots[t0:t1]
-        # Under a causal mask no query of this block sees a key after its last query's slot.
-        last = s - t + t1 - 1 if q_positions is None else int(q_slots[-1])  # (no device sync in the common case)
-        limit = min(s, last + 1) if causal else s
+    for t0, t1, limit, block_mask in query_blocks(t, s, q_block, mask, q_positions, q_latent.device):
         ql = q_latent[:, :, t0:t1] if w_uk is None else q_latent[:, :, t0:t1] @ w_uk  # (B, H, Tb, d_c)
         qr = q_rope[:, :, t0:t1]
-
-        def block_mask(k0, k1):
-            if mask is None:
-                return (torch.arange(k0, k1, device=q_latent.device)[None, :] <= q_slots[:, None])[None, None]
-            if isinstance(mask, CausalMask):
-                return mask.block(q_slots, k0, k1)
-            return dense[..., t0:t1, k0:k1]
-
         if limit <= k_block:
             o = _one_block(ql, qr, content[:, :limit], rope[:, :limit], values[:, :limit], scale, block_mask(0, limit))
         else:
             o = _online_blocks(ql, qr, content, rope, values, scale, limit, k_block, block_mask)
         out[:, :, t0:t1] = o if w_uv is None else o @ w_uv.transpose(-1, -2)  # (B, H, Tb, d_v)
     return out
+
+
+def query_blocks(t: int, s: int, q_block: int, mask, q_positions, device):
+    """The query blocks of a step of t queries over s slots, for both forms: (t0, t1, limit, block_mask) per block,
+    `limit` the keys it can see (under a causal mask, none after its last query's slot) and block_mask(k0, k1) its
+    mask over keys k0:k1 (bool, True = attend; or the slice of a dense additive mask)."""
+    causal = mask is None or isinstance(mask, CausalMask)
+    if q_positions is not None and not causal:
+        raise ValueError("latent_attention: q_positions take a causal mask (None or a CausalMask), not a dense one")
+    slots = (torch.arange(s - t, s, device=device) if q_positions is None
+             else q_positions.to(device=device, dtype=torch.long))
+    dense = None if causal else mask[..., -s:]
+    if isinstance(mask, CausalMask):
+        mask = CausalMask(mask.keys[:, -s:])
+    for t0 in range(0, t, q_block):
+        t1 = min(t, t0 + q_block)
+        q_slots = slots[t0:t1]
+        last = s - t + t1 - 1 if q_positions is None else int(q_slots[-1])  # (no device sync in the common case)
+        limit = min(s, last + 1) if causal else s
+
+        def block_mask(k0, k1, q_slots=q_slots, t0=t0, t1=t1):
+            if mask is None:
+                return (torch.arange(k0, k1, device=device)[None, :] <= q_slots[:, None])[None, None]
+            if isinstance(mask, CausalMask):
+                return mask.block(q_slots, k0, k1)
+            return dense[..., t0:t1, k0:k1]
+
+        yield t0, t1, limit, block_mask
 
 
 EXPANDED_HEAD_GROUP = 16  # heads whose keys and values the expanded form holds at once (V2-Lite has 16 in all)
@@ -237,14 +244,7 @@ def expanded_attention(q_nope, q_rope, content, rope, scale, mask, values, block
     dtype = torch.promote_types(q_nope.dtype, w_uk.dtype)
     content = content.to(dtype)
     values = content if values is None else values.to(dtype)
-    causal = mask is None or isinstance(mask, CausalMask)
-    if q_positions is not None and not causal:
-        raise ValueError("latent_attention: q_positions take a causal mask (None or a CausalMask), not a dense one")
     whole = mask is None and q_positions is None and t == s  # one is_causal call
-    slots = (torch.arange(s - t, s, device=q_nope.device) if q_positions is None
-             else q_positions.to(device=q_nope.device, dtype=torch.long))
-    if isinstance(mask, CausalMask):
-        mask = CausalMask(mask.keys[:, -s:])
     q_block = t if not blocks.blocked else min(t, blocks.query)
     # Stored as (B, T, H, d_v): the caller's merge of the heads is then a view.
     out = content.new_empty(b, t, h, w_uv.shape[1]).transpose(1, 2)
@@ -265,17 +265,8 @@ def expanded_attention(q_nope, q_rope, content, rope, scale, mask, values, block
         if whole:
             out[:, h0:h1] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :d_v]
             continue
-        for t0 in range(0, t, q_block):
-            t1 = min(t, t0 + q_block)
-            q_slots = slots[t0:t1]
-            last = s - t + t1 - 1 if q_positions is None else int(q_slots[-1])
-            limit = min(s, last + 1) if causal else s
-            if mask is None:
-                ok = (torch.arange(limit, device=q.device)[None, :] <= q_slots[:, None])[None, None]
-            elif isinstance(mask, CausalMask):
-                ok = mask.block(q_slots, 0, limit)
-            else:
-                ok = visible(mask[..., -s:][..., t0:t1, :limit])
+        for t0, t1, limit, block_mask in query_blocks(t, s, q_block, mask, q_positions, q.device):
+            ok = visible(block_mask(0, limit))
             bias = torch.zeros(ok.shape, dtype=dtype, device=q.device).masked_fill(~ok, torch.finfo(dtype).min)
             out[:, h0:h1, t0:t1] = F.scaled_dot_product_attention(q[:, :, t0:t1], k[:, :, :limit], v[:, :, :limit],
                                                                   attn_mask=bias, scale=scale)[..., :d_v]
