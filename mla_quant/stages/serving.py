@@ -210,22 +210,22 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     if paper:
         print(paper)
     tables, images = {"serving": table}, {}
-    if task.sweep.concurrency:
-        sweep = [run_one(task, shape, dep, fmt, trace(task.requests, n, int(task.sweep.input)), policy, kernels[name])
-                 for name, fmt in tqdm(fmts.items(), desc="serving sweep", unit="format")
-                 for policy in task.policies for n in task.sweep.concurrency]
-        sweep_df = pd.DataFrame(sweep)
-        write_text_atomic(run_dir / "serving_sweep.csv", sweep_df.to_csv(index=False))
-        images["serving_throughput"] = _sweep_figure(sweep_df, run_dir)
-        tables["serving_sweep"] = sweep_df
-    if task.sweep.kv_budget_gb:  # the main trace at fixed KV budgets: how the outcome moves with memory
-        budget = [run_one(task, shape, dep, fmt, reqs, policy, kernels[name], float(gb))
-                  for name, fmt in tqdm(fmts.items(), desc="serving budgets", unit="format")
-                  for policy in task.policies for gb in task.sweep.kv_budget_gb]
-        budget_df = pd.DataFrame(budget)
-        write_text_atomic(run_dir / "serving_budget.csv", budget_df.to_csv(index=False))
-        images["serving_budget"] = _budget_figure(budget_df, run_dir)
-        tables["serving_budget"] = budget_df
+    sweeps = {  # table -> (figure, runs as (trace, KV budget or None), x column, x label, x scale)
+        "serving_sweep": ("serving_throughput", [(trace(task.requests, n, int(task.sweep.input)), None)
+                                                 for n in task.sweep.concurrency],
+                          "requests", "concurrent requests", "log"),
+        "serving_budget": ("serving_budget", [(reqs, float(gb)) for gb in task.sweep.kv_budget_gb],  # fixed budgets
+                           "kv_budget_gb", "KV budget per GPU (GB)", "linear"),
+    }
+    for name_of_table, (figure, runs, x, xlabel, xscale) in sweeps.items():
+        if not runs:
+            continue
+        df = pd.DataFrame([run_one(task, shape, dep, fmt, r, policy, kernels[name], gb)
+                           for name, fmt in tqdm(fmts.items(), desc=name_of_table, unit="format")
+                           for policy in task.policies for r, gb in runs])
+        write_text_atomic(run_dir / f"{name_of_table}.csv", df.to_csv(index=False))
+        images[figure] = _outcome_figure(df, run_dir, x, xlabel, figure, xscale)
+        tables[name_of_table] = df
     if task.capacity_requests:
         cap = []
         out_tokens = int(task.requests.output)
@@ -255,36 +255,21 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     return StageResult(metrics=metrics, tables=tables, images=images)
 
 
-def _sweep_figure(df: pd.DataFrame, run_dir: Path) -> str:
+def _outcome_figure(df: pd.DataFrame, run_dir: Path, x: str, xlabel: str, name: str, xscale: str = "linear") -> str:
+    """Throughput and preemptions against column `x`, one line per format and policy -> <name>.png/.pdf."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for (name, policy), g in df.groupby(["format", "policy"]):
+    for (fmt, policy), g in df.groupby(["format", "policy"]):
         style = "-" if policy == "chunked_admission" else "--"
-        axes[0].plot(g["requests"], g["output_tok_s"], style, marker="o", label=f"{name} ({policy})")
-        axes[1].plot(g["requests"], g["preemptions"], style, marker="o", label=f"{name} ({policy})")
-    axes[0].set(xlabel="concurrent requests", ylabel="output tokens / s", xscale="log", title="throughput")
-    axes[1].set(xlabel="concurrent requests", ylabel="preemptions", xscale="log", title="preemptions")
+        axes[0].plot(g[x], g["output_tok_s"], style, marker="o", label=f"{fmt} ({policy})")
+        axes[1].plot(g[x], g["preemptions"], style, marker="o", label=f"{fmt} ({policy})")
+    axes[0].set(xlabel=xlabel, ylabel="output tokens / s", xscale=xscale, title="throughput")
+    axes[1].set(xlabel=xlabel, ylabel="preemptions", xscale=xscale, title="preemptions")
     axes[1].legend(fontsize=7)
     fig.tight_layout()
     for ext in ("png", "pdf"):
-        fig.savefig(run_dir / f"serving_throughput.{ext}")
+        fig.savefig(run_dir / f"{name}.{ext}")
     plt.close(fig)
-    return str(run_dir / "serving_throughput.png")
-
-
-def _budget_figure(df: pd.DataFrame, run_dir: Path) -> str:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for (name, policy), g in df.groupby(["format", "policy"]):
-        style = "-" if policy == "chunked_admission" else "--"
-        axes[0].plot(g["kv_budget_gb"], g["output_tok_s"], style, marker="o", label=f"{name} ({policy})")
-        axes[1].plot(g["kv_budget_gb"], g["preemptions"], style, marker="o", label=f"{name} ({policy})")
-    axes[0].set(xlabel="KV budget per GPU (GB)", ylabel="output tokens / s", title="throughput")
-    axes[1].set(xlabel="KV budget per GPU (GB)", ylabel="preemptions", title="preemptions")
-    axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    for ext in ("png", "pdf"):
-        fig.savefig(run_dir / f"serving_budget.{ext}")
-    plt.close(fig)
-    return str(run_dir / "serving_budget.png")
+    return str(run_dir / f"{name}.png")
 
 
 def _capacity_figure(df: pd.DataFrame, run_dir: Path, output: int) -> str:
