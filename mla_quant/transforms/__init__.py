@@ -16,9 +16,9 @@ from mla_quant.transforms.fold import (
     pair_matrix,
 )
 from mla_quant.transforms.hadamard import random_hadamard, random_orthogonal
-from mla_quant.transforms.kinds import TransformKind, register
-from mla_quant.transforms.spaces import CONTENT_KINDS, KINDS, ROPE_KINDS, check_kind, sample_layer_transform
+from mla_quant.transforms.kinds import KINDS, TransformKind, kind, register
+from mla_quant.transforms.spaces import sample_layer_transform
 
-__all__ = ["CONTENT_KINDS", "KINDS", "ROPE_KINDS", "LayerTransform", "TransformKind", "TransformSet", "apply_transforms", "check_kind",
+__all__ = ["KINDS", "LayerTransform", "TransformKind", "TransformSet", "apply_transforms", "kind",
            "fold_content", "fold_rope", "pair_matrix", "random_hadamard", "random_orthogonal",
            "register", "sample_layer_transform"]

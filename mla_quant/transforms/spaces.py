@@ -6,14 +6,7 @@ from __future__ import annotations
 import torch
 
 from mla_quant.transforms.fold import LayerTransform
-from mla_quant.transforms.kinds import KINDS, kind
-
-CONTENT_KINDS = tuple(KINDS["content"])
-ROPE_KINDS = tuple(KINDS["rope"])
-
-
-def check_kind(path: str, name: str) -> None:
-    kind(path, name)
+from mla_quant.transforms.kinds import kind
 
 
 def sample_layer_transform(content: str, rope: str, d_c: int, d_r: int, generator: torch.Generator,
