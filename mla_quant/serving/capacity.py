@@ -92,9 +92,12 @@ def kv_budget_bytes(shape: ServingShape, dep: Deployment) -> float:
     return left
 
 
-def kv_blocks(shape: ServingShape, dep: Deployment, bytes_per_token: float, block_size: int) -> int:
-    """KV blocks per scheduler rank for a format of `bytes_per_token` per token per layer."""
-    return int(kv_budget_bytes(shape, dep) // (block_size * bytes_per_token * shape.layers))
+def kv_blocks(shape: ServingShape, dep: Deployment, bytes_per_token: float, block_size: int,
+              budget_gb: float | None = None) -> int:
+    """KV blocks per scheduler rank for a format of `bytes_per_token` per token per layer, in what the GPU's memory
+    leaves or in a fixed `budget_gb` per GPU."""
+    budget = kv_budget_bytes(shape, dep) if budget_gb is None else float(budget_gb) * GB
+    return int(budget // (block_size * bytes_per_token * shape.layers))
 
 
 class StepTime:

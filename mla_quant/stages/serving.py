@@ -118,10 +118,7 @@ def blocks_for(task, shape, dep, fmt, context: int, budget_gb: float | None = No
     """(KV blocks per scheduler rank, bytes per token per layer at `context`); `budget_gb` (or task.kv_budget_gb)
     fixes the KV bytes per GPU instead of what the memory leaves."""
     bpt = cache_bytes_per_token(fmt, shape.d_c, shape.d_r, context)
-    budget_gb = task.kv_budget_gb if budget_gb is None else budget_gb
-    if budget_gb is not None:
-        return int(float(budget_gb) * 1e9 // (task.block_size * bpt * shape.layers)), bpt
-    return kv_blocks(shape, dep, bpt, int(task.block_size)), bpt
+    return kv_blocks(shape, dep, bpt, int(task.block_size), task.kv_budget_gb if budget_gb is None else budget_gb), bpt
 
 
 def run_one(task, shape, dep, fmt, reqs, policy: str, kernel, budget_gb: float | None = None) -> dict:
