@@ -132,29 +132,26 @@ def group_quantize(
     check_bits(bits)
     check_scale_dtype(scale_dtype)
     check_quantizer(quantizer, symmetric)
-    if quantizer != "rtn":
-        return _searched(x, bits, group_size, symmetric, scale_dtype, quantizer)
     xg = _grouped(x.float(), group_size)  # (..., G, g)
+    if quantizer != "rtn":
+        return _searched(x, xg, bits, symmetric, scale_dtype, quantizer)
+    q, scales, zeros = _encode_range(xg, *_rtn_range(xg, bits, symmetric), bits, symmetric, scale_dtype)
+    return Quantized(q.to(torch.uint8).reshape(x.shape), scales, zeros)
+
+
+def _rtn_range(xg, bits, symmetric):
+    """(start or None, step) per group (..., G): the group's min/max range (symmetric: its amax)."""
     if symmetric:
-        half = 2 ** (bits - 1)
-        s = xg.abs().amax(-1) / (half - 1)  # (..., G)
-        s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero group: any scale, codes land on the zero level
-        scales = store_scale(s, scale_dtype)
-        q = torch.round(xg / load_scale(scales).unsqueeze(-1)) + half
-        zeros = None
-    else:
-        lo, hi = xg.amin(-1), xg.amax(-1)  # (..., G)
-        s = (hi - lo) / (2**bits - 1)
-        s = torch.where(s > 0, s, torch.ones_like(s))  # constant group: every code is 0, x_hat = zero
-        scales = store_scale(s, scale_dtype)
-        zeros = _round_zero(lo, scale_dtype)
-        q = torch.round((xg - zeros.float().unsqueeze(-1)) / load_scale(scales).unsqueeze(-1))
-    codes = q.clamp(0, 2**bits - 1).to(torch.uint8).reshape(x.shape)
-    return Quantized(codes, scales, zeros)
+        return None, xg.abs().amax(-1) / (2 ** (bits - 1) - 1)
+    lo, hi = xg.amin(-1), xg.amax(-1)
+    return lo, (hi - lo) / (2**bits - 1)
 
 
 def _encode_range(xg, lo, s, bits, symmetric, scale_dtype):
-    """Codes, stored scales and zeros of groups xg (..., G, g) for ranges starting at lo with steps s (..., G)."""
+    """Codes, stored scales and zeros of groups xg (..., G, g) for ranges starting at lo with steps s (..., G): the
+    scale rounded up to its stored dtype, codes from the stored scale and zero (the Triton store kernel's arithmetic,
+    operation for operation). A zero step (an all-zero or constant group) takes step 1: every code lands on the zero
+    level."""
     s = torch.where(s > 0, s, torch.ones_like(s))
     scales = store_scale(s, scale_dtype)
     step = load_scale(scales).unsqueeze(-1)
@@ -170,20 +167,21 @@ def _decoded(q, scales, zeros, bits):
     return (q - 2 ** (bits - 1)) * step if zeros is None else q * step + zeros.float().unsqueeze(-1)
 
 
-def _searched(x, bits, group_size, symmetric, scale_dtype, quantizer) -> Quantized:
-    xg = _grouped(x.float(), group_size)  # (..., G, g)
-    levels = 2**bits - 1
-    lo, hi = xg.amin(-1), xg.amax(-1)
-    if symmetric:
-        amax = xg.abs().amax(-1)
-        ranges = [(None, r * amax / (2 ** (bits - 1) - 1)) for r in CLIP_RATIOS]
-    else:
-        mid, half = (hi + lo) / 2, (hi - lo) / 2
-        ranges = [(mid - r * half, 2 * r * half / levels) for r in (CLIP_RATIOS if quantizer == "clip" else (1.0,))]
+def _searched(x, xg, bits, symmetric, scale_dtype, quantizer) -> Quantized:
+    """clip / hqq: RTN's range first, then (clip) the range shrunk toward the group's middle by each smaller ratio;
+    per group the candidate with the least squared error; hqq then iterates on the zero point."""
+    ranges = [_rtn_range(xg, bits, symmetric)]
+    if quantizer == "clip":
+        if symmetric:
+            amax = xg.abs().amax(-1)
+            ranges += [(None, r * amax / (2 ** (bits - 1) - 1)) for r in CLIP_RATIOS[1:]]
+        else:
+            lo, hi = xg.amin(-1), xg.amax(-1)
+            mid, half = (hi + lo) / 2, (hi - lo) / 2
+            ranges += [(mid - r * half, 2 * r * half / (2**bits - 1)) for r in CLIP_RATIOS[1:]]
     best = None
     for start, step in ranges:
-        cand = _encode_range(xg, start, step, bits, symmetric, scale_dtype)
-        best = _keep_better(best, cand, xg, bits)
+        best = _keep_better(best, _encode_range(xg, start, step, bits, symmetric, scale_dtype), xg, bits)
     if quantizer == "hqq":
         best = _hqq(xg, best, bits, scale_dtype)
     q, scales, zeros = best[:3]
