@@ -5,7 +5,7 @@
 A model runner that answers every scheduled request with one sampled token once its computed tokens reach its known
 tokens stands in for the GPU; everything else (admission, chunked prefill, block allocation, preemption and
 recomputation) is vLLM's. `step_seconds(plan)` turns each engine step's plan ([(new tokens, context before), ...]
-per scheduled request) into seconds (mla_quant.serving.timing), which advances the clock: requests arrive on it.
+per scheduled request) into seconds (mla_quant.serving.capacity.StepTime), which advances the clock: requests arrive on it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from mla_quant.record import write_json_atomic
 
 VLLM_VERSION = "0.33.0"
 INSTALL_HINT = (f'pip install -e ".[serving]" && pip install --no-deps vllm=={VLLM_VERSION}  (vLLM without its CUDA '
@@ -80,8 +82,6 @@ def import_vllm():
 
 def _model_folder(max_model_len: int) -> str:
     """A folder with a minimal config.json for vLLM's ModelConfig (the scheduler reads only lengths from it)."""
-    import json
-
     folder = Path(tempfile.gettempdir()) / f"mla_quant_vllm_model_{max_model_len}"
     folder.mkdir(exist_ok=True)
     config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
@@ -90,9 +90,7 @@ def _model_folder(max_model_len: int) -> str:
               "max_position_embeddings": max_model_len, "intermediate_size": 128}
     path = folder / "config.json"
     if not path.is_file():
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(config))
-        tmp.replace(path)
+        write_json_atomic(path, config)  # concurrent jobs may write it at once
     return str(folder)
 
 
