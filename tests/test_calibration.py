@@ -89,7 +89,7 @@ def test_a_new_kind_is_one_registered_class(toy):
     """transform.<path>.kind comes from the kinds registry: one class adds a kind that the option checks accept, the
     fit starts from (and keeps the best of) its candidates and the invariance sampler draws from; unknown kinds are
     refused with the registered names."""
-    from mla_quant.calibration import check_transform
+    from mla_quant.calibration import check_transform, fitted_paths, needs_data
     from mla_quant.transforms import KINDS, TransformKind, register, sample_layer_transform
 
     cfg, _, caps = toy
@@ -106,8 +106,9 @@ def test_a_new_kind_is_one_registered_class(toy):
 
     register(HalfHadamard)
     try:
-        check_transform({"name": "t", "content": {"kind": "test_half_hadamard"}, "rope": {"kind": "none"},
-                         "fit": {"format": "auto"}})
+        spec = {"name": "t", "content": {"kind": "test_half_hadamard"}, "rope": {"kind": "none"}, "fit": {"format": "auto"}}
+        check_transform(spec)
+        assert needs_data(spec) and fitted_paths(spec) == []  # read from the registry, the new kind included
         q = ste_quantizer(fmt.content, 96)
         opts = FitOptions(steps=1)
         r, s, err = fit_content(caps[3], "test_half_hadamard", "attention_output", q, opts, torch.Generator().manual_seed(0))

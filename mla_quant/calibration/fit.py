@@ -20,11 +20,8 @@ from tqdm.auto import tqdm
 from mla_quant.calibration.capture import LayerCapture
 from mla_quant.calibration.objectives import content_objective, rope_objective
 from mla_quant.transforms import random_hadamard
-from mla_quant.transforms.kinds import KINDS, kind as transform_kind
+from mla_quant.transforms.kinds import kind as transform_kind
 from mla_quant.transforms.fold import pair_index
-
-FITTED = {p: tuple(n for n, k in KINDS[p].items() if k.fitted) for p in KINDS}
-DATA_FREE = {p: tuple(n for n, k in KINDS[p].items() if k.data_free) for p in KINDS}  # need no calibration data
 
 
 @dataclass

@@ -3,10 +3,11 @@ the format they are fitted for, and the checks that refuse unknown keys and kind
 
 from __future__ import annotations
 
-from mla_quant.calibration.fit import DATA_FREE, FITTED, FitOptions
+from mla_quant.calibration.fit import FitOptions
 from mla_quant.calibration.objectives import CONTENT_OBJECTIVES, ROPE_OBJECTIVES
 from mla_quant.models.build import _plain
 from mla_quant.quant.formats import CacheFormat, cache_format
+from mla_quant.transforms import KINDS
 from mla_quant.transforms import kind as transform_kind
 
 OBJECTIVES = {"content": CONTENT_OBJECTIVES, "rope": ROPE_OBJECTIVES}
@@ -22,13 +23,15 @@ def kinds(transform_cfg) -> dict[str, str]:
 
 
 def fitted_paths(transform_cfg) -> list[str]:
+    """The paths whose kind is fitted (read from the registry, so a kind registered later counts)."""
     k = kinds(transform_cfg)
-    return [p for p in ("content", "rope") if k[p] in FITTED[p]]
+    return [p for p in ("content", "rope") if getattr(KINDS[p].get(k[p]), "fitted", False)]
 
 
 def needs_data(transform_cfg) -> bool:
+    """Whether a path's kind needs calibration data (an unknown kind counts as needing it; it is refused later)."""
     k = kinds(transform_cfg)
-    return any(k[p] not in DATA_FREE[p] for p in ("content", "rope"))
+    return any(not getattr(KINDS[p].get(k[p]), "data_free", False) for p in ("content", "rope"))
 
 
 def check_transform(transform_cfg, objective_cfg=None) -> None:
