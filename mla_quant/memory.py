@@ -9,6 +9,9 @@
         model(ids)
     layers.summary()                               # [{"layer": 0, "calls": 1, "seconds": ..., "peak_added_gb": ...}]
 
+    settled_resident_bytes()                       # the resident set with freed memory handed back first
+    tensor_bytes(cache)                            # distinct tensor storages an object holds
+
 On CUDA: the caching allocator's `max_memory_allocated` (tensors only, exact). On the CPU: the process's resident set
 (`/proc/self/statm`) sampled every `interval` seconds by a thread while the work runs (torch releases the GIL in its
 kernels); large tensors are mapped and unmapped one by one, so the resident set follows the live tensors. Where
@@ -38,6 +41,50 @@ def resident_bytes() -> int:
     except OSError:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def settled_resident_bytes() -> int:
+    """The resident set after garbage collection and, with glibc, `malloc_trim(0)` (freed heap memory handed back
+    to the system): what live objects hold, not what the allocator kept from freed ones."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the resident set as it is
+        pass
+    return resident_bytes()
+
+
+def tensor_bytes(obj, depth: int = 6) -> int:
+    """Bytes of the distinct tensor storages reachable from `obj` through its attributes, dicts, lists and tuples
+    (views of one storage count once): what an object such as a cache holds, measured from the tensors themselves."""
+    seen: dict[int, int] = {}
+    visited: set[int] = set()
+
+    def walk(x, left):
+        if torch.is_tensor(x):
+            storage = x.untyped_storage()
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+            return
+        if left == 0 or id(x) in visited or isinstance(x, (str, bytes, int, float, bool, type, torch.nn.Module)):
+            return
+        visited.add(id(x))
+        if isinstance(x, dict):
+            items = x.values()
+        elif isinstance(x, (list, tuple, set)):
+            items = x
+        elif hasattr(x, "__dict__"):
+            items = vars(x).values()
+        else:
+            return
+        for item in items:
+            walk(item, left - 1)
+
+    walk(obj, depth)
+    return sum(seen.values())
 
 
 class PeakMemory:

@@ -59,7 +59,44 @@ def _scatter_rows(dest: torch.Tensor, index: torch.Tensor, ok: torch.Tensor, src
     dest[b, index[b, j]] = src[b, j].to(dest.dtype)
 
 
-class LatentCacheLayer(CacheLayerMixin):
+class LatentLayerContract(CacheLayerMixin):
+    """transformers' `CacheLayerMixin` contract of a latent cache layer, from its `length`, `update_and_read` and
+    `_clear`: the part every latent layer (ours, and the peers' in cache/peers.py) shares."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """transformers' MLA classes call update(c_kv (B,1,T,d_c), k_pe (B,1,T,d_r)); same data, 4-D views."""
+        content, rope = self.update_and_read(key_states[:, 0], value_states[:, 0])
+        return content.unsqueeze(1), rope.unsqueeze(1)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._clear()
+        self.is_initialized = False
+
+    def _count_slots(self, content: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """The start of every append: check the latents, initialize on the first, count the T new slots (their
+        validity joins `slot_valid`). Returns valid (B, T) bool (None: every slot real)."""
+        check_latents(content, rope)
+        if not self.is_initialized:
+            self.lazy_initialization(content, rope)
+        b, t = content.shape[:2]
+        valid = torch.ones(b, t, dtype=torch.bool, device=content.device) if valid is None else valid.bool()
+        if valid.shape != (b, t):
+            raise ValueError(f"valid must be (B, T) = {(b, t)}, got {tuple(valid.shape)}")
+        self.slot_valid = torch.cat([self.slot_valid, valid], dim=1)
+        self.length += t
+        return valid
+
+
+class LatentCacheLayer(LatentLayerContract):
     """One attention layer's latent cache in the format `fmt` (a `CacheFormat`; None = both paths unquantized)."""
 
     is_sliding = False
@@ -86,13 +123,6 @@ class LatentCacheLayer(CacheLayerMixin):
         self.tensor_scales: dict[str, torch.Tensor | None] = {p: None for p in PATHS}  # (B,) float32 per sequence
         # DeepSeek-V3.2's sparse-attention indexer keeps its own key cache next to the latent (B, S, d_index).
         self.indexer_keys: torch.Tensor | None = None
-        self._drop_view()
-
-    def _drop_view(self) -> None:
-        """Forget the decoded view (rebuilt on the next read): after edits that move or remove stored tokens."""
-        self._view: dict[str, torch.Tensor] | None = None  # path -> (B, capacity, d), activation dtype
-        self._view_stored: torch.Tensor | None = None  # (B,) stored tokens of each sequence already decoded there
-        self._view_len: torch.Tensor | None = None  # (B,) tokens of each sequence in the view at the last read
 
     # ------------------------------------------------------------------ format
     @property
@@ -140,15 +170,8 @@ class LatentCacheLayer(CacheLayerMixin):
 
     def append(self, content: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Store new tokens. content (B, T, d_c), rope (B, T, d_r), valid (B, T) bool: False marks padding."""
-        check_latents(content, rope)
-        if not self.is_initialized:
-            self.lazy_initialization(content, rope)
-        b, t = content.shape[:2]
-        valid = torch.ones(b, t, dtype=torch.bool, device=content.device) if valid is None else valid.bool()
-        if valid.shape != (b, t):
-            raise ValueError(f"valid must be (B, T) = {(b, t)}, got {tuple(valid.shape)}")
-        self.slot_valid = torch.cat([self.slot_valid, valid], dim=1)
-        self.length += t
+        valid = self._count_slots(content, rope, valid)
+        b, t = valid.shape
         if t == 0:
             return
         new = {"content": content.to(self.dtype), "rope": rope.to(self.dtype)}
@@ -261,74 +284,31 @@ class LatentCacheLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ reading
     def read_compact(self, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Each sequence's real tokens as stored, in order, left-aligned: {path: (B, L, d)}, lengths (B,).
-        Quantized tokens are decoded to `dtype` (default: the activation dtype). In the activation dtype this is a
-        copy of the decoded view, kept up to date incrementally (`_sync_view`); another dtype decodes everything."""
-        if dtype is None or dtype == self.dtype:
-            lengths = self._sync_view()
-            longest = int(lengths.max()) if lengths.numel() else 0
-            return {p: self._view[p][:, :longest].clone() for p in PATHS}, lengths
-        return self._decode_all(dtype)
+        Quantized tokens are decoded to `dtype` (default: the activation dtype), into a new tensor: the cache keeps
+        no decoded copy (attention reads the stored tensors block by block, `StoredKeys`)."""
+        return self._decode_all(self.dtype if dtype is None else dtype)
 
-    def _sync_view(self) -> torch.Tensor:
-        """Bring the decoded view up to date and return the tokens per sequence (B,). The view holds each sequence's
-        real tokens in order (sinks | stored | pending | recent) in the activation dtype. A token is decoded once, at
-        the first read after it is stored (its position in the sequence never changes: sinks fill before anything is
-        stored), so a decode step decodes B tokens, not the whole cache. A protected or pending token keeps its value
-        while it is unquantized, so only those that arrived since the last read are written. Edits that move or
-        remove stored tokens drop the view."""
-        n_store = self.store.lengths
-        offset = self.n_sinks if self.quantized else torch.zeros_like(n_store)
-        lengths = offset + n_store + (self.n_pending + self.n_recent if self.quantized else 0)
-        b = lengths.shape[0]
-        if self._view is None:
-            self._view = {p: torch.zeros(b, 0, self._dim(p), dtype=self.dtype, device=self.device) for p in PATHS}
-            self._view_stored = torch.zeros_like(n_store)
-            self._view_len = torch.zeros_like(n_store)
-        longest = int(lengths.max()) if b else 0
-        capacity = self._view["content"].shape[1]
-        if longest > capacity:  # geometric growth: amortised O(1) copies per token
-            grown = max(longest, 2 * capacity, self.block_size)
-            for p in PATHS:
-                view = self._view[p].new_zeros(b, grown, self._dim(p))
-                view[:, :capacity] = self._view[p]
-                self._view[p] = view
-        counts = n_store - self._view_stored  # (B,) stored tokens not decoded yet
-        if int(counts.sum()) > 0:
-            rows = torch.repeat_interleave(torch.arange(b, device=self.device), counts)
-            starts = torch.cumsum(counts, 0) - counts
-            pos = self._view_stored[rows] + torch.arange(rows.numel(), device=self.device) - starts[rows]
-            gathered = self.store.gather(rows, pos, self.store.part_names())
-            for p in PATHS:
-                parts = {k.split("/", 1)[1]: v for k, v in gathered.items() if k.startswith(p + "/")}
-                scale = None if self.tensor_scales[p] is None else self.tensor_scales[p][rows]
-                x = self.path_format(p).decode(parts, self._dim(p), self.dtype, scale)
-                self._view[p][rows, offset[rows] + pos] = x
-            self._view_stored = n_store.clone()
-        if self.quantized:  # unquantized tokens that arrived since the last read (earlier ones are in place)
-            for x, start, n in ((self.sinks, torch.zeros_like(offset), self.n_sinks),
-                                (self.pending, offset + n_store, self.n_pending),
-                                (self.recent, offset + n_store + self.n_pending, self.n_recent)):
-                j = torch.arange(x["content"].shape[1], device=self.device)[None, :]
-                index = start[:, None] + j
-                fresh = (j < n[:, None]) & (index >= self._view_len[:, None])
-                for p in PATHS:
-                    _scatter_rows(self._view[p], index, fresh, x[p])
-        self._view_len = lengths
-        return lengths
-
-    def _decode_all(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """read_compact in any dtype: every stored token decoded to `dtype`, the pieces assembled."""
-        dense, n_store = self.store.dense()
-        pieces = {p: [] for p in PATHS}
+    def _decode_store(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Every stored token decoded to `dtype`, left-aligned per sequence: {path: (B, L, d)} (L = n_quantized)."""
+        dense, _ = self.store.dense()
+        out = {}
         for p in PATHS:
             d = self._dim(p)
             if dense:
                 parts = {k.split("/", 1)[1]: v for k, v in dense.items() if k.startswith(p + "/")}
                 scale = self.tensor_scales[p]
-                scale = None if scale is None else scale[:, None].expand(-1, parts["codes"].shape[1])
-                stored = self.path_format(p).decode(parts, d, dtype, scale)
+                scale = None if scale is None else scale[:, None].expand(-1, next(iter(parts.values())).shape[1])
+                out[p] = self.path_format(p).decode(parts, d, dtype, scale)
             else:
-                stored = torch.zeros(self.slot_valid.shape[0], 0, d, dtype=dtype, device=self.device)
+                out[p] = torch.zeros(self.slot_valid.shape[0], 0, d, dtype=dtype, device=self.device)
+        return out
+
+    def _decode_all(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """read_compact in any dtype: every stored token decoded to `dtype`, the pieces assembled."""
+        decoded, n_store = self._decode_store(dtype), self.store.lengths
+        pieces = {p: [] for p in PATHS}
+        for p in PATHS:
+            stored = decoded[p]
             if self.quantized:
                 pieces[p] = [(self.sinks[p], self.n_sinks), (stored, n_store), (self.pending[p], self.n_pending),
                              (self.recent[p], self.n_recent)]
@@ -370,22 +350,25 @@ class LatentCacheLayer(CacheLayerMixin):
         return self.read_stored()
 
     def update_and_read(self, content, rope, valid=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append, then what this step's attention sees: in serving mode its own tokens fresh, in simulated stored."""
-        t = content.shape[1]
+        """Append, then what this step's attention sees, every slot at once: in serving mode its own tokens fresh,
+        in simulated stored."""
+        keys = self._step_keys(content, rope, valid)
+        return keys(0, keys.length)
+
+    def _step_keys(self, content, rope, valid) -> "StoredKeys":
+        """Append this step's latents; what its attention reads (serving mode: its own tokens fresh)."""
+        fresh = (content, rope) if self.quantized and self.fmt.mode == "serving" and content.shape[1] > 0 else None
         self.append(content, rope, valid)
-        all_c, all_r = self.read()
-        if self.quantized and self.fmt.mode == "serving" and t > 0:
-            all_c = torch.cat([all_c[:, :-t], content.to(all_c.dtype)], dim=1)
-            all_r = torch.cat([all_r[:, :-t], rope.to(all_r.dtype)], dim=1)
-        return all_c, all_r
+        return StoredKeys(self, fresh)
 
     def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, **absorbed) -> torch.Tensor:
         """Append this step's latents and attend over the whole cache. Returns o_latent (B, H, T, d_c).
         `absorbed`: `latent_attention`'s blocks, w_uk, w_uv (with w_uk, q_latent is q_nope; with w_uv the result is
-        per-head values (B, H, T, d_v))."""
-        all_content, all_rope = self.update_and_read(content, rope, valid)
+        per-head values (B, H, T, d_v)). Attention reads the stored tensors through `StoredKeys`, one block of keys
+        decoded at a time: nothing decoded outlives the step."""
+        keys = self._step_keys(content, rope, valid)
         self.backend_steps[step_type(q_latent), "torch"] += 1
-        return latent_attention(q_latent, q_rope, all_content, all_rope, scale, mask, **absorbed)
+        return latent_attention(q_latent, q_rope, keys, None, scale, mask, **absorbed)
 
     # ------------------------------------------------------------------ bytes
     def real_tokens(self) -> int:
@@ -419,24 +402,6 @@ class LatentCacheLayer(CacheLayerMixin):
         return self.store.held_bytes() + self._protected_bytes(held=True)
 
     # ------------------------------------------------------------------ transformers' CacheLayerMixin contract
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """transformers' MLA classes call update(c_kv (B,1,T,d_c), k_pe (B,1,T,d_r)); same data, 4-D views."""
-        content, rope = self.update_and_read(key_states[:, 0], value_states[:, 0])
-        return content.unsqueeze(1), rope.unsqueeze(1)
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self._clear()
-        self.is_initialized = False
-
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last -tokens_to_remove slots: per sequence its latest real tokens, recent window first, then
         pending tokens, then the store, then sinks. Stored tokens that end up inside the recent window stay
@@ -461,7 +426,6 @@ class LatentCacheLayer(CacheLayerMixin):
         if self.token_block and bool((kept % self.token_block).any()):
             kept = self._unblock(kept)
         self.store.truncate(kept)
-        self._drop_view()
         self.n_sinks = self.n_sinks - (drop - from_store)
         self.slot_valid = self.slot_valid[:, : self.length - k]
         self.length -= k
@@ -472,17 +436,14 @@ class LatentCacheLayer(CacheLayerMixin):
         """Crop inside stored blocks: of `kept` (B,) stored tokens per sequence, those past the last whole block
         (their pending tokens were all dropped) become pending with their stored (decoded) values. Returns the
         stored tokens left per sequence (whole blocks)."""
-        dense, _ = self.store.dense()
+        decoded = self._decode_store(self.dtype)  # {path: (B, L, d)}
         aligned = kept - kept % self.token_block
         keep = kept - aligned  # (B,)
         width = max(self.pending["content"].shape[1], int(keep.max()))
         j = torch.arange(width, device=self.device)[None, :]
         cut = keep > 0
         for p in PATHS:
-            parts = {k.split("/", 1)[1]: v for k, v in dense.items() if k.startswith(p + "/")}
-            scale = self.tensor_scales[p]
-            scale = None if scale is None else scale[:, None].expand(-1, parts["codes"].shape[1])
-            stored = self.path_format(p).decode(parts, self._dim(p), self.dtype, scale)  # (B, L, d)
+            stored = decoded[p]
             index = (aligned[:, None] + j).clamp(max=stored.shape[1] - 1)[..., None].expand(-1, -1, stored.shape[-1])
             moved = stored.gather(1, index)  # (B, width, d)
             old = self.pending[p].new_zeros(stored.shape[0], width, stored.shape[-1])
@@ -496,7 +457,6 @@ class LatentCacheLayer(CacheLayerMixin):
             return
         self.slot_valid = fn(self.slot_valid).contiguous()
         self.store = self.store.rebuilt(fn)
-        self._drop_view()
         self.n_sinks, self.n_recent, self.n_pending = fn(self.n_sinks), fn(self.n_recent), fn(self.n_pending)
         self.sinks = {p: fn(v).contiguous() for p, v in self.sinks.items()}
         self.recent = {p: fn(v).contiguous() for p, v in self.recent.items()}
@@ -524,7 +484,6 @@ class LatentCacheLayer(CacheLayerMixin):
             return
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         self.store.to(device)
-        self._drop_view()
         self.slot_valid, self.n_sinks, self.n_recent = move(self.slot_valid), move(self.n_sinks), move(self.n_recent)
         self.n_pending = move(self.n_pending)
         self.sinks = {p: move(v) for p, v in self.sinks.items()}
@@ -548,6 +507,76 @@ class LatentCacheLayer(CacheLayerMixin):
         else:
             self.indexer_keys = torch.cat([self.indexer_keys, indexer_key_states], dim=1)
         return self.indexer_keys
+
+
+class StoredKeys:
+    """What one attention step reads from a cache layer: every slot (B, S) as stored, slot-aligned as `read_stored`
+    gives it, decoded on demand one block of slots at a time (`keys(k0, k1)` -> content (B, k1 - k0, d_c), rope
+    (B, k1 - k0, d_r) in the activation dtype), so the cache holds its stored tensors only and the workspace is one
+    block. `fresh` (serving mode): the step's own latents (B, t, d), shown at the last t slots instead of their
+    stored values. Padding slots show a neighbouring real token (attention masks them).
+    A path stored over blocks of tokens (channel_block) decodes its sequences' stored blocks once per step."""
+
+    def __init__(self, layer: LatentCacheLayer, fresh: tuple[torch.Tensor, torch.Tensor] | None = None):
+        if not layer.is_initialized:
+            raise RuntimeError("attention over an empty latent cache layer")
+        self.layer, self.fresh = layer, fresh
+        self.length = layer.slot_valid.shape[1]
+        self.dims = (layer._dim("content"), layer._dim("rope"))
+        self.dtype = layer.dtype
+        self.index = (layer.slot_valid.long().cumsum(1) - 1).clamp(min=0)  # (B, S): the real token each slot shows
+        store = layer.store
+        self.n_store = store.lengths
+        self.stored = bool(store.num_blocks) and int(self.n_store.max()) > 0
+        first = layer.n_sinks if layer.quantized else torch.zeros_like(self.n_store)
+        self.store_start = first  # (B,) index of each sequence's first stored token among its real tokens
+        dense = []  # (buffers, first index, count) of the unquantized regions
+        if layer.quantized:
+            dense = [(layer.sinks, torch.zeros_like(first), layer.n_sinks),
+                     (layer.pending, first + self.n_store, layer.n_pending),
+                     (layer.recent, first + self.n_store + layer.n_pending, layer.n_recent)]
+        self.dense = [(buf, start, n) for buf, start, n in dense if buf["content"].shape[1]]
+        self._whole: dict[str, torch.Tensor] | None = None  # channel_block: the store decoded once per step
+
+    def __call__(self, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.index[:, k0:k1]  # (B, Kb) each slot's real-token index
+        regions = []  # the slots (b, j) of the block each unquantized region shows, and their index there
+        for buf, start, n in self.dense:
+            q = p - start[:, None]
+            b, j = ((q >= 0) & (q < n[:, None])).nonzero(as_tuple=True)
+            if b.numel():
+                regions.append((buf, b, j, q[b, j]))
+        out = []
+        for i, (path, d) in enumerate(zip(PATHS, self.dims)):
+            x = self._stored(path, p - self.store_start[:, None], d)
+            for buf, b, j, q in regions:  # a few tokens per sequence (sinks, pending, recent): written over
+                x[b, j] = buf[path][b, q].to(x.dtype)
+            if self.fresh is not None:  # serving: the step's own tokens at the last t slots
+                new = self.fresh[i]
+                t = new.shape[1]
+                if k1 > self.length - t:
+                    lo = max(k0, self.length - t)
+                    x[:, lo - k0:] = new[:, lo - (self.length - t):k1 - (self.length - t)].to(x.dtype)
+            out.append(x)
+        return out[0], out[1]
+
+    def _stored(self, path: str, q: torch.Tensor, d: int) -> torch.Tensor:
+        """The stored tokens q (B, Kb) (clamped into each sequence's store) of `path`, decoded: (B, Kb, d)."""
+        if not self.stored:
+            return torch.zeros(*q.shape, d, dtype=self.dtype, device=q.device)
+        layer, fmt = self.layer, self.layer.path_format(path)
+        q = torch.minimum(q.clamp(min=0), (self.n_store - 1).clamp(min=0)[:, None])
+        if fmt.blocked:  # decoded in whole token blocks, once per step
+            if self._whole is None:
+                self._whole = layer._decode_store(self.dtype)
+            return self._whole[path].gather(1, q[..., None].expand(-1, -1, d))
+        store = layer.store
+        names = [n for n in store.part_names() if n.startswith(path + "/")]
+        parts = store.gather_grid(q, names)
+        parts = {n.split("/", 1)[1]: v for n, v in parts.items()}
+        scale = layer.tensor_scales[path]
+        scale = None if scale is None else scale[:, None].expand_as(q)
+        return fmt.decode(parts, d, self.dtype, scale)
 
 
 class LatentCache(Cache):

@@ -12,6 +12,7 @@ block table, since they describe the same tokens.
     store.append(rows, {"content/values": x})       # rows (N,) ascending, x (N, d): tokens in order per row
     dense, lengths = store.dense()                   # {"content/values": (B, L_max, d)}, (B,)
     store.gather(rows, pos, ["content/values"])      # token pos[i] of sequence rows[i]: {"content/values": (N, d)}
+    store.gather_grid(pos, ["content/values"])       # token pos[b, j] of sequence b: {"content/values": (B, J, d)}
     store.block_table(), store.lengths               # what a kernel reads: (B, max_blocks) int32, (B,) int32
     store.declare({"rope/codes": ((W,), torch.int32), "rope/scales": ((G,), torch.float16)})  # a path's page
     store.part("rope/scales")                        # its view (num_blocks, block_size, G), stride(0) = page
@@ -157,6 +158,11 @@ class PagedStore:
         """Token pos[i] of sequence rows[i], both (N,): {part: (N, *)}."""
         blocks, offsets = self._locate(rows, pos)
         return {name: self.part(name)[blocks, offsets] for name in parts}
+
+    def gather_grid(self, pos: torch.Tensor, parts: list[str]) -> dict[str, torch.Tensor]:
+        """Token pos[b, j] of sequence b, pos (B, J) within each sequence's length: {part: (B, J, *)}."""
+        blocks = self.block_table().long().gather(1, pos // self.block_size)
+        return {name: self.part(name)[blocks, pos % self.block_size] for name in parts}
 
     def dense(self, parts: list[str] | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Each sequence's tokens left-aligned: {part: (B, L_max, *)} (entries past a length are arbitrary), (B,)."""

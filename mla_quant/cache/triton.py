@@ -54,7 +54,6 @@ class KernelDecode:
             return super().attend(q_latent, q_rope, content, rope, scale, mask, valid, blocks=blocks, w_uk=w_uk,
                                   w_uv=w_uv)
         self.append(content, rope, valid)
-        self._drop_view()  # the kernel reads the stored tensors: no decoded copy lingers after a torch-path prefill
         q = (q_latent if w_uk is None else q_latent @ w_uk)[:, :, 0]  # (B, H, d_c)
         out = latent_decode(q, q_rope[:, :, 0], scale, kernel_segments(self)).to(q.dtype)[:, :, None]
         self.backend_steps["decode", "triton"] += 1

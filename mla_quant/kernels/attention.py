@@ -168,31 +168,52 @@ def latent_attention(
     With `w_uk` (H, d_nope, d_c) the first argument is q_nope (B, H, T, d_nope) and q_latent = q_nope @ w_uk is formed
     one query block at a time; with `w_uv` (H, d_v, d_c) the result is each head's value o_latent @ w_uv^T
     (B, H, T, d_v), also per block: then no (B, H, T, d_c) tensor exists for the whole step.
+    `content` may also be a key source (the cache's `StoredKeys`: content(k0, k1) -> the content and rope blocks of
+    slots k0:k1, `.length` slots, `.dims` (d_c, d_r)) with rope=None: a step of one query block decodes one key block
+    of `blocks.key` keys at a time; a longer step decodes every key once.
     `q_positions` (T,) ascending: the slots of the T queries (default: the last T of the S slots), for queries
     sampled from a sequence (calibration); the mask is then causal at those slots (None or a `CausalMask` only).
     """
     blocks = DEFAULT_BLOCKS if blocks is None else blocks
     b, h, t = q_latent.shape[:3]
-    if blocks.expand_from is not None and t >= blocks.expand_from and w_uk is not None and w_uv is not None:
+    q_block = t if not blocks.blocked else min(t, blocks.query)
+    expanded = blocks.expand_from is not None and t >= blocks.expand_from and w_uk is not None and w_uv is not None
+    if callable(content):  # a key source (the cache's StoredKeys): keys(k0, k1) -> content, rope blocks
+        if values is not None:
+            raise ValueError("latent_attention: `values` replace tensor keys' values; a key source gives its own")
+        # Many query blocks would decode every key block again, and the expanded form up-projects every key: once.
+        if t > q_block or not blocks.blocked or expanded:
+            content, rope = content(0, content.length)
+    if expanded:
         return expanded_attention(q_latent, q_rope, content, rope, scale, mask, values, blocks, w_uk, w_uv,
                                   q_positions)
-    d_c = content.shape[-1]
-    s = content.shape[1]
     dtype = q_latent.dtype if w_uk is None else torch.promote_types(q_latent.dtype, w_uk.dtype)
-    content = content.to(dtype)
-    values = content if values is None else values.to(dtype)
-    rope = rope.to(q_rope.dtype)
-    q_block = t if not blocks.blocked else min(t, blocks.query)
-    k_block = s if not blocks.blocked else blocks.keys_per_block(q_block)
+    if callable(content):  # one query block: each key block decoded when it is read, blocks.key keys at a time
+        source, d_c, s = content, content.dims[0], content.length
+        k_block = blocks.key
+
+        def keys(k0, k1):
+            c, r = source(k0, k1)
+            c = c.to(dtype)
+            return c, r.to(q_rope.dtype), c
+    else:
+        d_c, s = content.shape[-1], content.shape[1]
+        content = content.to(dtype)
+        values = content if values is None else values.to(dtype)
+        rope = rope.to(q_rope.dtype)
+        k_block = s if not blocks.blocked else blocks.keys_per_block(q_block)
+
+        def keys(k0, k1):
+            return content[:, k0:k1], rope[:, k0:k1], values[:, k0:k1]
     # Stored as (B, T, H, d): the caller's merge of the heads, out.transpose(1, 2).reshape(B, T, H * d), is then a view.
-    out = content.new_empty(b, t, h, d_c if w_uv is None else w_uv.shape[1]).transpose(1, 2)  # (B, H, T, d)
+    out = q_latent.new_empty(b, t, h, d_c if w_uv is None else w_uv.shape[1], dtype=dtype).transpose(1, 2)
     for t0, t1, limit, block_mask in query_blocks(t, s, q_block, mask, q_positions, q_latent.device):
         ql = q_latent[:, :, t0:t1] if w_uk is None else q_latent[:, :, t0:t1] @ w_uk  # (B, H, Tb, d_c)
         qr = q_rope[:, :, t0:t1]
         if limit <= k_block:
-            o = _one_block(ql, qr, content[:, :limit], rope[:, :limit], values[:, :limit], scale, block_mask(0, limit))
+            o = _one_block(ql, qr, *keys(0, limit), scale, block_mask(0, limit))
         else:
-            o = _online_blocks(ql, qr, content, rope, values, scale, limit, k_block, block_mask)
+            o = _online_blocks(ql, qr, keys, scale, limit, k_block, block_mask)
         out[:, :, t0:t1] = o if w_uv is None else o @ w_uv.transpose(-1, -2)  # (B, H, Tb, d_v)
     return out
 
@@ -295,21 +316,23 @@ def _one_block(ql, qr, content, rope, values, scale, mask) -> torch.Tensor:
     return (probs.view(b, h * tb, -1) @ values).view(b, h, tb, d_c)
 
 
-def _online_blocks(ql, qr, content, rope, values, scale, limit: int, k_block: int, block_mask) -> torch.Tensor:
-    """Keys 0:limit in blocks of k_block, merged by an online softmax (running max, sum and output in float32)."""
+def _online_blocks(ql, qr, keys, scale, limit: int, k_block: int, block_mask) -> torch.Tensor:
+    """Keys 0:limit in blocks of k_block (keys(k0, k1) -> content, rope, values), merged by an online softmax
+    (running max, sum and output in float32)."""
     b, h, tb, d_c = ql.shape
     m = ql.new_full((b, h, tb, 1), float("-inf"), dtype=torch.float32)
     total = torch.zeros(b, h, tb, 1, dtype=torch.float32, device=ql.device)
     acc = torch.zeros(b, h * tb, d_c, dtype=torch.float32, device=ql.device)
     for k0 in range(0, limit, k_block):
         k1 = min(limit, k0 + k_block)
-        scores = _masked_scores(ql, qr, content[:, k0:k1], rope[:, k0:k1], scale, block_mask(k0, k1)).float()
+        content, rope, values = keys(k0, k1)
+        scores = _masked_scores(ql, qr, content, rope, scale, block_mask(k0, k1)).float()
         m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
         m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row masked so far stays empty, not NaN
         alpha = torch.exp(m - m_safe)  # (B, H, Tb, 1)
         p = torch.exp(scores - m_safe)  # (B, H, Tb, Kb)
         total = total * alpha + p.sum(-1, keepdim=True)
-        part = p.to(ql.dtype).view(b, h * tb, -1) @ values[:, k0:k1]  # (B, H*Tb, d_c)
+        part = p.to(ql.dtype).view(b, h * tb, -1) @ values  # (B, H*Tb, d_c)
         acc = acc * alpha.view(b, h * tb, 1) + part.float()
         m = m_new
     return (acc / total.view(b, h * tb, 1)).view(b, h, tb, d_c).to(ql.dtype)

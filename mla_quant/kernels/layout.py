@@ -81,12 +81,21 @@ class WordLayout:
 
     def unpack(self, words: torch.Tensor) -> torch.Tensor:
         """(..., W) int32 -> codes (..., d) uint8."""
+        return self._codes(words, "unpack").to(torch.uint8)
+
+    def unpack_float(self, words: torch.Tensor) -> torch.Tensor:
+        """`unpack` as float32 codes (what dequantization multiplies), without the uint8 round trip."""
+        return self._codes(words, "unpack_float").float()
+
+    def _codes(self, words: torch.Tensor, caller: str) -> torch.Tensor:
+        """(..., W) int32 -> codes (..., d) int32, in int32 arithmetic (the mask drops what an arithmetic shift
+        brings in)."""
         if words.dtype != torch.int32 or words.shape[-1] != self.words:
-            raise ValueError(f"WordLayout(bits={self.bits}, d={self.d}).unpack: int32 (..., {self.words}) expected, "
-                             f"got {words.dtype} {tuple(words.shape)}")
-        shifts = (torch.arange(self.per_word, device=words.device) * self.bits)[:, None]
-        v = (words.to(torch.int64)[..., None, :] >> shifts) & ((1 << self.bits) - 1)  # (..., P, W)
-        return v.reshape(*words.shape[:-1], -1)[..., : self.d].to(torch.uint8)
+            raise ValueError(f"WordLayout(bits={self.bits}, d={self.d}).{caller}: int32 (..., {self.words}) "
+                             f"expected, got {words.dtype} {tuple(words.shape)}")
+        shifts = (torch.arange(self.per_word, device=words.device, dtype=torch.int32) * self.bits)[:, None]
+        v = (words[..., None, :] >> shifts).bitwise_and_((1 << self.bits) - 1)  # (..., P, W)
+        return v.reshape(*words.shape[:-1], -1)[..., : self.d]
 
 
 PAGE_ALIGN = 16  # bytes: every part of a page, and every page, starts at a multiple of this

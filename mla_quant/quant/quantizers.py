@@ -234,10 +234,12 @@ def group_dequantize(
     d, g = codes.shape[-1], scales.shape[-1]
     q = codes.float().reshape(*codes.shape[:-1], g, d // g)  # (..., G, g)
     s = load_scale(scales).unsqueeze(-1)
+    # In place on the one new tensor: the same arithmetic, without a second large allocation (page faults dominate
+    # elementwise work on a long cache).
     if zeros is None:
-        x = (q - 2 ** (bits - 1)) * s
+        x = (q - 2 ** (bits - 1)).mul_(s)
     else:
-        x = q * s + zeros.float().unsqueeze(-1)
+        x = (q * s).add_(zeros.float().unsqueeze(-1))
     return x.reshape(codes.shape).to(dtype)
 
 

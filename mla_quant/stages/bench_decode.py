@@ -7,7 +7,9 @@
 For each context length: prefill a random prompt (every path), then time `task.decode_steps` single-token decode
 steps fed the same tokens. Paths: transformers (its own cache), the absorbed latent path over an unquantized cache,
 and, when `quant` quantizes, the absorbed path over the configured cache format (named by the quant option). Reports decode tokens/s of both and their ratio, and the cache bytes per token per
-layer each one holds, measured from the cache tensors. transformers 5.24 also caches only the latent, but re-expands
+layer each one holds, measured from the cache tensors, and what each cache holds after the steps: its distinct tensor
+storages and the process's resident set grown since before the prefill (CPU), per token per layer and against a
+BF16 cache of those tokens (2 (d_c + d_r) bytes). transformers 5.24 also caches only the latent, but re-expands
 per-head K and V from the whole cached latent at every step: that transient is reported too (values per token per
 layer materialised per step). One tidy row per (context, path) goes to bench_decode.csv.
 """
@@ -26,6 +28,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from mla_quant.models.absorbed import absorb, attention_blocks, cache_kwargs, latent_dims, new_cache
+from mla_quant.memory import settled_resident_bytes, tensor_bytes
 from mla_quant.models.build import resolve_device
 from mla_quant.prepare import prepare_model
 from mla_quant.stages import StageResult
@@ -46,8 +49,15 @@ def cache_bytes(cache) -> int:
 
 
 @torch.no_grad()
-def time_decode(model, prompt, steps: int, warmup: int, cache, device: str) -> tuple[float, int]:
-    """Median seconds per decode step after prefilling `prompt`, and the cache bytes after prefill."""
+def time_decode(model, prompt, steps: int, warmup: int, make_cache, device: str) -> tuple[float, int, dict, object]:
+    """Median seconds per decode step after prefilling `prompt` into a new cache (`make_cache()`), the cache bytes
+    after prefill, and what the cache holds after the steps: {"tensor_bytes": its distinct tensor storages,
+    "resident_bytes": the process's resident set grown since before the prefill (CPU; freed memory handed back
+    first, and one short run through a cache of the same kind before, so what a first call sets up once is not
+    counted as the cache's)}, and the cache."""
+    model(prompt[:, :16], use_cache=True, **cache_kwargs(make_cache()))
+    before = settled_resident_bytes() if device == "cpu" else None
+    cache = make_cache()
     model(prompt, use_cache=True, **cache_kwargs(cache))
     n_bytes = cache_bytes(cache)
     feed = torch.randint(3, model.config.vocab_size, (prompt.shape[0], warmup + steps),
@@ -60,7 +70,10 @@ def time_decode(model, prompt, steps: int, warmup: int, cache, device: str) -> t
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return statistics.median(times), n_bytes
+    del feed
+    held = {"tensor_bytes": tensor_bytes(cache),
+            "resident_bytes": None if before is None else settled_resident_bytes() - before}
+    return statistics.median(times), n_bytes, held, cache
 
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
@@ -75,23 +88,29 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     attn = absorbed.mla_family.attention_modules(absorbed)[0]
     expanded_values = attn.num_heads * (attn.qk_head_dim + attn.v_head_dim)
     layers = dims["layers"]
+    bf16_bytes = 2 * (dims["d_c"] + dims["d_r"])  # a BF16 cache's bytes per token per layer
 
     rows, metrics = [], {}
     for ctx in tqdm(list(task.contexts), desc="bench_decode", unit="context"):
         prompt = torch.randint(3, reference.config.vocab_size, (task.batch_size, ctx),
                                generator=torch.Generator().manual_seed(cfg.seed)).to(device)
         per_path = {}
-        paths = {"transformers": (reference, DynamicCache(config=reference.config)),
-                 "absorbed_latent": (absorbed, new_cache(absorbed))}
+        paths = {"transformers": (reference, lambda: DynamicCache(config=reference.config)),
+                 "absorbed_latent": (absorbed, lambda: new_cache(absorbed))}
         if quantized:
-            paths[f"absorbed_{prep.fmt.name}"] = (absorbed, new_cache(absorbed, factory))
-        for path, (model, cache) in paths.items():
-            seconds, n_bytes = time_decode(model, prompt, task.decode_steps, task.warmup_steps, cache, device)
+            paths[f"absorbed_{prep.fmt.name}"] = (absorbed, lambda: new_cache(absorbed, factory))
+        for path, (model, make_cache) in paths.items():
+            seconds, n_bytes, held, cache = time_decode(model, prompt, task.decode_steps, task.warmup_steps,
+                                                        make_cache, device)
+            tokens = task.batch_size * (ctx + task.warmup_steps + task.decode_steps) * layers
             per_path[path] = dict(
                 context=ctx, path=path, seconds_per_step=seconds,
                 tokens_per_s=task.batch_size / seconds,
                 cache_bytes_per_token_per_layer=n_bytes / (task.batch_size * ctx * layers),
                 materialised_values_per_token_per_layer=expanded_values if path == "transformers" else 0,
+                tensor_bytes_per_token_per_layer=held["tensor_bytes"] / tokens,
+                resident_bytes_per_token_per_layer=(None if held["resident_bytes"] is None
+                                                    else held["resident_bytes"] / tokens),
             )
             if hasattr(cache, "backends_run"):  # which backend ran each step type of this path
                 per_path[path].update({f"backend_{step}": b for step, b in cache.backends_run().items()})
@@ -103,8 +122,10 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
             metrics[f"bench/decode/ctx{ctx}/{path}/tokens_per_s"] = row["tokens_per_s"]
             metrics.update({f"bench/decode/ctx{ctx}/{path}/backend/{key[8:]}": value for key, value in row.items()
                             if key.startswith("backend_")})
-            metrics[f"bench/decode/ctx{ctx}/{path}/cache_bytes_per_token_per_layer"] = row[
-                "cache_bytes_per_token_per_layer"]
+            for key in ("cache_bytes", "tensor_bytes", "resident_bytes"):
+                if row[f"{key}_per_token_per_layer"] is not None:
+                    metrics[f"bench/decode/ctx{ctx}/{path}/{key}_per_token_per_layer"] = row[
+                        f"{key}_per_token_per_layer"]
         metrics[f"bench/decode/ctx{ctx}/speedup_absorbed_vs_transformers"] = speedup
         if quantized:
             q = per_path[f"absorbed_{prep.fmt.name}"]
@@ -112,6 +133,10 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                 q["tokens_per_s"] / per_path["absorbed_latent"]["tokens_per_s"])
             metrics[f"bench/decode/ctx{ctx}/cache_bytes_ratio_{prep.fmt.name}_vs_absorbed"] = (
                 q["cache_bytes_per_token_per_layer"] / per_path["absorbed_latent"]["cache_bytes_per_token_per_layer"])
+            for key in ("tensor_bytes", "resident_bytes"):  # what it holds against a BF16 cache of those tokens
+                if q[f"{key}_per_token_per_layer"] is not None:
+                    metrics[f"bench/decode/ctx{ctx}/{key}_ratio_{prep.fmt.name}_vs_bf16"] = (
+                        q[f"{key}_per_token_per_layer"] / bf16_bytes)
         metrics[f"bench/decode/ctx{ctx}/cache_bytes_ratio_absorbed_vs_transformers"] = byte_ratio
 
     metrics["bench/decode/latent_values_per_token_per_layer"] = dims["d_c"] + dims["d_r"]
@@ -122,10 +147,13 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     print(table.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     for ctx in task.contexts:
         if quantized:
+            resident = metrics.get(f"bench/decode/ctx{ctx}/resident_bytes_ratio_{prep.fmt.name}_vs_bf16")
             print(f"context {ctx}: {prep.fmt.name} cache: decode speed "
                   f"{metrics[f'bench/decode/ctx{ctx}/speed_{prep.fmt.name}_vs_absorbed']:.2f}x the unquantized "
                   f"absorbed path, cache bytes ratio "
-                  f"{metrics[f'bench/decode/ctx{ctx}/cache_bytes_ratio_{prep.fmt.name}_vs_absorbed']:.3f}")
+                  f"{metrics[f'bench/decode/ctx{ctx}/cache_bytes_ratio_{prep.fmt.name}_vs_absorbed']:.3f}; it holds "
+                  f"{metrics[f'bench/decode/ctx{ctx}/tensor_bytes_ratio_{prep.fmt.name}_vs_bf16']:.3f}x a BF16 cache's "
+                  "bytes in tensors" + ("" if resident is None else f", {resident:.3f}x in the process's resident set"))
         print(f"context {ctx}: absorbed latent decode {metrics[f'bench/decode/ctx{ctx}/speedup_absorbed_vs_transformers']:.2f}x "
               f"the transformers tokens/s; cache bytes ratio "
               f"{metrics[f'bench/decode/ctx{ctx}/cache_bytes_ratio_absorbed_vs_transformers']:.3f}")
