@@ -7,6 +7,8 @@ formatted, standard errors beside the scores), the numeric long form the figures
     paired          each method against RTN (transform none) of the same format on the same examples: difference,
                     its paired standard error, examples won and lost, share of the RTN -> BF16 gap closed
                     (per-example scores from <run>/samples/, eval.log_samples)
+    peers           each cache against each peer (transformers' QuantizedCache, quant=hf_*) of the same model on the
+                    same examples, all tasks together: difference ± paired standard error, won and lost, bytes of both
     memory          bytes per token per layer, used and held, per format and context (cache_bytes runs)
     calibration     mean objective error per path without (RTN) and with each transform (calibrate runs)
     quality         perplexity and next-token KL against the unquantized cache (quality runs)
@@ -65,7 +67,9 @@ def path_format(path: dict) -> str:
     """One cache path of a quant config in a few characters: bf16, fp8, int4 g32, int2 tok (per token)."""
     if path.get("format") != "int":
         return str(path.get("format"))
-    return f"int{path['bits']} " + (f"g{path['group_size']}" if path.get("group_size") else "tok")
+    quantizer = path.get("quantizer", "rtn")
+    return (f"int{path['bits']} " + (f"g{path['group_size']}" if path.get("group_size") else "tok")
+            + ("" if quantizer == "rtn" else f" {quantizer}"))
 
 
 def _pm(mean, err, digits=3) -> str:
@@ -128,10 +132,19 @@ def amplification(df: pd.DataFrame) -> Table:
 
 def _eval_base(r) -> dict:
     quant = r.config.get("quant") or {}
-    protected = quant.get("protected") or {}
-    return {"model": r.model, "method": r["transform"] or "none", "cache": quant.get("name", r.quant),
-            "content": path_format(quant.get("content") or {}), "rope": path_format(quant.get("rope") or {}),
-            "protected": f"{protected.get('n_sink', 0)}+{protected.get('recent', 0)}",
+    cache = quant.get("name", r.quant)
+    if "peer" in quant:  # transformers' QuantizedCache (conf/quant/hf_*.yaml): one format on both paths
+        peer = quant["peer"]
+        content = rope = f"{peer.get('library')} int{peer.get('bits')} g{peer.get('group_size')}"
+        protected = f"residual {peer.get('residual_length')}"
+    else:
+        content, rope = path_format(quant.get("content") or {}), path_format(quant.get("rope") or {})
+        shield = quant.get("protected") or {}
+        protected = f"{shield.get('n_sink', 0)}+{shield.get('recent', 0)}"
+        if quant.get("mode") == "serving":  # the appending step sees its own tokens fresh: another semantics
+            cache = f"{cache} serving"
+    return {"model": r.model, "method": r["transform"] or "none", "cache": cache, "content": content, "rope": rope,
+            "protected": protected, "peer": "peer" in quant,
             "bytes/token/layer": r.metrics.get("cache/bytes_per_token_per_layer"), "source": r.source}
 
 
@@ -259,17 +272,70 @@ def paired(df: pd.DataFrame) -> Table:
     out = pd.DataFrame(rows)
     if out.empty:
         return Table("paired", "Paired comparison with RTN", out)
-    sources = sorted({s for row in rows for s in row["sources"]})
+    out, shown, sources = _paired_shown(out, ("score", "RTN", "BF16"))
+    shown["gap closed"] = out["gap closed"].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.0%}")
+    return Table("paired", "Each method vs RTN on the same examples (difference ± paired standard error)", shown,
+                 out, sources)
+
+
+def _paired_shown(out: pd.DataFrame, scores) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+    """A paired comparison's rows (with `sources`, `delta`, `paired SE`, `z` columns) -> the numeric rows without
+    sources, the rows to print (scores to 3 digits, delta ± paired SE, z signed) and the sources."""
+    sources = sorted({s for row in out["sources"] for s in row})
     out = out.drop(columns="sources")
     shown = out.copy()
-    for c in ("score", "RTN", "BF16"):
+    for c in scores:
         shown[c] = shown[c].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.3f}")
     shown["delta"] = [_pm(d, e) for d, e in zip(out["delta"], out["paired SE"])]
     shown["z"] = out["z"].map(lambda v: f"{v:+.1f}")
-    shown["gap closed"] = out["gap closed"].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.0%}")
-    shown = shown.drop(columns="paired SE").rename(columns={"delta": "delta ± paired SE"})
-    return Table("paired", "Each method vs RTN on the same examples (difference ± paired standard error)", shown,
-                 out, sources)
+    return out, shown.drop(columns="paired SE").rename(columns={"delta": "delta ± paired SE"}), sources
+
+
+def peers(df: pd.DataFrame) -> Table:
+    """Every run of the project's caches against each peer (transformers' QuantizedCache, quant=hf_*) of the same
+    model, example by example on the tasks both scored, and over all those tasks together: the comparison with the
+    cache a user would pick instead, at the bytes each holds."""
+    long = accuracy_long(df)
+    if long.empty or not long["peer"].any():
+        return Table("peers", "Against transformers' quantized caches", pd.DataFrame())
+    long = long[long["run as"] == "model"]
+    long = long.assign(samples=[example_scores(r.source, r.task, r.metric) for r in long.itertuples()])
+    long = long[long["samples"].notna()]
+    rows = []
+    setting = ["model", "method", "cache", "content", "rope", "protected", "bytes/token/layer"]
+    for (model, peer), p in long[long["peer"]].groupby(["model", "cache"], sort=False):
+        ours = long[(~long["peer"]) & (long["model"] == model)]
+        for key, g in ours.groupby(setting, sort=False, dropna=False):
+            pooled = []
+            for t in g.itertuples():
+                other = p[p["task"] == t.task]
+                if other.empty:
+                    continue
+                a, b = t.samples, other["samples"].iloc[-1]
+                both = a.index.intersection(b.index)
+                if len(both) < 2:
+                    continue
+                pooled.append((a[both].rename(index=lambda i, task=t.task: f"{task}:{i}", level=0),
+                               b[both].rename(index=lambda i, task=t.task: f"{task}:{i}", level=0), t.source,
+                               other["source"].iloc[-1]))
+            if not pooled:
+                continue
+            a = pd.concat([x[0] for x in pooled])
+            b = pd.concat([x[1] for x in pooled])
+            d = a - b
+            se = float(d.std(ddof=1) / len(d) ** 0.5)
+            rows.append({**dict(zip(setting, key)), "peer": peer, "peer bytes/token/layer":
+                         p["bytes/token/layer"].iloc[-1], "tasks": len(pooled), "examples": len(d),
+                         "score": float(a.mean()), "peer score": float(b.mean()), "delta": float(d.mean()),
+                         "paired SE": se, "z": float(d.mean()) / se if se > 0 else 0.0,
+                         "won": int((d > 0).sum()), "lost": int((d < 0).sum()),
+                         "sources": [s for x in pooled for s in x[2:]]})
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return Table("peers", "Against transformers' quantized caches", out)
+    out, shown, sources = _paired_shown(out, ("score", "peer score"))
+    return Table("peers", "Each cache vs transformers' QuantizedCache on the same examples, all tasks together "
+                 "(difference ± paired standard error)", shown, out, sources)
 
 
 def ruler(df: pd.DataFrame) -> Table:
@@ -417,7 +483,7 @@ def equivalence(df: pd.DataFrame) -> Table:
     return Table("equivalence", "Absorbed path vs transformers' forward", shown, long, _used(df, long))
 
 
-BUILDERS = (amplification, accuracy, paired, ruler, memory, calibration, quality, paired_kl, equivalence)
+BUILDERS = (amplification, accuracy, paired, peers, ruler, memory, calibration, quality, paired_kl, equivalence)
 
 
 def main(argv=None) -> None:

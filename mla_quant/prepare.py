@@ -30,6 +30,7 @@ from mla_quant.models.build import _plain, load_tokenizer, pretrained_config, ti
 from mla_quant.models.families import family_for_config
 from mla_quant.models.fp8 import check_fp8_config
 from mla_quant.quant.formats import CacheFormat, cache_format
+from mla_quant.quant.peers import PeerFormat
 from mla_quant.transforms import apply_transforms
 
 # Keys of a model YAML that describe the model for other config groups, not arguments of its builder.
@@ -134,7 +135,7 @@ class Prepared:
     model: nn.Module
     tokenizer: Any
     dims: dict[str, int]
-    fmt: CacheFormat | None  # validated against the model's dims (None: the stage does not use quant)
+    fmt: CacheFormat | PeerFormat | None  # validated against the model's dims (None: the stage does not use quant)
     transform_metrics: dict | None = None  # transform name, calibration file, seconds, objective errors
     calib_report: list | None = None  # per layer and path: objective error without and with the transform
 
@@ -157,6 +158,10 @@ class Prepared:
                                                 in self.fmt.step_backends(param.device.type).items()}
         d_c, d_r = self.dims["d_c"], self.dims["d_r"]
         bf16 = (d_c + d_r) * 2  # bytes per token per layer of the BF16 cache the analysis compares against
+        if isinstance(self.fmt, PeerFormat):  # transformers' QuantizedCache: nominal bytes at 2 B scales and zeros
+            return {"cache/content": self.fmt.describe(), "cache/rope": self.fmt.describe(),
+                    "cache/protected": f"the latest < {self.fmt.residual_length} per sequence, {dtype}",
+                    "cache/bytes_per_token_per_layer": float(self.fmt.bytes_per_token(2)), **backends}
         if self.fmt is None or not self.fmt.quantized:
             return {"cache/content": f"{dtype} values", "cache/rope": f"{dtype} values", "cache/protected": "none",
                     "cache/bytes_per_token_per_layer": float(bf16), **backends}

@@ -4,8 +4,8 @@ dir and record, then every table and figure from those records and a one-screen 
     python run.py                                   # toy: sensitivity, calibration, evaluation, tables and figures
     python run.py experiment=pipeline model=deepseek_v2_lite task.evaluate=[] eval=gsm8k
 
-Steps (conf/experiment/pipeline.yaml): sensitivity -> calibrate (method x format) -> evaluate (the reference, then
-method x format) -> analysis. A step is `mla_quant.pipeline.main` on the step's experiment composed with the run's
+Steps (conf/experiment/pipeline.yaml): sensitivity -> calibrate (method x format) -> evaluate (the reference, the
+peers, then method x format) -> analysis. A step is `mla_quant.pipeline.main` on the step's experiment composed with the run's
 overrides that the step reads, so a step that finished in an earlier pipeline run of the same configuration is reused
 (force=true reruns). A failed step is recorded and the others still run; the pipeline's record lists every step.
 """
@@ -44,6 +44,7 @@ def steps(methods: list[str], formats: list[str], t: DictConfig) -> list[tuple[s
     if t.evaluate is not None:
         if t.reference:
             out.append((f"evaluate-{t.reference}", ["experiment=evaluate", f"quant={t.reference}", *t.evaluate]))
+        out += [(f"evaluate-{p}", ["experiment=evaluate", f"quant={p}", *t.evaluate]) for p in t.peers]
         out += [(f"evaluate-{m}-{f}", ["experiment=evaluate", f"transform={m}", f"quant={f}", *t.evaluate])
                 for m in methods for f in formats]
     return out
@@ -125,9 +126,13 @@ def summary(t: DictConfig, methods: list[str], formats: list[str], results: dict
     ref = headline(results.get(f"evaluate-{t.reference}") or {}) if t.reference else None
     if ref is not None:
         metrics[f"pipeline/accuracy/{t.reference}"] = ref
+    peer_acc = {p: headline(results.get(f"evaluate-{p}") or {}) for p in t.peers}
+    peer_acc = {p: a for p, a in peer_acc.items() if a is not None}
+    metrics.update({f"pipeline/accuracy/{p}": a for p, a in peer_acc.items()})
     if any(len(r) > 1 for r in rows) and t.evaluate is not None:
         lines.append("Accuracy, mean over tasks (objective error content/rope, mean over layers)"
-                     + (f"; {t.reference} reference {ref:.3f}" if ref is not None else "") + ":")
+                     + (f"; {t.reference} reference {ref:.3f}" if ref is not None else "")
+                     + "".join(f"; {p} {a:.3f}" for p, a in peer_acc.items()) + ":")
         lines.append(pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True))
     paired = report.tables.get("paired") if report is not None else None
     if paired is not None and not paired.empty:
@@ -138,6 +143,12 @@ def summary(t: DictConfig, methods: list[str], formats: list[str], results: dict
                  and (r["task"] == "all tasks" or (r["method"], r["cache"]) not in pooled)]
         if cells:  # every task's examples together (or the one task a run evaluated)
             lines.append("vs RTN on the same examples (difference ± paired standard error): " + "; ".join(cells))
+    against = report.tables.get("peers") if report is not None else None
+    if against is not None and not against.empty:
+        cells = [f"{r['method']} {r['cache']} {r['delta']:+.3f} ± {r['paired SE']:.3f} vs {r['peer']}"
+                 for r in against.long.to_dict("records") if r["method"] in methods and r["cache"] in formats]
+        if cells:
+            lines.append("vs transformers' QuantizedCache on the same examples: " + "; ".join(cells))
     if report is not None:
         lines.append(f"Tables and figures ({len(report.tables)} tables, {len(report.figures)} figures): "
                      f"{report.out}/index.md")
@@ -153,8 +164,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     configs, used = [], set()
     for i, (name, overrides) in enumerate(steps(methods, formats, t), 1):  # all compose first: bad options fail now
         try:
-            step_cfg, choices, step_overrides = step_config(overrides, passed, reference=name == f"evaluate-"
-                                                            f"{t.reference}")
+            fixed = name in [f"evaluate-{o}" for o in (t.reference, *t.peers) if o]  # no quant/transform settings
+            step_cfg, choices, step_overrides = step_config(overrides, passed, reference=fixed)
         except Exception as exc:
             raise ValueError(f"step {name} ({' '.join(overrides)}): {exc}") from exc
         used.update(o for o in step_overrides if o in passed)

@@ -10,13 +10,16 @@ from omegaconf import OmegaConf
 
 from mla_quant.cache import LatentCacheLayer, cache_layer_factory
 from mla_quant.cache.bytes import byte_table, load_quant_option, measure_bytes
+from mla_quant.kernels.attention import latent_attention
 from mla_quant.models.absorbed import cache_kwargs, latent_dims, new_cache, quantized_cache
 from mla_quant.prepare import build_model
 from mla_quant.quant.formats import cache_bytes_per_token, cache_format, fake_quantizer
 from mla_quant.quant.quantizers import fake_quantize, fp8_fake_quantize
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-OPTIONS = sorted(p.stem for p in (CONF / "quant").glob("*.yaml"))
+# The project's own formats; the peers (transformers' QuantizedCache, conf/quant/hf_*.yaml) are tests/test_peers.py's.
+OPTIONS = sorted(p.stem for p in (CONF / "quant").glob("*.yaml") if "\npeer:" not in p.read_text())
+PEERS = sorted(p.stem for p in (CONF / "quant").glob("*.yaml") if "\npeer:" in p.read_text())
 # The tiny model has d_c=32, d_r=8: groups of 128 do not divide 32, and a short prompt needs a short window.
 TINY = ["quant.content.group_size=16", "quant.protected.n_sink=2", "quant.protected.recent=8"]
 
@@ -70,6 +73,7 @@ def _shape(cfg) -> dict:
 def test_required_options_exist():
     required = {"bf16", "fp8_flat", "fp8_ds_mla", "int4_content", "int4_joint", "int2_content_int4_rope", "int8_joint"}
     assert required <= set(OPTIONS), f"missing quant options: {required - set(OPTIONS)}"
+    assert PEERS == ["hf_hqq_int2", "hf_hqq_int4", "hf_quanto_int2", "hf_quanto_int4"]
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -158,12 +162,13 @@ def test_bf16_format_equals_plain_layer(model, ids, bf16_logits):
 class FakeQuantMiddle(LatentCacheLayer):
     """Independent reference for simulated int4_joint on the tiny model: fake-quantize the non-protected tokens."""
 
-    def read(self):
-        c, r = super().read()
+    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, **absorbed):
+        self.append(content, rope, valid)
+        c, r = self.read()
         c, r = c.clone(), r.clone()
         c[:, 2:-8] = fake_quantize(c[:, 2:-8], 4, 16)
         r[:, 2:-8] = fake_quantize(r[:, 2:-8], 4, None)
-        return c, r
+        return latent_attention(q_latent, q_rope, c, r, scale, mask, **absorbed)
 
 
 def test_simulated_prefill_equals_fake_quant_reference(model, ids, bf16_logits):

@@ -10,6 +10,7 @@ from conftest import REPO, compose
 from mla_quant.workflow import selection
 
 SMALL = ["experiment=pipeline", "logger=none", "task.methods=[none,quarot]", "task.formats=[int4_joint]",
+         "task.peers=[hf_hqq_int2]",
          'task.cache_bytes=["task.contexts=[4096]"]',
          'task.sensitivity=["task.seeds=1","task.sweep_nmse=[0.01,0.04]","task.probe.num_sequences=2"]',
          'task.evaluate=["eval.control_no_rope.enabled=false","eval.tasks=[toy_niah_single_1,toy_niah_multikey_1]",'
@@ -31,23 +32,29 @@ def test_pipeline_runs_every_step_then_reuses_them(tmp_path):
     first = _run([*SMALL, f"hydra.run.dir={root}/first"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     steps = ["01_sensitivity", "02_cache_bytes", "03_calibrate-none-int4_joint", "04_calibrate-quarot-int4_joint",
-             "05_evaluate-bf16", "06_evaluate-none-int4_joint", "07_evaluate-quarot-int4_joint"]
+             "05_evaluate-bf16", "06_evaluate-hf_hqq_int2", "07_evaluate-none-int4_joint",
+             "08_evaluate-quarot-int4_joint"]
     for step in steps:
         rec = json.loads((root / "first" / step / "record.json").read_text())
         assert rec["status"] == "ok", step
-    ev = json.loads((root / "first" / "06_evaluate-none-int4_joint" / "record.json").read_text())
+    ev = json.loads((root / "first" / "07_evaluate-none-int4_joint" / "record.json").read_text())
+    peer = json.loads((root / "first" / "06_evaluate-hf_hqq_int2" / "record.json").read_text())
+    assert peer["choices"]["quant"] == "hf_hqq_int2" and peer["choices"]["transform"] == "none"
     assert ev["choices"]["quant"] == "int4_joint" and ev["choices"]["transform"] == "none"
     assert ev["choices"]["model"] == "toy_mla"
     top = json.loads((root / "first" / "record.json").read_text())
     scores = [ev["metrics"][f"eval/{t}/exact_match"] for t in ("toy_niah_single_1", "toy_niah_multikey_1")]
     assert top["metrics"]["pipeline/accuracy/none/int4_joint"] == pytest.approx(sum(scores) / 2)
     index = (root / "first" / "analysis" / "index.md").read_text()
-    for artifact in ("amplification", "accuracy", "paired", "calibration", "ruler", "memory", "output_vs_injected_nmse",
+    for artifact in ("amplification", "accuracy", "paired", "peers", "calibration", "ruler", "memory", "output_vs_injected_nmse",
                      "accuracy_vs_bytes", "memory_bytes_vs_context"):
         assert f"`{artifact}" in index, index
     assert "Accuracy, mean over tasks" in first.stdout and "analysis/index.md" in first.stdout
     vs_rtn = next(line for line in first.stdout.splitlines() if line.startswith("vs RTN on the same examples"))
     assert "quarot int4_joint" in vs_rtn and "none int4_joint" not in vs_rtn  # pooled over both tasks, one cell
+    vs_peer = next(line for line in first.stdout.splitlines() if line.startswith("vs transformers' QuantizedCache"))
+    assert vs_peer.count("vs hf_hqq_int2") == 2  # RTN and QuaRot at INT4, each paired with the peer
+    assert "pipeline/accuracy/hf_hqq_int2" in top["metrics"]
     # a second run of the same configuration reuses every finished step and still builds every table
     second = _run([*SMALL, f"hydra.run.dir={root}/second"])
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]

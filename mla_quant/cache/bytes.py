@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from mla_quant.cache.factory import layer_factory
 from mla_quant.quant.formats import cache_bytes_per_token, cache_format
+from mla_quant.quant.peers import refuse_peer
 
 QUANT_DIR = Path(__file__).resolve().parents[2] / "conf" / "quant"
 BYTE_TABLE_OPTIONS = ("bf16", "fp8_flat", "fp8_ds_mla", "int8_joint", "int4_content", "int4_joint",
@@ -62,6 +63,7 @@ def byte_table(options: Sequence[str] = BYTE_TABLE_OPTIONS, contexts: Sequence[i
     rows = []
     for name in tqdm(options, desc="cache bytes", unit="option"):
         cfg = load_quant_option(name, conf_dir)
+        refuse_peer(cfg, "the byte table (its formula per format)")
         if block_size is not None:
             cfg.block_size = block_size
         fmt = cache_format(cfg, d_c, d_r)

@@ -14,15 +14,20 @@ import torch
 
 from mla_quant.cache.layer import LatentCacheLayer
 from mla_quant.quant.formats import CacheFormat, cache_format
+from mla_quant.quant.peers import PeerFormat
 
 
 def layer_factory(fmt: CacheFormat | None) -> Callable[[], LatentCacheLayer]:
     """A zero-argument layer constructor for `fmt` (None: unquantized, torch backend). backend=triton: decode steps
     through the kernel (a clear error where it cannot launch); backend=auto: a kernel-capable layer when a CUDA GPU
     is visible and the kernel reads the format (each decode step then picks by the device of its tensors,
-    `CacheFormat.step_backends`), the PyTorch layer otherwise."""
+    `CacheFormat.step_backends`), the PyTorch layer otherwise. A `PeerFormat`: transformers' quantized layers."""
     if fmt is None:
         return LatentCacheLayer
+    if isinstance(fmt, PeerFormat):
+        from mla_quant.cache.peers import PeerLatentCacheLayer
+
+        return functools.partial(PeerLatentCacheLayer, fmt)
     auto_kernel = fmt.backend == "auto" and torch.cuda.is_available() and fmt.kernel_unsupported() is None
     if fmt.backend == "triton" or auto_kernel:
         from mla_quant.cache.triton import TritonLatentCacheLayer

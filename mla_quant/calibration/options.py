@@ -7,6 +7,7 @@ from mla_quant.calibration.fit import FitOptions
 from mla_quant.calibration.objectives import CONTENT_OBJECTIVES, ROPE_OBJECTIVES
 from mla_quant.models.build import _plain
 from mla_quant.quant.formats import CacheFormat, cache_format
+from mla_quant.quant.peers import PeerFormat
 from mla_quant.transforms import KINDS
 from mla_quant.transforms import kind as transform_kind
 
@@ -69,6 +70,9 @@ def transformed_format(transform_cfg, fmt: CacheFormat | None) -> CacheFormat | 
     """The cache format with the transform's content codec (transform=turboquant: the quant option's content bits
     stored as TurboQuant's codebook with one norm per token instead of per-group scales)."""
     codec = (_plain(transform_cfg).get("content") or {}).get("codec")
+    if isinstance(fmt, PeerFormat):
+        check_peer_transform(transform_cfg, fmt, codec)
+        return fmt
     if codec is None or fmt is None or not fmt.content.quantized:
         return fmt
     import dataclasses
@@ -85,6 +89,22 @@ def transformed_format(transform_cfg, fmt: CacheFormat | None) -> CacheFormat | 
         raise ValueError(f"transform.content.codec={codec}: quant.backend=triton cannot read format={codec}; use "
                          f"quant.backend=torch")
     return dataclasses.replace(fmt, name=f"{fmt.name}_{codec}", content=content)
+
+
+def check_peer_transform(transform_cfg, fmt: PeerFormat, codec) -> None:
+    """A transform with a peer cache (transformers' QuantizedCache): it is fitted and reported against one of the
+    project's formats, which the peer is not, so that format is named (transform.fit.format); a content codec
+    re-encodes the project's int path and does not apply."""
+    name = _plain(transform_cfg).get("name", "none")
+    if codec is not None:
+        raise ValueError(f"transform={name} stores content as format={codec}, a project codec; quant={fmt.name} is "
+                         "transformers' own cache and takes no codec: use transform=quarot (or another kind) with it")
+    fit = (_plain(transform_cfg).get("fit") or {}).get("format", "auto")
+    if kinds(transform_cfg) != {"content": "none", "rope": "none"} and fit == "auto":
+        raise ValueError(f"transform={name} with quant={fmt.name}: transforms are fitted and reported against one of "
+                         f"the project's formats, and transformers' cache is none of them; name one: "
+                         f"transform.fit.format={'int2_joint' if fmt.bits <= 2 else 'int4_joint'} (or another quant "
+                         "option)")
 
 
 def fit_format(transform_cfg, run_format: CacheFormat | None, d_c: int, d_r: int, groups: dict | None) -> CacheFormat:

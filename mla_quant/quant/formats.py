@@ -190,7 +190,10 @@ class IntCodec(Codec):
         return parts
 
     def decode(self, fmt, parts, d, dtype, tensor_scale):
-        codes = self.unpack_codes(fmt, parts["codes"], d)
+        if fmt.bits in WORD_BITS:  # straight from the int32 words to float codes (the same values as unpack_codes)
+            codes = WordLayout(fmt.bits, d).unpack_float(parts["codes"])
+        else:
+            codes = self.unpack_codes(fmt, parts["codes"], d)
         return quantizers.group_dequantize(codes, parts["scales"], parts.get("zeros"), fmt.bits, dtype)
 
     def kernel_unsupported(self, fmt, d):
@@ -535,8 +538,13 @@ def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None) -> C
 
     With `context` (the longest sequence the run will hold), a quantized format whose protected region covers the
     whole context is refused: nothing would ever be quantized. A backend that cannot read the format is refused.
+    A config with a `peer` block is a peer option: its `PeerFormat` (mla_quant/quant/peers.py).
     """
     cfg = _plain(quant_cfg)
+    from mla_quant.quant.peers import is_peer, peer_format
+
+    if is_peer(cfg):  # transformers' own QuantizedCache over the latent (conf/quant/hf_*.yaml)
+        return peer_format(cfg, d_c, d_r)
     _check_keys(cfg, TOP_KEYS, "quant")
     mode, backend = cfg.get("mode", "simulated"), cfg.get("backend", "auto")
     if mode not in MODES:

@@ -37,6 +37,7 @@ from mla_quant.cache.triton import kernel_segments
 from mla_quant.kernels.latent_decode import (bytes_read, latent_decode, latent_decode_reference, launch_config,
                                              require_triton)
 from mla_quant.models.build import resolve_device
+from mla_quant.quant.peers import refuse_peer
 from mla_quant.record import write_text_atomic
 from mla_quant.stages import StageResult
 
@@ -93,6 +94,7 @@ def timer(device: str, iters: int, warmup: int):
 
 def filled_layer(option: str, task, context: int, batch: int, device: str, dtype: torch.dtype, g: torch.Generator):
     """One cache layer of quant option `option` holding `batch` sequences of `context` random latents."""
+    refuse_peer(load_quant_option(option), "experiment=bench_kernel (the Triton kernel)")
     quant = OmegaConf.merge(load_quant_option(option), {"backend": "triton"}, task.quant_overrides or {})
     layer = cache_layer_factory(quant, task.d_c, task.d_r, context=max(context + 1, 4096))()
     layer.append(torch.randn(batch, context, task.d_c, generator=g, device=device, dtype=dtype),

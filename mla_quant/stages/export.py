@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mla_quant.models.families import family_for_config
 from mla_quant.prepare import build_model, prepare_model
+from mla_quant.quant.peers import refuse_peer
 from mla_quant.record import write_json_atomic
 from mla_quant.stages import StageResult
 
@@ -48,6 +49,7 @@ def write_checkpoint(model, out: Path) -> list[str]:
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
+    refuse_peer(cfg.get("quant"), "experiment=export (the cache description serving engines read)")
     prep = prepare_model(cfg, absorbed=False)
     model = prep.model
     out = run_dir / "checkpoint"

@@ -44,7 +44,9 @@ SITES = ("logits", "kl")
 def noise_quantizers(cfg: DictConfig, dims: dict[str, int]) -> dict:
     """Per path, x -> fake-quantized x in the format `quant.<path>` describes (for task.noise=quantizer)."""
     from mla_quant.quant.formats import fake_quantizer  # the quantized-cache formats
+    from mla_quant.quant.peers import refuse_peer
 
+    refuse_peer(cfg.quant, "task.noise=quantizer (noise of the format's own error shape)")
     for path in ("content", "rope"):
         if cfg.quant[path].format == "bf16":
             raise ValueError(f"task.noise=quantizer needs quant.{path}.format int or fp8; quant={cfg.quant.name} "

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from mla_quant.cache.bytes import load_quant_option  # noqa: E402
 from mla_quant.prepare import model_config  # noqa: E402
+from mla_quant.quant.peers import refuse_peer  # noqa: E402
 from mla_quant.quant.formats import cache_bytes_per_token, cache_format  # noqa: E402
 from mla_quant.record import write_text_atomic  # noqa: E402
 from mla_quant.serving.capacity import GPU, Deployment, StepTime, kernel_lookup, kv_blocks  # noqa: E402
@@ -76,7 +77,9 @@ def formats(cfg, shape) -> dict:
     groups = OmegaConf.to_container(cfg.model.get("quant_group_size")) if cfg.model.get("quant_group_size") else None
     out = {}
     for name in cfg.task.formats:
-        out[name] = cache_format(load_quant_option(name, groups=groups), shape.d_c, shape.d_r)
+        quant = load_quant_option(name, groups=groups)
+        refuse_peer(quant, "experiment=serving (vLLM's blocks sized by the format's bytes)")
+        out[name] = cache_format(quant, shape.d_c, shape.d_r)
     if not out:
         raise ValueError("task.formats is empty: name the quant options to serve (e.g. [bf16, int4_joint])")
     return out
