@@ -38,6 +38,7 @@ from mla_quant.models.build import resolve_device
 from mla_quant.record import (PROGRESS_NAME, RunProgress, active_progress, prior_runs, read_json, run_identity,
                               write_record)
 from mla_quant.calibration import fitted_paths, needs_data
+from mla_quant.sensitivity.allocation import is_mixed
 from mla_quant.stages import (StageFailed, StageResult, nested_overrides, refuse_overrides, refuse_unused_groups,
                               user_overrides)
 
@@ -179,7 +180,8 @@ def refuse_idle_calibration(cfg: DictConfig, overrides: list[str] | None = None)
         refuse_overrides(["objective"], f"transform={name} fits nothing, so objective settings would do nothing",
                          overrides)
         idle_fit += ["steps", "lr", "batch", "eval_every"]
-    if not needs_data(cfg.transform):
+    mixed = "quant" in (cfg.task.get("uses") or []) and is_mixed(cfg.get("quant"))  # allocated on calib latents
+    if not needs_data(cfg.transform) and not mixed:
         refuse_overrides(["calib"], f"transform={name} reads no calibration data, so calib settings would do nothing",
                          overrides)
         idle_fit += ["alpha", "format"]

@@ -22,15 +22,17 @@ from omegaconf import DictConfig, ListConfig
 from torch import nn
 
 from mla_quant.cache import layer_factory
-from mla_quant.calibration import calibrated_transforms, check_transform, transformed_format
-from mla_quant.calibration.data import check_calib, resolve_source
+from mla_quant.calibration import calibrated_transforms, check_transform, transformed_format, weights_sha256
+from mla_quant.calibration.data import calibration_ids, check_calib, resolve_source
+from mla_quant.calibration.options import check_layered_transform
 from mla_quant.eval.harness import ContextTooLong
 from mla_quant.models.absorbed import absorb, attention_blocks, latent_dims, new_cache
 from mla_quant.models.build import _plain, load_tokenizer, pretrained_config, tiny_config
 from mla_quant.models.families import family_for_config
 from mla_quant.models.fp8 import check_fp8_config
-from mla_quant.quant.formats import CacheFormat, cache_format
+from mla_quant.quant.formats import CacheFormat, LayeredFormat, cache_format
 from mla_quant.quant.peers import PeerFormat
+from mla_quant.sensitivity.allocation import MixedSpec, allocate, is_mixed, mixed_spec
 from mla_quant.transforms import apply_transforms
 
 # Keys of a model YAML that describe the model for other config groups, not arguments of its builder.
@@ -85,15 +87,20 @@ def model_dims(model_cfg) -> dict[str, int]:
 
 
 def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True, calib_report: bool = False
-             ) -> CacheFormat | None:
-    """Check the quant, transform, objective and calib groups against the model's dims; the validated cache format.
-    calib_report=True: calibration data is read even for a data-free transform (experiment=calibrate)."""
+             ) -> CacheFormat | LayeredFormat | MixedSpec | None:
+    """Check the quant, transform, objective and calib groups against the model's dims; the validated cache format
+    (for quant=mixed its validated spec, allocated once the model is loaded). calib_report=True: calibration data is
+    read even for a data-free transform (experiment=calibrate)."""
     check_transform(cfg.get("transform"), cfg.get("objective"))
     attention_blocks(cfg.get("attention"))
     from mla_quant.calibration import needs_data
 
-    if needs_data(cfg.get("transform")) or calib_report:
+    mixed = quant and is_mixed(cfg.get("quant"))
+    if needs_data(cfg.get("transform")) or calib_report or mixed:
         if cfg.get("calib") is None:
+            if mixed:
+                raise ValueError(f"quant={cfg.quant.get('name')!r} measures each width's cache NMSE on calibration "
+                                 "latents: add calib=<option>")
             raise ValueError(f"transform={cfg.transform.get('name')!r} needs calibration data: add calib=<option>")
         check_calib(cfg.calib, resolve_source(cfg.calib, cfg.model.get("_target_")))
         check_context("calib.seq_len", cfg.calib.seq_len, dims)
@@ -103,8 +110,15 @@ def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True, calib
                              "attention output at every token and needs every query; set calib.query_tokens=null")
     if not quant or cfg.get("quant") is None:
         return None
-    return transformed_format(cfg.get("transform"),
-                              cache_format(cfg.quant, dims["d_c"], dims["d_r"], context=dims["context"]))
+    if mixed:
+        spec = mixed_spec(cfg.quant, dims["d_c"], dims["d_r"], dims["layers"], dims["context"],
+                          _plain(cfg.model.get("quant_group_size")) or None)
+        codec = (_plain(cfg.get("transform") or {}).get("content") or {}).get("codec")
+        if codec is not None or spec.budget_name is None:  # else the transforms are fitted for the budget's option
+            check_layered_transform(cfg.get("transform"), spec.name, codec)
+        return spec
+    return transformed_format(cfg.get("transform"), cache_format(cfg.quant, dims["d_c"], dims["d_r"],
+                                                                 context=dims["context"], num_layers=dims["layers"]))
 
 
 def check_context(key: str, value, dims: Mapping[str, int]) -> None:
@@ -135,9 +149,11 @@ class Prepared:
     model: nn.Module
     tokenizer: Any
     dims: dict[str, int]
-    fmt: CacheFormat | PeerFormat | None  # validated against the model's dims (None: the stage does not use quant)
+    # validated against the model's dims (None: the stage does not use quant); quant=mixed: the allocated formats
+    fmt: CacheFormat | LayeredFormat | PeerFormat | None
     transform_metrics: dict | None = None  # transform name, calibration file, seconds, objective errors
     calib_report: list | None = None  # per layer and path: objective error without and with the transform
+    alloc_metrics: dict | None = None  # quant=mixed: the allocation's file, budget, bits per layer and path
 
     def layer_factory(self):
         return None if self.fmt is None else layer_factory(self.fmt)
@@ -147,7 +163,7 @@ class Prepared:
 
     def metrics(self) -> dict:
         """What this preparation did, for the run record: cache format per path and the transforms."""
-        return {**self.cache_metrics(), **(self.transform_metrics or {})}
+        return {**self.cache_metrics(), **(self.transform_metrics or {}), **(self.alloc_metrics or {})}
 
     def cache_metrics(self) -> dict[str, str | float]:
         """What the cache stores per path, with the dtype actually stored (the toy runs in float32, so its
@@ -165,6 +181,15 @@ class Prepared:
         if self.fmt is None or not self.fmt.quantized:
             return {"cache/content": f"{dtype} values", "cache/rope": f"{dtype} values", "cache/protected": "none",
                     "cache/bytes_per_token_per_layer": float(bf16), **backends}
+        if isinstance(self.fmt, LayeredFormat):  # per layer, and the mean over layers
+            per_layer = self.fmt.bytes_per_token(2)
+            out = {"cache/content": "per layer", "cache/rope": "per layer",
+                   "cache/protected": f"{self.fmt.n_sink} sinks + {self.fmt.recent} recent per sequence, {dtype}",
+                   "cache/bytes_per_token_per_layer": float(sum(per_layer) / len(per_layer))}
+            for i, (paths, b) in enumerate(zip(self.fmt.describe(), per_layer)):
+                out.update({f"cache/layer{i}/{p}": d for p, d in paths.items()})
+                out[f"cache/layer{i}/bytes_per_token"] = float(b)
+            return {**out, **backends}
         out = {f"cache/{p}": (self.fmt.path(p).describe() if self.fmt.path(p).quantized else f"{dtype} values")
                for p in ("content", "rope")}
         out["cache/protected"] = f"{self.fmt.n_sink} sinks + {self.fmt.recent} recent per sequence, {dtype}"
@@ -181,24 +206,55 @@ def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True
     the calibration objectives per layer even for transforms that fit nothing (experiment=calibrate)."""
     dims = model_dims(cfg.model)
     fmt = validate(cfg, dims, quant=quant, calib_report=calib_report)
+    spec = fmt if isinstance(fmt, MixedSpec) else None
     model = build_model(cfg.model, absorbed=False, **build_overrides)
     tok = load_tokenizer(cfg.model) if tokenizer or needs_tokenizer(cfg, calib_report) else None
-    tset, transform_metrics, report = calibrated_transforms(model, cfg, tok, fmt, report=calib_report)
+    run_format = fmt if spec is None else budget_format(cfg, spec)
+    tset, transform_metrics, report = calibrated_transforms(model, cfg, tok, run_format, report=calib_report)
     if tset is not None:
         apply_transforms(model, tset)
     if absorbed:
         model = absorb(model, attention_blocks(cfg.get("attention")))
+    alloc_metrics = None
+    if spec is not None:
+        fmt, alloc_metrics = allocate_formats(model, cfg, tok, spec, transform_metrics)
     measured = latent_dims(model) if absorbed else None
     if measured is not None and (measured["d_c"], measured["d_r"]) != (dims["d_c"], dims["d_r"]):
         raise RuntimeError(f"the loaded model has (d_c, d_r) = {(measured['d_c'], measured['d_r'])}, its config "
                            f"said {(dims['d_c'], dims['d_r'])}")
-    return Prepared(model, tok if tokenizer else None, dims, fmt, transform_metrics, report)
+    return Prepared(model, tok if tokenizer else None, dims, fmt, transform_metrics, report, alloc_metrics)
+
+
+def budget_format(cfg: DictConfig, spec: MixedSpec) -> CacheFormat | None:
+    """quant=mixed with quant.budget named: that uniform option's format, the one the transforms are fitted for
+    (transform.fit.format=auto); else None (a fitted transform then names its format, checked in `validate`)."""
+    if spec.budget_name is None:
+        return None
+    from mla_quant.cache.bytes import load_quant_option
+
+    option = load_quant_option(spec.budget_name, groups=_plain(cfg.model.get("quant_group_size")) or None)
+    return cache_format(option, spec.d_c, spec.d_r)
+
+
+def allocate_formats(model, cfg: DictConfig, tokenizer, spec: MixedSpec, transform_metrics: dict | None):
+    """The per-layer formats of quant=mixed for the (transformed) model, measured on the absorbed view of it."""
+    from mla_quant.models.absorbed import absorbed_view
+
+    source = resolve_source(cfg.calib, cfg.model.get("_target_"))
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    ids = calibration_ids(cfg.calib, source, tokenizer, vocab)
+    identity = {"model": {k: v for k, v in _plain(cfg.model).items() if k not in ("device", "tokenizer", "resources")},
+                "weights": weights_sha256(model), "transform": (transform_metrics or {}).get("calib/file", "none"),
+                "calib": {**_plain(cfg.calib), "source": source}}
+    with absorbed_view(model, attention_blocks(cfg.get("attention"))) as view:
+        return allocate(view, spec, ids, identity, int(cfg.calib.get("batch_size", 8)))
 
 
 def needs_tokenizer(cfg: DictConfig, calib_report: bool = False) -> bool:
     """Calibration on text or the toy's documents needs the model's tokenizer."""
     from mla_quant.calibration import needs_data
 
-    if not (needs_data(cfg.get("transform")) or calib_report) or cfg.model.get("tokenizer") is None:
+    if not (needs_data(cfg.get("transform")) or calib_report or is_mixed(cfg.get("quant"))) or \
+            cfg.model.get("tokenizer") is None:
         return False
     return resolve_source(cfg.calib, cfg.model.get("_target_")) in ("toy", "text")

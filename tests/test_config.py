@@ -50,13 +50,20 @@ def test_real_checkpoints_fail_offline_naming_id_and_path(option, tmp_path, monk
 
 
 def test_quant_options_share_one_shape():
-    """The project's formats share bf16.yaml's keys; a peer option (transformers' cache) has name and peer only."""
+    """The project's formats share bf16.yaml's keys; a peer option (transformers' cache) has name and peer only;
+    quant=mixed has bf16.yaml's keys (its paths without format and bits) and its allocation's."""
     shape = None
     for option in options("quant"):
         q = compose([f"quant={option}"]).quant
         if "peer" in q:
             assert sorted(q) == ["name", "peer"] and sorted(q.peer) == ["bits", "group_size", "library",
                                                                        "residual_length"], option
+            continue
+        if "budget" in q:
+            bf16 = compose(["quant=bf16"]).quant
+            assert sorted(q) == sorted([*bf16, "budget", "choices", "allocation"]), option
+            assert sorted(q.content) == sorted(set(bf16.content) - {"format", "bits"}), option
+            assert sorted(q.rope) == sorted(q.content) and sorted(q.choices) == ["content", "rope"], option
             continue
         keys = (sorted(q), sorted(q.content), sorted(q.rope), sorted(q.protected))
         shape = shape or keys

@@ -17,8 +17,10 @@ from mla_quant.quant.formats import cache_bytes_per_token, cache_format, fake_qu
 from mla_quant.quant.quantizers import fake_quantize, fp8_fake_quantize
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-# The project's own formats; the peers (transformers' QuantizedCache, conf/quant/hf_*.yaml) are tests/test_peers.py's.
-OPTIONS = sorted(p.stem for p in (CONF / "quant").glob("*.yaml") if "\npeer:" not in p.read_text())
+# The project's own uniform formats; the peers (transformers' QuantizedCache, conf/quant/hf_*.yaml) are
+# tests/test_peers.py's, quant=mixed (allocated per layer) tests/test_mixed.py's.
+OPTIONS = sorted(p.stem for p in (CONF / "quant").glob("*.yaml")
+                 if "\npeer:" not in p.read_text() and "\nbudget:" not in p.read_text())
 PEERS = sorted(p.stem for p in (CONF / "quant").glob("*.yaml") if "\npeer:" in p.read_text())
 # The tiny model has d_c=32, d_r=8: groups of 128 do not divide 32, and a short prompt needs a short window.
 TINY = ["quant.content.group_size=16", "quant.protected.n_sink=2", "quant.protected.recent=8"]

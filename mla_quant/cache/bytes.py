@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from mla_quant.cache.factory import layer_factory
-from mla_quant.quant.formats import cache_bytes_per_token, cache_format
+from mla_quant.quant.formats import cache_bytes_per_token, cache_format, refuse_layered
 from mla_quant.quant.peers import refuse_peer
 
 QUANT_DIR = Path(__file__).resolve().parents[2] / "conf" / "quant"
@@ -39,6 +39,7 @@ def measure_bytes(fmt, contexts: Iterable[int], batch: int = 1, chunk: int = 409
                   dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict[int, tuple[int, int]]:
     """Fill one layer of format `fmt` with a synthetic latent in chunks; {context: (used bytes, held bytes)}.
     One random chunk is appended repeatedly: the bytes a format takes do not depend on the values."""
+    refuse_layered(fmt, "measure_bytes (one cache layer of one format)")
     layer = layer_factory(fmt)()
     gen = torch.Generator().manual_seed(seed)
     block_c = torch.randn(batch, chunk, fmt.d_c, generator=gen).to(dtype)  # (B, chunk, d_c)

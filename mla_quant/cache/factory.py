@@ -13,17 +13,21 @@ from collections.abc import Callable
 import torch
 
 from mla_quant.cache.layer import LatentCacheLayer
-from mla_quant.quant.formats import CacheFormat, cache_format
+from mla_quant.quant.formats import CacheFormat, LayeredFormat, cache_format
 from mla_quant.quant.peers import PeerFormat
 
 
-def layer_factory(fmt: CacheFormat | None) -> Callable[[], LatentCacheLayer]:
+def layer_factory(fmt: CacheFormat | LayeredFormat | None
+                  ) -> Callable[[], LatentCacheLayer] | list[Callable[[], LatentCacheLayer]]:
     """A zero-argument layer constructor for `fmt` (None: unquantized, torch backend). backend=triton: decode steps
     through the kernel (a clear error where it cannot launch); backend=auto: a kernel-capable layer when a CUDA GPU
     is visible and the kernel reads the format (each decode step then picks by the device of its tensors,
-    `CacheFormat.step_backends`), the PyTorch layer otherwise. A `PeerFormat`: transformers' quantized layers."""
+    `CacheFormat.step_backends`), the PyTorch layer otherwise. A `PeerFormat`: transformers' quantized layers. A
+    `LayeredFormat`: one constructor per cache layer, in order (`LatentCache` takes the list)."""
     if fmt is None:
         return LatentCacheLayer
+    if isinstance(fmt, LayeredFormat):
+        return [layer_factory(f) for f in fmt.layers]
     if isinstance(fmt, PeerFormat):
         from mla_quant.cache.peers import PeerLatentCacheLayer
 

@@ -583,7 +583,14 @@ class LatentCache(Cache):
     """A `transformers.Cache` with one `LatentCacheLayer` (or a subclass) per MLA attention module."""
 
     def __init__(self, num_layers: int, layer_factory=LatentCacheLayer):
-        layers = [layer_factory() for _ in range(num_layers)]
+        """`layer_factory`: a zero-argument layer constructor, or a list of them, one per layer (a per-layer format)."""
+        if isinstance(layer_factory, (list, tuple)):
+            if len(layer_factory) != num_layers:
+                raise ValueError(f"a cache format per layer for {len(layer_factory)} layers (quant.layers); the model "
+                                 f"has {num_layers} cache layers")
+            layers = [make() for make in layer_factory]
+        else:
+            layers = [layer_factory() for _ in range(num_layers)]
         for idx, layer in enumerate(layers):
             layer.layer_idx = idx
         super().__init__(layers=layers)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from mla_quant.calibration.fit import FitOptions
 from mla_quant.calibration.objectives import CONTENT_OBJECTIVES, ROPE_OBJECTIVES
 from mla_quant.models.build import _plain
-from mla_quant.quant.formats import CacheFormat, cache_format
+from mla_quant.quant.formats import CacheFormat, LayeredFormat, cache_format
 from mla_quant.quant.peers import PeerFormat
 from mla_quant.transforms import KINDS
 from mla_quant.transforms import kind as transform_kind
@@ -73,6 +73,9 @@ def transformed_format(transform_cfg, fmt: CacheFormat | None) -> CacheFormat | 
     if isinstance(fmt, PeerFormat):
         check_peer_transform(transform_cfg, fmt, codec)
         return fmt
+    if isinstance(fmt, LayeredFormat):
+        check_layered_transform(transform_cfg, fmt.name, codec)
+        return fmt
     if codec is None or fmt is None or not fmt.content.quantized:
         return fmt
     import dataclasses
@@ -107,6 +110,20 @@ def check_peer_transform(transform_cfg, fmt: PeerFormat, codec) -> None:
                          "option)")
 
 
+def check_layered_transform(transform_cfg, quant_name: str, codec) -> None:
+    """A transform with a format per layer: fitted transforms are fitted for one format, so it is named
+    (transform.fit.format); a content codec re-encodes one int path for the whole model and does not apply."""
+    name = _plain(transform_cfg).get("name", "none")
+    if codec is not None:
+        raise ValueError(f"transform={name} stores content as format={codec} in every layer; quant={quant_name} gives "
+                         f"each layer its own format: use transform=quantmla (or another kind without a codec)")
+    fit = (_plain(transform_cfg).get("fit") or {}).get("format", "auto")
+    if kinds(transform_cfg) != {"content": "none", "rope": "none"} and fit == "auto":
+        raise ValueError(f"transform={name} with quant={quant_name} (a format per layer): transforms are fitted "
+                         f"and reported for one format; name it: transform.fit.format=int2_content_int4_rope (or another quant "
+                         f"option), or give quant.budget as an option's name")
+
+
 def fit_format(transform_cfg, run_format: CacheFormat | None, d_c: int, d_r: int, groups: dict | None) -> CacheFormat:
     """The cache format the transforms are fitted for: transform.fit.format, `auto` = the run's quantized format,
     else int4_joint."""
@@ -114,6 +131,10 @@ def fit_format(transform_cfg, run_format: CacheFormat | None, d_c: int, d_r: int
 
     name = (_plain(transform_cfg).get("fit") or {}).get("format", "auto")
     if name == "auto":
+        if isinstance(run_format, LayeredFormat):
+            raise ValueError(f"quant={run_format.name} gives each layer its own format; the transforms are fitted and "
+                             f"reported for one: name it, transform.fit.format=int2_content_int4_rope (or another "
+                             f"quant option)")
         if run_format is not None and run_format.quantized:
             return run_format
         name = DEFAULT_FIT_FORMAT

@@ -181,10 +181,10 @@ def new_cache(model: nn.Module, factory=None) -> LatentCache:
 
 def model_layer_factory(model: nn.Module, quant_cfg):
     """The cache layer constructor of `quant_cfg` validated for `model`: (d_c, d_r) from its MLA modules, the
-    context from its config."""
+    context and the number of cache layers from its config."""
     dims = latent_dims(model)
     context = getattr(model.config, "max_position_embeddings", None)
-    return layer_factory(cache_format(quant_cfg, dims["d_c"], dims["d_r"], context))
+    return layer_factory(cache_format(quant_cfg, dims["d_c"], dims["d_r"], context, num_cache_layers(model)))
 
 
 def quantized_cache(model: nn.Module, quant_cfg) -> LatentCache:

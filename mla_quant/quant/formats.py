@@ -524,7 +524,103 @@ class CacheFormat:
         return {"prefill": "torch", "decode": "triton" if kernel else "torch"}
 
 
-TOP_KEYS = ("name", "mode", "backend", "protected", "content", "rope", "shared_scale", "block_size")
+TOP_KEYS = ("name", "mode", "backend", "protected", "content", "rope", "shared_scale", "block_size", "layers")
+MIXED_KEYS = ("budget", "choices", "allocation")  # quant=mixed: allocated per layer by the preparation step
+LAYER_KEYS = ("content", "rope")  # what one entry of quant.layers may change
+COMMON = ("mode", "backend", "n_sink", "recent", "block_size", "d_c", "d_r")  # one value for every layer
+
+
+@dataclass(frozen=True)
+class LayeredFormat:
+    """A cache format per cache layer (`quant.layers`, or the allocation of `quant=mixed`): each layer its own
+    validated `CacheFormat`, with the protected region, mode, backend and block size common to all. Duck-types
+    what stages read of a `CacheFormat` that holds for every layer (name, quantized, mode, backend, step_backends,
+    kernel_unsupported); what differs per layer is read per layer (`layer(i)`), and a stage that reads one format
+    for the whole model refuses it by name (`refuse_layered`)."""
+
+    name: str
+    layers: tuple[CacheFormat, ...]
+    source: str = "quant.layers"  # where the per-layer formats came from (an allocation file for quant=mixed)
+
+    def __post_init__(self):
+        if not self.layers:
+            raise ValueError(f"quant={self.name}: quant.layers is empty; allowed: one entry per cache layer")
+        for key in COMMON:
+            values = {getattr(f, key) for f in self.layers}
+            if len(values) > 1:
+                raise ValueError(f"quant={self.name}: {key} differs between layers ({sorted(values)}); it is "
+                                 f"common to all layers")
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def layer(self, idx: int) -> CacheFormat:
+        return self.layers[idx]
+
+    def __getattr__(self, key):  # the settings common to all layers
+        if key in COMMON:
+            return getattr(self.layers[0], key)
+        raise AttributeError(f"{type(self).__name__} has no {key!r}: it differs per layer (use .layer(i))")
+
+    @property
+    def quantized(self) -> bool:
+        return any(f.quantized for f in self.layers)
+
+    @property
+    def token_block(self) -> int | None:
+        blocks = {f.token_block for f in self.layers} - {None}
+        return blocks.pop() if len(blocks) == 1 else None
+
+    def kernel_unsupported(self) -> str | None:
+        for i, f in enumerate(self.layers):
+            why = f.kernel_unsupported()
+            if why is not None:
+                return f"layers[{i}]: {why}"
+        return None
+
+    def step_backends(self, device_type: str) -> dict[str, str]:
+        per_layer = [f.step_backends(device_type) for f in self.layers]
+        return {step: "+".join(sorted({b[step] for b in per_layer})) for step in STEP_TYPES}
+
+    def bytes_per_token(self, act_bytes: int = 2) -> list[float]:
+        """Per layer: bytes one token takes in the quantized region (both paths; unquantized ones at `act_bytes`)."""
+        return [f.content.bytes_per_token(f.d_c, act_bytes) + f.rope.bytes_per_token(f.d_r, act_bytes)
+                for f in self.layers]
+
+    def describe(self) -> list[dict[str, str]]:
+        return [{"content": f.content.describe(), "rope": f.rope.describe()} for f in self.layers]
+
+
+def refuse_layered(fmt, what: str) -> None:
+    """Where `what` reads one cache format for the whole model, a per-layer format is refused by name."""
+    if isinstance(fmt, LayeredFormat):
+        raise ValueError(f"quant={fmt.name} gives each cache layer its own format ({fmt.source}): {what} reads one "
+                         f"format for the whole model; use a uniform option (e.g. int2_content_int4_rope)")
+
+
+def layered_format(cfg: dict, layers, d_c: int, d_r: int, context: int | None, num_layers: int | None,
+                   source: str = "quant.layers") -> LayeredFormat:
+    """`quant.layers`: a list with one entry per cache layer, each null (the option's own paths) or a mapping of
+    `content` / `rope` blocks whose keys replace those of the option's blocks for that layer."""
+    name = cfg.get("name", "?")
+    if not isinstance(layers, (list, tuple)):
+        raise ValueError(f"quant.layers={layers!r}; allowed: null or a list with one entry per cache layer")
+    if num_layers is not None and len(layers) != num_layers:
+        raise ValueError(f"quant.layers has {len(layers)} entries; the model has {num_layers} cache layers: allowed "
+                         f"one entry per layer (null keeps the option's format)")
+    formats = []
+    for i, entry in enumerate(layers):
+        entry = {} if entry is None else _plain(entry)
+        _check_keys(entry, LAYER_KEYS, f"quant.layers[{i}]")
+        merged = dict(cfg)
+        for path in LAYER_KEYS:
+            if entry.get(path) is not None:
+                merged[path] = {**_plain(cfg.get(path, {})), **_plain(entry[path])}
+        try:
+            formats.append(cache_format({**merged, "name": f"{name}/layer{i}"}, d_c, d_r, context))
+        except ValueError as err:
+            raise ValueError(f"quant.layers[{i}]: {err}") from err
+    return LayeredFormat(name, tuple(formats), source)
 
 
 def _nonneg_int(value, where: str, least: int = 0) -> int:
@@ -533,19 +629,30 @@ def _nonneg_int(value, where: str, least: int = 0) -> int:
     return value
 
 
-def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None) -> CacheFormat:
+def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None, num_layers: int | None = None
+                 ) -> CacheFormat:
     """Build and validate the format of a `quant` config for a model with latent dims (d_c, d_r).
 
     With `context` (the longest sequence the run will hold), a quantized format whose protected region covers the
     whole context is refused: nothing would ever be quantized. A backend that cannot read the format is refused.
-    A config with a `peer` block is a peer option: its `PeerFormat` (mla_quant/quant/peers.py).
+    A config with a `peer` block is a peer option: its `PeerFormat` (mla_quant/quant/peers.py). A `layers` list
+    gives each cache layer its own paths: a `LayeredFormat` (its length checked against `num_layers` when given).
     """
     cfg = _plain(quant_cfg)
     from mla_quant.quant.peers import is_peer, peer_format
 
     if is_peer(cfg):  # transformers' own QuantizedCache over the latent (conf/quant/hf_*.yaml)
         return peer_format(cfg, d_c, d_r)
+    mixed = [k for k in MIXED_KEYS if k in cfg]
+    if mixed:
+        raise ValueError(f"quant={cfg.get('name', '?')} ({mixed}) allocates bits per layer from the model's "
+                         f"sensitivity when a stage prepares the model; here one fixed format is read: use a "
+                         f"uniform option, or the allocation's layers (quant.layers)")
     _check_keys(cfg, TOP_KEYS, "quant")
+    if cfg.get("layers") is not None:
+        return layered_format({k: v for k, v in cfg.items() if k != "layers"}, cfg["layers"], d_c, d_r, context,
+                              num_layers)
+    cfg.pop("layers", None)
     mode, backend = cfg.get("mode", "simulated"), cfg.get("backend", "auto")
     if mode not in MODES:
         raise ValueError(f"quant.mode={mode!r} is unknown; allowed: {list(MODES)}")

@@ -96,6 +96,9 @@ def filled_layer(option: str, task, context: int, batch: int, device: str, dtype
     """One cache layer of quant option `option` holding `batch` sequences of `context` random latents."""
     refuse_peer(load_quant_option(option), "experiment=bench_kernel (the Triton kernel)")
     quant = OmegaConf.merge(load_quant_option(option), {"backend": "triton"}, task.quant_overrides or {})
+    if quant.get("layers") is not None:
+        raise ValueError(f"task.quant_overrides.layers: experiment=bench_kernel times one cache layer of one format; "
+                         f"allowed: the path settings of quant={option} (no per-layer formats)")
     layer = cache_layer_factory(quant, task.d_c, task.d_r, context=max(context + 1, 4096))()
     layer.append(torch.randn(batch, context, task.d_c, generator=g, device=device, dtype=dtype),
                  torch.randn(batch, context, task.d_r, generator=g, device=device, dtype=dtype))

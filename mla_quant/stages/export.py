@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mla_quant.models.families import family_for_config
 from mla_quant.prepare import build_model, prepare_model
+from mla_quant.quant.formats import LayeredFormat
 from mla_quant.quant.peers import refuse_peer
 from mla_quant.record import write_json_atomic
 from mla_quant.stages import StageResult
@@ -29,6 +30,10 @@ def cache_description(prep) -> dict:
     fmt = prep.fmt
     if fmt is None:
         return {"format": "none"}
+    if isinstance(fmt, LayeredFormat):  # a format per cache layer (quant.layers, or quant=mixed's allocation)
+        return {"format": fmt.name, "mode": fmt.mode, "layers": fmt.describe(),
+                "bytes_per_token_per_layer": fmt.bytes_per_token(2), "allocation": fmt.source,
+                "protected": {"n_sink": fmt.n_sink, "recent": fmt.recent}, "d_c": fmt.d_c, "d_r": fmt.d_r}
     return {"format": fmt.name, "mode": fmt.mode, "content": fmt.content.describe(), "rope": fmt.rope.describe(),
             "protected": {"n_sink": fmt.n_sink, "recent": fmt.recent}, "d_c": fmt.d_c, "d_r": fmt.d_r}
 

@@ -47,6 +47,11 @@ def noise_quantizers(cfg: DictConfig, dims: dict[str, int]) -> dict:
     from mla_quant.quant.peers import refuse_peer
 
     refuse_peer(cfg.quant, "task.noise=quantizer (noise of the format's own error shape)")
+    per_layer = [k for k in ("layers", "budget") if cfg.quant.get(k) is not None]
+    if per_layer:
+        raise ValueError(f"task.noise=quantizer injects one format's error shape, rescaled, into every layer; "
+                         f"quant={cfg.quant.name} sets formats per layer (quant.{per_layer[0]}): use a uniform "
+                         f"option (e.g. int2_content_int4_rope)")
     for path in ("content", "rope"):
         if cfg.quant[path].format == "bf16":
             raise ValueError(f"task.noise=quantizer needs quant.{path}.format int or fp8; quant={cfg.quant.name} "

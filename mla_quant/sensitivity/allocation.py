@@ -1,0 +1,386 @@
+"""`quant=mixed`: bits per cache layer and path from the model's sensitivity, under a byte budget.
+
+    spec = mixed_spec(cfg.quant, d_c, d_r, num_layers, context, groups)   # validated before any weight is read
+    fmt, metrics = allocate(model, spec, ids, identity, cache_dir)        # a LayeredFormat, reused when stored
+
+The predicted output error of an allocation is sum over layers l and paths p of w[l, p] x NMSE[l, p](bits): NMSE
+measured with the real quantizer of each candidate width on the model's own cache latents over the calibration
+batch (after the configured transforms, which the model already carries), and the weight `w` chosen by
+`allocation.by`:
+
+- `sensitivity`: the fixed-NMSE study's amplification of one layer and path, w = NMSE of the logits / injected cache
+  NMSE with Gaussian noise in that layer and path alone (mean over `allocation.seeds`), measured on the first
+  `allocation.sequences` calibration sequences, or read from a sensitivity run's `sensitivity_rows.csv`
+  (`allocation.sensitivity`, the study run with task.per_layer=true) so a large model needs no new forwards;
+- `cache_nmse`: w = 1 (the cache error alone, no amplification);
+- `random`: w drawn uniformly in (0, 1) per layer and path from `allocation.seed` (the ablation: the same budget
+  spent without the diagnostic).
+
+The exact knapsack of mla_quant/quant/mixed.py minimises it under `quant.budget` (bytes per token per layer,
+averaged over layers, of the quantized region with BF16 scales; or a uniform option's name: its bytes). The result
+is stored as JSON with its provenance beside the fitted transforms and reused when the same configuration asks again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from mla_quant.cache.bytes import load_quant_option
+from mla_quant.models.absorbed import cache_kwargs, new_cache
+from mla_quant.quant.formats import (
+    MIXED_KEYS,
+    LayeredFormat,
+    PathFormat,
+    _plain,
+    cache_format,
+    fake_quantizer,
+    layered_format,
+)
+from mla_quant.quant.mixed import knapsack, path_override
+from mla_quant.record import write_json_atomic
+from mla_quant.sensitivity.injection import InjectionSpec, check_nmse_target, injection_factory, nmse
+from mla_quant.sensitivity.study import capture
+
+PATHS = ("content", "rope")
+BY = ("sensitivity", "cache_nmse", "random")
+ALLOCATION_KEYS = ("by", "seed", "sensitivity", "nmse", "seeds", "sequences", "file", "reuse", "cache_dir")
+ALLOCATION_VERSION = 1
+
+
+def is_mixed(quant_cfg) -> bool:
+    return quant_cfg is not None and any(k in quant_cfg for k in MIXED_KEYS)
+
+
+@dataclass(frozen=True)
+class MixedSpec:
+    """A validated `quant=mixed` option for a model: what the allocation may choose and how it chooses."""
+
+    name: str
+    base: dict  # the option without budget / choices / allocation: the paths' other settings, protected region, ...
+    budget: float  # bytes per token per layer, averaged over layers (quantized region, BF16 scales)
+    budget_name: str | None  # the uniform option the budget was read from, if named
+    choices: dict  # path -> list of path blocks (each over the option's own block; see quant.mixed.path_override)
+    allocation: dict  # the validated allocation block
+    d_c: int
+    d_r: int
+    num_layers: int
+    context: int | None
+
+    def dim(self, path: str) -> int:
+        return {"content": self.d_c, "rope": self.d_r}[path]
+
+    def path_format(self, path: str, k: int) -> PathFormat:
+        """The format of choice `k` of `path`."""
+        where = f"quant.choices.{path}[{k}]"
+        fmt = PathFormat.from_cfg({**_plain(self.base.get(path, {})), **self.choices[path][k]}, where)
+        fmt.check(self.dim(path), where)
+        return fmt
+
+    def cost(self, path: str, k: int) -> float:
+        """Bytes per quantized token of `path` at choice `k` (BF16 scales and unquantized values, as the record's
+        cache/bytes_per_token_per_layer)."""
+        return self.path_format(path, k).bytes_per_token(self.dim(path), 2)
+
+    def layered(self, picks: list[dict], source: str) -> LayeredFormat:
+        """Per layer {path: choice index} -> the per-layer formats."""
+        layers = [{p: self.choices[p][k] for p, k in layer.items()} for layer in picks]
+        return layered_format(self.base, layers, self.d_c, self.d_r, self.context, self.num_layers, source=source)
+
+
+def _choice_list(value, where: str) -> list[dict]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{where}={value!r}; allowed: a non-empty list of bit widths (16 = unquantized) or path "
+                         f"blocks with bits (e.g. {{bits: 2, group_size: null}})")
+    out = []
+    for k, choice in enumerate(value):
+        try:
+            block = path_override(_plain(choice) if not isinstance(choice, (int, bool)) else choice)
+        except ValueError as err:
+            raise ValueError(f"{where}[{k}]: {err}") from err
+        if block in out:
+            raise ValueError(f"{where}[{k}]={choice!r} repeats an earlier choice")
+        out.append(block)
+    return out
+
+
+def budget_bytes(budget, d_c: int, d_r: int, groups: dict | None) -> tuple[float, str | None]:
+    """quant.budget: a number of bytes per token per layer, or a uniform option's name (its bytes)."""
+    if isinstance(budget, str):
+        try:
+            option = load_quant_option(budget, groups=groups)
+        except FileNotFoundError as err:
+            raise ValueError(f"quant.budget={budget!r} names no quant option ({err})") from err
+        if is_mixed(option) or "peer" in option or option.get("layers") is not None:
+            raise ValueError(f"quant.budget={budget!r}: allowed a uniform option of the project's formats (e.g. "
+                             f"int2_content_int4_rope), or a number of bytes per token per layer")
+        fmt = cache_format(option, d_c, d_r)
+        return float(fmt.content.bytes_per_token(d_c, 2) + fmt.rope.bytes_per_token(d_r, 2)), budget
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+        raise ValueError(f"quant.budget={budget!r}; allowed: bytes per token per layer (> 0) or a uniform option's "
+                         f"name, e.g. int2_content_int4_rope")
+    return float(budget), None
+
+
+def mixed_spec(quant_cfg, d_c: int, d_r: int, num_layers: int, context: int | None = None,
+               groups: dict | None = None) -> MixedSpec:
+    """Validate a `quant=mixed` option against the model's dims, before any weight is read."""
+    cfg = _plain(quant_cfg)
+    name = cfg.get("name", "mixed")
+    base = {k: v for k, v in cfg.items() if k not in MIXED_KEYS}
+    if base.get("layers") is not None:
+        raise ValueError(f"quant={name}: quant.layers and quant.budget both set the per-layer formats; allowed: one")
+    base.pop("layers", None)
+    for path in PATHS:
+        fixed = sorted(set(_plain(base.get(path) or {})) & {"format", "bits"})
+        if fixed:
+            raise ValueError(f"quant.{path}.{fixed[0]}: quant={name} stores every path as format int at the widths "
+                             f"of quant.choices.{path} (16 = unquantized); allowed: the block's other keys")
+    cache_format(base, d_c, d_r, context)  # the base paths' other settings and the protected region
+    choices = _plain(cfg.get("choices") or {})
+    if set(choices) != set(PATHS):
+        raise ValueError(f"quant.choices={choices!r}; allowed: a list of bit widths for each of {list(PATHS)}")
+    choices = {p: _choice_list(choices[p], f"quant.choices.{p}") for p in PATHS}
+    alloc = {"by": "sensitivity", "seed": 0, "sensitivity": None, "nmse": 0.01, "seeds": 2, "sequences": 8,
+             "file": None, "reuse": True, "cache_dir": "outputs/calibration", **_plain(cfg.get("allocation") or {})}
+    unknown = sorted(set(alloc) - set(ALLOCATION_KEYS))
+    if unknown:
+        raise ValueError(f"quant.allocation: unknown key(s) {unknown}; allowed: {list(ALLOCATION_KEYS)}")
+    if alloc["by"] not in BY:
+        raise ValueError(f"quant.allocation.by={alloc['by']!r}; allowed: {list(BY)}")
+    check_nmse_target(alloc["nmse"])
+    for key in ("seeds", "sequences"):
+        if isinstance(alloc[key], bool) or not isinstance(alloc[key], int) or alloc[key] < 1:
+            raise ValueError(f"quant.allocation.{key}={alloc[key]!r}; allowed: an integer >= 1")
+    for key in ("sensitivity", "file"):
+        if alloc[key] is not None and not Path(alloc[key]).exists():
+            raise ValueError(f"quant.allocation.{key}={alloc[key]!r}: no such file or folder")
+    budget, budget_name = budget_bytes(cfg.get("budget"), d_c, d_r, groups)
+    spec = MixedSpec(name, base, budget, budget_name, choices, alloc, d_c, d_r, num_layers, context)
+    cheapest = sum(min(spec.cost(p, k) for k in range(len(choices[p]))) for p in PATHS)  # validates every choice
+    spec.layered([{p: 0 for p in PATHS}] * num_layers, "quant.choices")  # the protected region against the context
+    bf16 = float((d_c + d_r) * 2)
+    if budget < cheapest:
+        raise ValueError(f"quant.budget={cfg.get('budget')!r} ({budget:g} B/token/layer) is below the cheapest "
+                         f"allocation of quant.choices ({cheapest:g}: every layer at its fewest bits)")
+    if budget > bf16:
+        raise ValueError(f"quant.budget={cfg.get('budget')!r} ({budget:g} B/token/layer) is above BF16's "
+                         f"{bf16:g}; allowed: {cheapest:g} to {bf16:g}")
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------- measurements
+@torch.no_grad()
+def measure_nmse(model, ids: torch.Tensor, spec: MixedSpec, batch: int = 8) -> dict[tuple[int, str, int], float]:
+    """Cache NMSE of every choice, per layer and path, on the model's own latents over `ids` (every token quantized:
+    the format's error, not the protected region's). -> {(layer, path, choice index): NMSE}"""
+    err: dict = {}
+    energy: dict = {}
+    quantize = {(p, k): fake_quantizer(spec.path_format(p, k), spec.dim(p), path=p)
+                for p in PATHS for k in range(len(spec.choices[p]))}
+    for start in tqdm(range(0, ids.shape[0], batch), desc="allocation: cache NMSE", unit="batch"):
+        cache = new_cache(model)
+        model(ids[start:start + batch].to(model.device), use_cache=True, **cache_kwargs(cache))
+        for i, layer in enumerate(cache.layers):
+            latents = {p: x.float() for p, x in zip(PATHS, layer.read())}
+            for p, x in latents.items():
+                energy[i, p] = energy.get((i, p), 0.0) + x.double().pow(2).sum().item()
+            for (p, b), fq in quantize.items():
+                x = latents[p]
+                err[i, p, b] = err.get((i, p, b), 0.0) + (fq(x).double() - x.double()).pow(2).sum().item()
+    return {key: e / energy[key[0], key[1]] for key, e in err.items()}
+
+
+@torch.no_grad()
+def measure_sensitivity(model, ids: torch.Tensor, spec: MixedSpec) -> dict[tuple[int, str], float]:
+    """Per layer and path: logits NMSE / injected cache NMSE, Gaussian noise in that layer and path alone."""
+    alloc = spec.allocation
+    ids = ids[:alloc["sequences"]].to(model.device)
+    clean = capture(model, ids, new_cache(model))
+    layout = model.mla_family.cached_rope_layout(model.config)
+    jobs = [(i, p, s) for i in range(spec.num_layers) for p in PATHS for s in range(alloc["seeds"])]
+    slopes: dict = {}
+    for i, p, s in tqdm(jobs, desc="allocation: sensitivity", unit="injection"):
+        inj = InjectionSpec(path=p, nmse=float(alloc["nmse"]), layers={i}, seed=s, rope_layout=layout)
+        noisy = capture(model, ids, new_cache(model, injection_factory(inj)))
+        slopes.setdefault((i, p), []).append(nmse(noisy.logits, clean.logits) / inj.achieved[i])
+    return {key: sum(v) / len(v) for key, v in slopes.items()}
+
+
+def sensitivity_from_record(source: str | Path, num_layers: int, model_identity: dict | None = None
+                            ) -> dict[tuple[int, str], float]:
+    """Per layer and path amplification from a sensitivity run (its folder or its sensitivity_rows.csv): the
+    one-layer injections (task.per_layer=true), logits NMSE / injected NMSE, mean over seeds."""
+    import pandas as pd
+
+    path = Path(source)
+    rows_file = path / "sensitivity_rows.csv" if path.is_dir() else path
+    if not rows_file.is_file():
+        raise ValueError(f"quant.allocation.sensitivity={str(source)!r}: no sensitivity_rows.csv there")
+    record = rows_file.parent / "record.json"
+    if model_identity is not None and record.is_file():
+        theirs = json.loads(record.read_text()).get("config", {}).get("model", {})
+        differ = sorted(k for k in model_identity if k in theirs and theirs[k] != model_identity[k])
+        if differ:
+            raise ValueError(f"quant.allocation.sensitivity={str(source)!r} was measured on another model "
+                             f"(model.{differ[0]}: {theirs[differ[0]]!r} there, {model_identity[differ[0]]!r} here)")
+    df = pd.read_csv(rows_file)
+    one = df[(df.kind == "one_layer") & (df.site == "logits")]
+    if one.empty:
+        raise ValueError(f"{rows_file}: no one-layer injections (run the study with task.per_layer=true)")
+    slope = (one.value / one.nmse_target).groupby([one.layer, one.path]).mean()
+    found = {(int(i), str(p)) for i, p in slope.index}
+    wanted = {(i, p) for i in range(num_layers) for p in PATHS}
+    if found != wanted:
+        layers = sorted({i for i, _ in found})
+        raise ValueError(f"{rows_file}: one-layer sensitivity of layers {layers} (paths "
+                         f"{sorted({p for _, p in found})}); the model has {num_layers} cache layers x {list(PATHS)}")
+    return {(int(i), str(p)): float(v) for (i, p), v in slope.items()}
+
+
+# ---------------------------------------------------------------------------------------------- allocation
+def solve(spec: MixedSpec, nmse_table: dict, weights: dict) -> tuple[list[dict], float, float]:
+    """The exact allocation: -> (per layer {path: choice index}, mean bytes per token per layer, predicted error)."""
+    groups, options = [], []
+    for i in range(spec.num_layers):
+        for p in PATHS:
+            groups.append((i, p))
+            options.append([(spec.cost(p, k), weights[i, p] * nmse_table[i, p, k])
+                            for k in range(len(spec.choices[p]))])
+    picks, cost, error = knapsack(options, spec.budget * spec.num_layers)
+    chosen = [dict() for _ in range(spec.num_layers)]
+    for (i, p), k in zip(groups, picks):
+        chosen[i][p] = k
+    return chosen, cost / spec.num_layers, error
+
+
+def _weights(spec: MixedSpec, model, ids, identity) -> tuple[dict, str]:
+    by, alloc = spec.allocation["by"], spec.allocation
+    keys = [(i, p) for i in range(spec.num_layers) for p in PATHS]
+    if by == "cache_nmse":
+        return {k: 1.0 for k in keys}, "none (cache NMSE alone)"
+    if by == "random":
+        g = torch.Generator().manual_seed(int(alloc["seed"]))
+        draws = torch.rand(len(keys), generator=g, dtype=torch.float64).tolist()
+        return dict(zip(keys, draws)), f"random, seed {alloc['seed']}"
+    if alloc["sensitivity"] is not None:
+        return sensitivity_from_record(alloc["sensitivity"], spec.num_layers, identity.get("model")), \
+            str(alloc["sensitivity"])
+    return measure_sensitivity(model, ids, spec), (f"measured: Gaussian NMSE {alloc['nmse']:g}, {alloc['seeds']} "
+                                                   f"seeds, {min(alloc['sequences'], ids.shape[0])} sequences")
+
+
+def allocation_path(spec: MixedSpec, identity: dict) -> tuple[Path, str]:
+    payload = {"version": ALLOCATION_VERSION, "identity": identity, "budget": spec.budget, "choices": spec.choices,
+               "base": spec.base, "allocation": {k: v for k, v in spec.allocation.items()
+                                                 if k not in ("file", "reuse", "cache_dir")}}
+    sha = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+    return Path(spec.allocation["cache_dir"]) / f"mixed-{spec.allocation['by']}-{sha[:16]}.json", sha
+
+
+def load_allocation(path: Path, spec: MixedSpec, sha: str | None = None) -> dict | None:
+    """A stored allocation for this model's dims and layers (and, with `sha`, this configuration), else None (a
+    named `allocation.file` that does not fit is an error)."""
+    if not path.is_file():
+        return None
+    try:
+        stored = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        if sha is None:
+            raise ValueError(f"quant.allocation.file={str(path)!r} is not an allocation ({err})") from err
+        print(f"[allocate] ignoring unreadable {path}: {err}")
+        return None
+    dims = {"d_c": spec.d_c, "d_r": spec.d_r, "layers": spec.num_layers}
+    if sha is None:
+        theirs = {k: stored.get("dims", {}).get(k) for k in dims}
+        if theirs != dims:
+            raise ValueError(f"quant.allocation.file={str(path)!r} is for dims {theirs}; this model has {dims}")
+        return stored
+    return stored if stored.get("config_sha256") == sha and stored.get("dims") == dims else None
+
+
+def allocate(model, spec: MixedSpec, ids: torch.Tensor, identity: dict, batch: int = 8
+             ) -> tuple[LayeredFormat, dict]:
+    """The per-layer format of `spec` for `model` (transforms applied), and its record metrics."""
+    alloc = spec.allocation
+    path, sha = allocation_path(spec, identity)
+    stored = None
+    if alloc["file"] is not None:
+        path, stored = Path(alloc["file"]), load_allocation(Path(alloc["file"]), spec)
+        if identity.get("model") != stored.get("identity", {}).get("model"):
+            raise ValueError(f"quant.allocation.file={alloc['file']!r} was allocated for another model "
+                             f"({stored.get('identity', {}).get('model')}); this run's is {identity.get('model')}")
+    elif alloc["reuse"]:
+        stored = load_allocation(path, spec, sha)
+    reused = stored is not None
+    if reused:
+        print(f"[allocate] reusing {path}")
+    else:
+        start = time.perf_counter()
+        table = measure_nmse(model, ids, spec, batch)
+        weights, weight_source = _weights(spec, model, ids, identity)
+        picks, mean_bytes, predicted = solve(spec, table, weights)
+        stored = {"version": ALLOCATION_VERSION, "config_sha256": sha, "identity": identity,
+                  "dims": {"d_c": spec.d_c, "d_r": spec.d_r, "layers": spec.num_layers},
+                  "budget": spec.budget, "budget_name": spec.budget_name, "by": alloc["by"],
+                  "weights_from": weight_source, "choices": spec.choices, "picks": picks,
+                  "layers": [{p: spec.path_format(p, k).describe() for p, k in layer.items()} for layer in picks],
+                  "bits": [{p: spec.path_format(p, k).bits for p, k in layer.items()} for layer in picks],
+                  "bytes": [{p: spec.cost(p, k) for p, k in layer.items()} for layer in picks],
+                  "bytes_per_token_per_layer": mean_bytes, "predicted_error": predicted,
+                  "weights": [{p: weights[i, p] for p in PATHS} for i in range(spec.num_layers)],
+                  "nmse": [{p: [table[i, p, k] for k in range(len(spec.choices[p]))] for p in PATHS}
+                           for i in range(spec.num_layers)],
+                  "seconds": time.perf_counter() - start, "torch": torch.__version__}
+        write_json_atomic(path, stored)
+        figure(stored, path.with_suffix(".png"))
+        print(f"[allocate] {alloc['by']}: {spec.num_layers} layers, {mean_bytes:.2f} of {spec.budget:.2f} "
+              f"B/token/layer -> {path}")
+    if stored.get("choices") != spec.choices:
+        raise ValueError(f"{path}: allocated over quant.choices {stored.get('choices')}; this run's are {spec.choices}")
+    fmt = spec.layered(stored["picks"], source=str(path))
+    return fmt, allocation_metrics(stored, path, reused)
+
+
+def figure(stored: dict, path: Path) -> Path:
+    """Bits per layer and path of an allocation, with the weight (amplification) that chose them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = range(len(stored["bits"]))
+    fig, (ax, aw) = plt.subplots(1, 2, figsize=(9, 3.2))
+    for k, p in enumerate(PATHS):
+        ax.bar([i + (k - 0.5) * 0.4 for i in layers], [stored["bits"][i][p] for i in layers], width=0.4, label=p)
+        aw.plot(list(layers), [stored["weights"][i][p] for i in layers], "o-", label=p)
+    ax.set(xlabel="cache layer", ylabel="bits", title=f"{stored['bytes_per_token_per_layer']:.1f} of "
+                                                      f"{stored['budget']:.1f} B/token/layer ({stored['by']})")
+    aw.set(xlabel="cache layer", ylabel="weight (output NMSE per cache NMSE)", yscale="log",
+           title=stored["weights_from"][:48])
+    ax.legend(), aw.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def allocation_metrics(stored: dict, path: Path, reused: bool) -> dict:
+    m = {"alloc/by": stored["by"], "alloc/file": str(path), "alloc/figure": str(path.with_suffix(".png")),
+         "alloc/reused": int(reused),
+         "alloc/budget": float(stored["budget"]), "alloc/bytes_per_token_per_layer":
+             float(stored["bytes_per_token_per_layer"]), "alloc/predicted_error": float(stored["predicted_error"]),
+         "alloc/seconds": float(stored.get("seconds", 0.0)), "alloc/weights_from": stored["weights_from"]}
+    if stored.get("budget_name"):
+        m["alloc/budget_name"] = stored["budget_name"]
+    for i, (layer, shown) in enumerate(zip(stored["bits"], stored["layers"])):
+        for p, b in layer.items():
+            m[f"alloc/layer{i}/{p}_bits"] = int(b)
+            m[f"alloc/layer{i}/{p}"] = shown[p]
+    return m
