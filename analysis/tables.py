@@ -14,6 +14,8 @@ formatted, standard errors beside the scores), the numeric long form the figures
     quality         perplexity and next-token KL against the unquantized cache (quality runs)
     paired_kl       each method's KL minus RTN's on the same held-out sequences, ± its standard error (quality runs'
                     per_sequence.csv)
+    mixed           each quant=mixed run against the uniform option whose bytes it was given (quant.budget), same
+                    model, method and protected region, on the same examples (accuracy) and sequences (KL)
     equivalence     absorbed path vs transformers, max |logit diff| per family (equivalence runs)
 
 The newest complete record of each configuration wins; a cell no record fills stays empty (never 0). Where the paper
@@ -133,7 +135,16 @@ def amplification(df: pd.DataFrame) -> Table:
 def _eval_base(r) -> dict:
     quant = r.config.get("quant") or {}
     cache = quant.get("name", r.quant)
-    if "peer" in quant:  # transformers' QuantizedCache (conf/quant/hf_*.yaml): one format on both paths
+    budget = None
+    if "budget" in quant:  # quant=mixed: a format per layer, allocated at the bytes of quant.budget
+        budget = quant["budget"]
+        cache = f"mixed {(quant.get('allocation') or {}).get('by', 'sensitivity')} @{budget}"
+        content = rope = "per layer"
+        shield = quant.get("protected") or {}
+        protected = f"{shield.get('n_sink', 0)}+{shield.get('recent', 0)}"
+        if quant.get("mode") == "serving":
+            cache = f"{cache} serving"
+    elif "peer" in quant:  # transformers' QuantizedCache (conf/quant/hf_*.yaml): one format on both paths
         peer = quant["peer"]
         content = rope = f"{peer.get('library')} int{peer.get('bits')} g{peer.get('group_size')}"
         protected = f"residual {peer.get('residual_length')}"
@@ -144,7 +155,7 @@ def _eval_base(r) -> dict:
         if quant.get("mode") == "serving":  # the appending step sees its own tokens fresh: another semantics
             cache = f"{cache} serving"
     return {"model": r.model, "method": r["transform"] or "none", "cache": cache, "content": content, "rope": rope,
-            "protected": protected, "peer": "peer" in quant,
+            "protected": protected, "peer": "peer" in quant, "budget": budget,
             "bytes/token/layer": r.metrics.get("cache/bytes_per_token_per_layer"), "source": r.source}
 
 
@@ -421,15 +432,7 @@ def paired_kl(df: pd.DataFrame) -> Table:
     settings; per_sequence.csv beside each record): the difference of the token means and its standard error with
     tokens clustered by sequence (`clustered_stderr` of d_i = a method's KL sum minus RTN's on sequence i over its
     N_i tokens), and the sequences where each is lower."""
-    rows = []
-    for _, r in newest_complete(df, "quality").iterrows():
-        path = Path(r.source).parent / "per_sequence.csv"
-        if path.is_file():
-            data = r.config["task"].get("data") or {}
-            rows.append({**_eval_base(r), "data": r.metrics.get("quality/source"),
-                         "held-out set": f"{data.get('samples')} x {data.get('seq_len')} seed {data.get('seed')}",
-                         "per_sequence": pd.read_csv(path).set_index("sequence")})
-    long = _newest(rows, ["model", "method", "cache", "content", "rope", "protected", "data", "held-out set"])
+    long = quality_per_sequence(df)
     out, sources = [], set()
     if not long.empty:
         key = ["model", "cache", "content", "rope", "protected", "data", "held-out set"]
@@ -439,35 +442,119 @@ def paired_kl(df: pd.DataFrame) -> Table:
                 continue
             base = rtn.iloc[-1]["per_sequence"]
             for r in g[g["method"] != "none"].itertuples():
-                m = r.per_sequence
-                both = m.index.intersection(base.index)
-                if len(both) < 2 or not (m.loc[both, "tokens"] == base.loc[both, "tokens"]).all():
-                    continue
-                tokens = float(base.loc[both, "tokens"].sum())
-                d = m.loc[both, "kl_sum"] - base.loc[both, "kl_sum"]
-                delta = float(d.sum()) / tokens
-                n = len(both)
-                se = clustered_stderr(d, base.loc[both, "tokens"])
-                per_m = m.loc[both, "kl_sum"] / m.loc[both, "tokens"].clip(lower=1)
-                per_b = base.loc[both, "kl_sum"] / base.loc[both, "tokens"].clip(lower=1)
-                out.append({**dict(zip(key, k)), "method": r.method, "sequences": n, "tokens": int(tokens),
-                            "KL": float(m.loc[both, "kl_sum"].sum()) / tokens,
-                            "KL RTN": float(base.loc[both, "kl_sum"].sum()) / tokens, "delta": delta,
-                            "paired SE": se, "z": delta / se if se > 0 else 0.0,
-                            "sequences lower": int((per_m < per_b).sum()),
-                            "sequences higher": int((per_m > per_b).sum())})
-                sources.update([r.source, rtn.iloc[-1]["source"]])
+                row = _kl_pair(r.per_sequence, base, "KL RTN")
+                if row is not None:
+                    out.append({**dict(zip(key, k)), "method": r.method, **row})
+                    sources.update([r.source, rtn.iloc[-1]["source"]])
     long_out = pd.DataFrame(out)
     if long_out.empty:
         return Table("paired_kl", "Next-token KL vs RTN on the same sequences", long_out)
+    return Table("paired_kl", "Next-token KL of each method vs RTN on the same held-out sequences",
+                 _kl_shown(long_out, ("KL", "KL RTN")), long_out, sorted(sources))
+
+
+def quality_per_sequence(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per quality configuration (the newest), with its per-sequence KL sums (per_sequence.csv)."""
+    rows = []
+    for _, r in newest_complete(df, "quality").iterrows():
+        path = Path(r.source).parent / "per_sequence.csv"
+        if path.is_file():
+            data = r.config["task"].get("data") or {}
+            rows.append({**_eval_base(r), "data": r.metrics.get("quality/source"),
+                         "held-out set": f"{data.get('samples')} x {data.get('seq_len')} seed {data.get('seed')}",
+                         "per_sequence": pd.read_csv(path).set_index("sequence")})
+    return _newest(rows, ["model", "method", "cache", "content", "rope", "protected", "data", "held-out set"])
+
+
+def _kl_pair(m: pd.DataFrame, base: pd.DataFrame, base_name: str) -> dict | None:
+    """One run's per-sequence KL sums against another's on the sequences both scored (same token counts): the
+    difference of the token means, its standard error with tokens clustered by sequence, sequences lower/higher."""
+    both = m.index.intersection(base.index)
+    if len(both) < 2 or not (m.loc[both, "tokens"] == base.loc[both, "tokens"]).all():
+        return None
+    tokens = float(base.loc[both, "tokens"].sum())
+    d = m.loc[both, "kl_sum"] - base.loc[both, "kl_sum"]
+    delta = float(d.sum()) / tokens
+    se = clustered_stderr(d, base.loc[both, "tokens"])
+    per_m = m.loc[both, "kl_sum"] / m.loc[both, "tokens"].clip(lower=1)
+    per_b = base.loc[both, "kl_sum"] / base.loc[both, "tokens"].clip(lower=1)
+    return {"sequences": len(both), "tokens": int(tokens), "KL": float(m.loc[both, "kl_sum"].sum()) / tokens,
+            base_name: float(base.loc[both, "kl_sum"].sum()) / tokens, "delta": delta, "paired SE": se,
+            "z": delta / se if se > 0 else 0.0, "sequences lower": int((per_m < per_b).sum()),
+            "sequences higher": int((per_m > per_b).sum())}
+
+
+def _kl_shown(long_out: pd.DataFrame, kls) -> pd.DataFrame:
     shown = long_out.copy()
     shown["delta"] = [_pm(d, e, 4) for d, e in zip(long_out["delta"], long_out["paired SE"])]
     shown["z"] = long_out["z"].map(lambda v: f"{v:+.1f}")
-    for c in ("KL", "KL RTN"):
+    for c in kls:
         shown[c] = shown[c].map(lambda v: f"{v:.4g}")
-    shown = shown.drop(columns="paired SE").rename(columns={"delta": "delta ± paired SE"})
-    return Table("paired_kl", "Next-token KL of each method vs RTN on the same held-out sequences", shown, long_out,
-                 sorted(sources))
+    return shown.drop(columns="paired SE").rename(columns={"delta": "delta ± paired SE"})
+
+
+def mixed(df: pd.DataFrame) -> Table:
+    """Each quant=mixed run against the uniform option named by its quant.budget (same model, method and protected
+    region): accuracy example by example (per task and all tasks together, with the share of the uniform -> BF16 gap
+    closed) and next-token KL sequence by sequence."""
+    rows = []
+    long = accuracy_long(df)
+    if not long.empty and long["budget"].notna().any():
+        long = long[long["run as"] == "model"]
+        long = long.assign(samples=[example_scores(r.source, r.task, r.metric) for r in long.itertuples()])
+        long = long[long["samples"].notna()]
+        refs = long[long["cache"] == "bf16"]
+        for key, g in long[long["budget"].notna()].groupby(["model", "method", "cache", "protected"], sort=False):
+            pooled = []
+            for t in g.itertuples():
+                u = long[(long["cache"] == str(t.budget)) & (long["model"] == t.model) & (long["method"] == t.method)
+                         & (long["protected"] == t.protected) & (long["task"] == t.task)]
+                if u.empty:
+                    continue
+                ref = refs[(refs["model"] == t.model) & (refs["task"] == t.task)]
+                ref_s = ref["samples"].iloc[-1] if not ref.empty else None
+                base = {"model": t.model, "method": t.method, "cache": t.cache, "protected": t.protected,
+                        "bytes/token/layer": g.loc[t.Index, "bytes/token/layer"], "uniform": str(t.budget),
+                        "uniform bytes/token/layer": u["bytes/token/layer"].iloc[-1]}
+                row = _paired_row({**base, "sources": [t.source, u["source"].iloc[-1]]}, t.task, t.samples,
+                                  u["samples"].iloc[-1], ref_s)
+                if row is not None:
+                    rows.append(row)
+                    pooled.append(tuple(s.rename(index=lambda i, task=t.task: f"{task}:{i}", level=0)
+                                        if s is not None else None for s in (t.samples, u["samples"].iloc[-1], ref_s)))
+            if len(pooled) > 1:
+                cat = [pd.concat([p[k] for p in pooled]) if all(p[k] is not None for p in pooled) else None
+                       for k in range(3)]
+                row = _paired_row({**base, "sources": []}, "all tasks", *cat)
+                if row is not None:
+                    rows.append(row)
+    kl = quality_per_sequence(df)
+    if not kl.empty and kl["budget"].notna().any():
+        for _, r in kl[kl["budget"].notna()].iterrows():
+            u = kl[(kl["cache"] == str(r["budget"])) & (kl["model"] == r["model"]) & (kl["method"] == r["method"])
+                   & (kl["protected"] == r["protected"]) & (kl["data"] == r["data"])
+                   & (kl["held-out set"] == r["held-out set"])]
+            if u.empty:
+                continue
+            row = _kl_pair(r["per_sequence"], u.iloc[-1]["per_sequence"], "KL uniform")
+            if row is not None:
+                rows.append({"model": r["model"], "method": r["method"], "cache": r["cache"],
+                             "protected": r["protected"], "bytes/token/layer": r["bytes/token/layer"],
+                             "uniform": str(r["budget"]), "uniform bytes/token/layer": u.iloc[-1]["bytes/token/layer"],
+                             "task": f"next-token KL ({r['data']})", "sources": [r["source"], u.iloc[-1]["source"]],
+                             **row})
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return Table("mixed", "Mixed precision against the uniform option at its bytes", out)
+    out = out.rename(columns={"RTN": "uniform score"})
+    out, shown, sources = _paired_shown(out, [c for c in ("score", "uniform score", "BF16") if c in out])
+    if "gap closed" in out:
+        shown["gap closed"] = out["gap closed"].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.0%}")
+    for c in ("KL", "KL uniform"):
+        if c in out:
+            shown[c] = out[c].map(lambda v: "" if pd.isna(v) else f"{v:.4g}")
+    return Table("mixed", "Mixed precision vs the uniform option at its bytes, on the same examples and sequences "
+                 "(difference ± paired standard error; for KL lower is better)", shown.fillna(""), out, sources)
 
 
 def equivalence(df: pd.DataFrame) -> Table:
@@ -483,7 +570,8 @@ def equivalence(df: pd.DataFrame) -> Table:
     return Table("equivalence", "Absorbed path vs transformers' forward", shown, long, _used(df, long))
 
 
-BUILDERS = (amplification, accuracy, paired, peers, ruler, memory, calibration, quality, paired_kl, equivalence)
+BUILDERS = (amplification, accuracy, paired, peers, mixed, ruler, memory, calibration, quality, paired_kl,
+            equivalence)
 
 
 def main(argv=None) -> None:

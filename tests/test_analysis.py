@@ -37,6 +37,10 @@ def runs(tmp_path_factory):
                                        "transform=quarot", "eval.control_no_rope.enabled=false", *needles])
         _run(root, mp, "eval_bf16", ["experiment=evaluate", "quant=bf16", "eval.control_no_rope.enabled=false",
                                      *needles])
+        _run(root, mp, "eval_mixed", ["experiment=evaluate", "quant=mixed", "quant.budget=int4_joint",
+                                      "quant.allocation.sequences=2", "quant.allocation.seeds=1", "calib.samples=4",
+                                      "calib.seq_len=128", f"quant.allocation.cache_dir={root.parent / 'alloc'}",
+                                      "eval.control_no_rope.enabled=false", *needles])
     finally:
         mp.undo()
     return root
@@ -62,7 +66,8 @@ def test_every_table_and_figure_from_records(runs, tmp_path):
         assert "record.json" in (out / f"{name}.sources.txt").read_text()
     ruler = pd.read_csv(out / "ruler.csv")
     assert set(ruler["length"]) == {256} and set(ruler["task"]) == {"toy_niah_single_1"}
-    assert sorted(ruler["method"]) == ["none", "none", "quarot"]  # RTN and BF16, QuaRot
+    assert sorted(ruler["method"]) == ["none", "none", "none", "quarot"]  # RTN, BF16 and mixed; QuaRot
+    assert "mixed sensitivity @int4_joint" in (out / "mixed.md").read_text()
     assert "quarot" in (out / "paired.md").read_text() and "paired" in (out / "index.md").read_text()
     assert "accuracy" in (out / "index.md").read_text()
 
@@ -95,6 +100,18 @@ def test_paired_comparison_uses_the_same_examples(runs, tmp_path):
     shutil.copytree(runs, copy)
     shutil.rmtree(copy / "eval_quarot" / "samples")
     assert tables.paired(load_frame([copy])).empty
+
+
+def test_mixed_runs_pair_with_the_uniform_option_on_the_same_examples(runs):
+    t = tables.mixed(load_frame([runs]))
+    (row,) = t.long.to_dict("records")
+    mixed = json.loads((runs / "eval_mixed" / "record.json").read_text())["metrics"]
+    uniform = json.loads((runs / "eval" / "record.json").read_text())["metrics"]
+    assert row["cache"] == "mixed sensitivity @int4_joint" and row["uniform"] == "int4_joint" and row["examples"] == 2
+    assert row["score"] == pytest.approx(mixed["eval/toy_niah_single_1/exact_match"])
+    assert row["uniform score"] == pytest.approx(uniform["eval/toy_niah_single_1/exact_match"])
+    assert row["bytes/token/layer"] == mixed["cache/bytes_per_token_per_layer"] <= mixed["alloc/budget"] == 72
+    assert set(t.sources) == {str(runs / n / "record.json") for n in ("eval_mixed", "eval")}
 
 
 def test_newest_complete_record_wins_by_time_and_bad_records_are_skipped(runs, tmp_path):

@@ -76,3 +76,24 @@ def test_paired_kl_pairs_runs_sequence_by_sequence(tmp_path, monkeypatch):
     assert row["delta"] == pytest.approx(quarot["quality/kl"] - rtn["quality/kl"])
     assert row["paired SE"] > 0 and row["sequences lower"] + row["sequences higher"] <= 2
     assert set(t.sources) == {str(tmp_path / n / "record.json") for n in ("rtn", "quarot")}
+
+
+def test_mixed_runs_pair_with_the_uniform_option_at_their_bytes(tmp_path, monkeypatch):
+    """analysis's `mixed` table: a quant=mixed run against the uniform option its budget names, same sequences."""
+    from analysis import tables
+    from analysis.records import load_frame
+
+    low = ["quant.protected.n_sink=0", "quant.protected.recent=0"]
+    uniform = _quality(tmp_path, monkeypatch, "uniform", ["quant=int2_joint", *low])
+    mixed = _quality(tmp_path, monkeypatch, "mixed", ["quant=mixed", "quant.budget=int2_joint", *low,
+                                                      f"quant.allocation.cache_dir={tmp_path / 'alloc'}",
+                                                      "quant.allocation.sequences=2", "quant.allocation.seeds=1",
+                                                      "calib.samples=4", "calib.seq_len=128"])
+    assert mixed["alloc/budget"] == uniform["cache/bytes_per_token_per_layer"] == 44
+    assert mixed["cache/bytes_per_token_per_layer"] <= 44 and mixed["alloc/reused"] == 0
+    t = tables.mixed(load_frame([tmp_path]))
+    (row,) = t.long.to_dict("records")
+    assert row["cache"] == "mixed sensitivity @int2_joint" and row["uniform"] == "int2_joint"
+    assert row["KL"] == pytest.approx(mixed["quality/kl"]) and row["KL uniform"] == pytest.approx(uniform["quality/kl"])
+    assert row["delta"] == pytest.approx(mixed["quality/kl"] - uniform["quality/kl"]) and row["sequences"] == 2
+    assert set(t.sources) == {str(tmp_path / n / "record.json") for n in ("uniform", "mixed")}
