@@ -171,6 +171,7 @@ def test_budget_of_a_named_option_is_its_bytes():
     (["+quant.content.bits=4"], r"quant.content.bits: quant=mixed stores every path as format int at the widths of "
                                 r"quant.choices.content"),
     (["quant.protected.recent=3000"], r"covers the whole context of 2048 tokens"),
+    (["quant.backend=triton"], r"quant.choices.content\[2\]=.*'bits': 3.*quant.backend=triton cannot read it"),
 ])
 def test_bad_mixed_settings_are_refused_by_name(overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -164,7 +164,13 @@ def mixed_spec(quant_cfg, d_c: int, d_r: int, num_layers: int, context: int | No
     budget, budget_name = budget_bytes(cfg.get("budget"), d_c, d_r, groups)
     spec = MixedSpec(name, base, budget, budget_name, choices, alloc, d_c, d_r, num_layers, context)
     cheapest = sum(min(spec.cost(p, k) for k in range(len(choices[p]))) for p in PATHS)  # validates every choice
-    spec.layered([{p: 0 for p in PATHS}] * num_layers, "quant.choices")  # the protected region against the context
+    for p in PATHS:  # each choice as a whole layer format: the backend reads it, the protected region fits the context
+        other = [q for q in PATHS if q != p][0]
+        for k in range(len(choices[p])):
+            try:
+                spec.layered([{p: k, other: 0}] * num_layers, "quant.choices")
+            except ValueError as err:
+                raise ValueError(f"quant.choices.{p}[{k}]={choices[p][k]}: {err}") from err
     bf16 = float((d_c + d_r) * 2)
     if budget < cheapest:
         raise ValueError(f"quant.budget={cfg.get('budget')!r} ({budget:g} B/token/layer) is below the cheapest "
