@@ -5,7 +5,7 @@ dir and record, then every table and figure from those records and a one-screen 
     python run.py experiment=pipeline model=deepseek_v2_lite task.evaluate=[] eval=gsm8k
 
 Steps (conf/experiment/pipeline.yaml): sensitivity -> calibrate (method x format) -> evaluate (the reference, the
-peers, then method x format) -> analysis. A step is `mla_quant.pipeline.main` on the step's experiment composed with the run's
+peers, then method x format, then method x quant=mixed at each of task.mixed's budgets) -> analysis. A step is `mla_quant.pipeline.main` on the step's experiment composed with the run's
 overrides that the step reads, so a step that finished in an earlier pipeline run of the same configuration is reused
 (force=true reruns). A failed step is recorded and the others still run; the pipeline's record lists every step.
 """
@@ -47,6 +47,8 @@ def steps(methods: list[str], formats: list[str], t: DictConfig) -> list[tuple[s
         out += [(f"evaluate-{p}", ["experiment=evaluate", f"quant={p}", *t.evaluate]) for p in t.peers]
         out += [(f"evaluate-{m}-{f}", ["experiment=evaluate", f"transform={m}", f"quant={f}", *t.evaluate])
                 for m in methods for f in formats]
+        out += [(f"evaluate-{m}-mixed-{b}", ["experiment=evaluate", f"transform={m}", "quant=mixed",
+                                            f"quant.budget={b}", *t.evaluate]) for m in methods for b in t.mixed]
     return out
 
 
@@ -143,6 +145,17 @@ def summary(t: DictConfig, methods: list[str], formats: list[str], results: dict
                  and (r["task"] == "all tasks" or (r["method"], r["cache"]) not in pooled)]
         if cells:  # every task's examples together (or the one task a run evaluated)
             lines.append("vs RTN on the same examples (difference ± paired standard error): " + "; ".join(cells))
+    for m in methods:
+        for b in t.mixed:
+            acc = headline(results.get(f"evaluate-{m}-mixed-{b}") or {})
+            if acc is not None:
+                metrics[f"pipeline/accuracy/{m}/mixed-{b}"] = acc
+    mixed = report.tables.get("mixed") if report is not None else None
+    if mixed is not None and not mixed.empty:
+        cells = [f"{r['method']} {r['cache']} {r['delta']:+.3f} ± {r['paired SE']:.3f}"
+                 for r in mixed.long.to_dict("records") if r["method"] in methods and r["task"] == "all tasks"]
+        if cells:
+            lines.append("mixed precision vs the uniform option at its bytes, same examples: " + "; ".join(cells))
     against = report.tables.get("peers") if report is not None else None
     if against is not None and not against.empty:
         cells = [f"{r['method']} {r['cache']} {r['delta']:+.3f} ± {r['paired SE']:.3f} vs {r['peer']}"

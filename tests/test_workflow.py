@@ -92,3 +92,21 @@ def test_wandb_offline_gets_one_run_per_step_and_the_pipeline_tables_and_figures
     assert {p.name.split("_")[0] for p in (media / "table").glob("*.table.json")} >= {"accuracy", "memory"}
     assert any(p.name.startswith("memory_bytes_vs_context") for p in (media / "images").glob("*.png"))
     assert (top / "files" / "record.json").is_file()
+
+
+def test_pipeline_mixed_steps_compose_per_method_and_budget():
+    """task.mixed: one quant=mixed evaluation per method and budget, after the uniform formats, each composing as the
+    evaluate experiment with that budget (the `mixed` table then pairs it with the uniform option of those bytes)."""
+    from mla_quant.workflow import step_config, steps
+
+    t = compose(["task.mixed=[int2_content_int4_rope,int2_joint]"]).task
+    names = [name for name, _ in steps(["none", "quantmla"], ["int2_content_int4_rope"], t)]
+    assert names[-4:] == ["evaluate-none-mixed-int2_content_int4_rope", "evaluate-none-mixed-int2_joint",
+                          "evaluate-quantmla-mixed-int2_content_int4_rope", "evaluate-quantmla-mixed-int2_joint"]
+    from hydra import initialize_config_dir
+
+    overrides = dict(steps(["quantmla"], ["int2_joint"], t))["evaluate-quantmla-mixed-int2_joint"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg, choices, _ = step_config(overrides, ["quant.protected.recent=0"], reference=False)
+    assert choices["quant"] == "mixed" and choices["transform"] == "quantmla" and cfg.task.name == "evaluate"
+    assert cfg.quant.budget == "int2_joint" and cfg.quant.protected.recent == 0
