@@ -180,9 +180,17 @@ class LatentCacheLayer(LatentLayerContract):
             self._store(rows, {p: x[valid] for p, x in new.items()})
             return
         self._set_tensor_scales(new, valid)
+        window = self.recent["content"].shape[1]
+        if t == 1 and self._steady(window) and bool(valid.all()):
+            # A decode step in the steady state (sinks and window full everywhere): the oldest window token of each
+            # sequence leaves, quantized and stored; the window shifts by one. What the general path below does
+            # then, without its per-token bookkeeping.
+            self._store(torch.arange(b, device=self.device), {p: self.recent[p][:, 0] for p in PATHS})
+            for p in PATHS:
+                self.recent[p] = torch.cat([self.recent[p][:, 1:], new[p]], dim=1)
+            return
         # Each sequence's real tokens in order: [its recent window | its new tokens], then split into
         # [to sinks | leaving the window (quantized now) | the new recent window].
-        window = self.recent["content"].shape[1]
         held = torch.arange(window, device=self.device)[None, :] < self.n_recent[:, None]
         ok = torch.cat([held, valid], dim=1)  # (B, R + T)
         seq = {p: torch.cat([self.recent[p], new[p]], dim=1) for p in PATHS}  # (B, R + T, d)
@@ -213,6 +221,14 @@ class LatentCacheLayer(LatentLayerContract):
             _scatter_rows(fresh, rank - (to_sink + leave)[:, None], recent_ok, seq[p])
             self.recent[p] = fresh
         self.n_recent = keep
+
+    fast_append = True  # the steady-state decode step below (False: always the general path; tests compare both)
+
+    def _steady(self, window: int) -> bool:
+        """Every sequence has its sinks and a full recent window (of width `window` = quant.protected.recent), and
+        tokens leave the window straight into the store (no token blocks pending)."""
+        return (self.fast_append and self.token_block is None and window == self.fmt.recent > 0
+                and bool((self.n_recent == window).all()) and bool((self.n_sinks == self.fmt.n_sink).all()))
 
     def _store(self, rows: torch.Tensor, tokens: dict[str, torch.Tensor]) -> None:
         """Encode tokens (N, d) per path, belonging to sequences `rows` (N,), and append them to the paged store."""

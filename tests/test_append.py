@@ -1,0 +1,56 @@
+"""The steady-state decode append (the oldest window token leaves into the store, the window shifts by one) stores and
+reads exactly what the general append stores and reads, for every kind of format, with padding and past the point
+where sinks and window fill."""
+
+import pytest
+import torch
+
+from mla_quant.cache import LatentCacheLayer, cache_layer_factory
+from mla_quant.cache.bytes import load_quant_option
+from mla_quant.kernels.attention import latent_attention
+from omegaconf import OmegaConf
+
+D_C, D_R = 96, 16
+
+
+@pytest.mark.parametrize("option", ["int4_joint", "int2_content_int4_rope", "fp8_flat", "fp8_ds_mla", "kivi_int2"])
+def test_fast_append_equals_the_general_append(option, monkeypatch):
+    cfg = OmegaConf.merge(load_quant_option(option, groups={"wide": 32, "narrow": 32}),
+                          {"protected": {"n_sink": 3, "recent": 9}, "block_size": 8})
+    fast, slow = cache_layer_factory(cfg, D_C, D_R)(), cache_layer_factory(cfg, D_C, D_R)()
+    slow.fast_append = False
+    steady = []
+    original = LatentCacheLayer._steady
+    monkeypatch.setattr(LatentCacheLayer, "_steady", lambda self, w: steady.append(original(self, w)) or steady[-1])
+    g = torch.Generator().manual_seed(0)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    valid[1, :4] = False  # left padding in the prefill
+    steps = [(torch.randn(2, 7, D_C, generator=g), torch.randn(2, 7, D_R, generator=g), valid)]
+    steps += [(torch.randn(2, 1, D_C, generator=g), torch.randn(2, 1, D_R, generator=g), None) for _ in range(45)]
+    for c, r, v in steps:
+        q, qr = torch.randn(2, 2, c.shape[1], D_C, generator=g), torch.randn(2, 2, c.shape[1], D_R, generator=g)
+        a = fast.attend(q, qr, c, r, 0.1, None, v)
+        b = slow.attend(q, qr, c, r, 0.1, None, v)
+        assert torch.equal(a, b)
+        for x, y in zip(fast.read(), slow.read()):
+            assert torch.equal(x, y)
+        assert (fast.n_quantized, fast.nbytes(), fast.held_bytes()) == (slow.n_quantized, slow.nbytes(),
+                                                                         slow.held_bytes())
+    took = any(steady) if option != "kivi_int2" else not any(steady)  # KIVI's token blocks take the general path
+    assert took and fast.n_quantized > 0
+
+
+def test_fast_append_matches_attention_over_the_reference(monkeypatch):
+    """After many steady steps, attention over the cache equals attention over the stored values read back."""
+    cfg = OmegaConf.merge(load_quant_option("int4_joint", groups={"wide": 32, "narrow": 32}),
+                          {"protected": {"n_sink": 2, "recent": 5}})
+    layer = cache_layer_factory(cfg, D_C, D_R)()
+    g = torch.Generator().manual_seed(1)
+    layer.append(torch.randn(1, 6, D_C, generator=g), torch.randn(1, 6, D_R, generator=g))
+    for _ in range(20):
+        layer.append(torch.randn(1, 1, D_C, generator=g), torch.randn(1, 1, D_R, generator=g))
+    q, qr = torch.randn(1, 2, 1, D_C, generator=g), torch.randn(1, 2, 1, D_R, generator=g)
+    c, r = layer.read()
+    want = latent_attention(q, qr, c, r, 0.1, None)
+    got = layer.attend(q, qr, c[:, :0], r[:, :0], 0.1, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
