@@ -264,3 +264,17 @@ def test_sensitivity_from_a_study_run(tmp_path):
     rows[rows.kind != "one_layer"].to_csv(tmp_path / "none.csv", index=False)
     with pytest.raises(ValueError, match="no one-layer injections"):
         sensitivity_from_record(tmp_path / "none.csv", layers)
+
+
+def test_export_describes_each_layer(tmp_path):
+    """experiment=export with quant=mixed: the checkpoint's cache description lists every layer's formats and bytes
+    and the allocation they came from."""
+    from mla_quant.stages import export
+
+    cfg = compose(["experiment=export", "quant=mixed", f"quant.allocation.cache_dir={tmp_path / 'alloc'}",
+                   "quant.allocation.by=cache_nmse", "calib.samples=4", "calib.seq_len=128"])
+    metrics = export.run(cfg, tmp_path).metrics
+    desc = json.loads((tmp_path / "checkpoint" / "mla_quant_cache.json").read_text())["cache"]
+    assert desc["format"] == "mixed" and len(desc["layers"]) == LAYERS and desc["allocation"] == metrics["alloc/file"]
+    assert desc["layers"][0] == {"content": metrics["cache/layer0/content"], "rope": metrics["cache/layer0/rope"]}
+    assert sum(desc["bytes_per_token_per_layer"]) / LAYERS == metrics["cache/bytes_per_token_per_layer"] <= 48
