@@ -284,7 +284,8 @@ def _weights(spec: MixedSpec, model, ids, identity) -> tuple[dict, str]:
 
 def allocation_path(spec: MixedSpec, identity: dict) -> tuple[Path, str]:
     payload = {"version": ALLOCATION_VERSION, "identity": identity, "budget": spec.budget, "choices": spec.choices,
-               "base": spec.base, "allocation": {k: v for k, v in spec.allocation.items()
+               # the paths' settings only: the protected region, mode and backend change no measured figure
+               "base": {p: spec.base.get(p) for p in PATHS}, "allocation": {k: v for k, v in spec.allocation.items()
                                                  if k not in ("file", "reuse", "cache_dir")}}
     sha = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
     return Path(spec.allocation["cache_dir"]) / f"mixed-{spec.allocation['by']}-{sha[:16]}.json", sha
@@ -366,10 +367,11 @@ def figure(stored: dict, path: Path) -> Path:
     for k, p in enumerate(PATHS):
         ax.bar([i + (k - 0.5) * 0.4 for i in layers], [stored["bits"][i][p] for i in layers], width=0.4, label=p)
         aw.plot(list(layers), [stored["weights"][i][p] for i in layers], "o-", label=p)
-    ax.set(xlabel="cache layer", ylabel="bits", title=f"{stored['bytes_per_token_per_layer']:.1f} of "
-                                                      f"{stored['budget']:.1f} B/token/layer ({stored['by']})")
-    aw.set(xlabel="cache layer", ylabel="weight (output NMSE per cache NMSE)", yscale="log",
-           title=stored["weights_from"][:48])
+    ax.set(xlabel="cache layer", ylabel="bits", xticks=list(layers))
+    ax.set_title(f"{stored['bytes_per_token_per_layer']:.1f} of {stored['budget']:.1f} B/token/layer "
+                 f"({stored['by']})", fontsize=10)
+    aw.set(xlabel="cache layer", ylabel="weight (output / cache NMSE)", yscale="log", xticks=list(layers))
+    aw.set_title(f"weights: {stored['weights_from']}", fontsize=8, wrap=True)
     ax.legend(), aw.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
