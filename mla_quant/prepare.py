@@ -86,6 +86,12 @@ def model_dims(model_cfg) -> dict[str, int]:
             "context": int(text.max_position_embeddings)}
 
 
+def rope_layout(model_cfg) -> str:
+    """The model's RoPE pair layout in the cache (`half` | `interleaved`), from its config alone."""
+    config = model_config(model_cfg)
+    return family_for_config(config).cached_rope_layout(config)
+
+
 def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True, calib_report: bool = False
              ) -> CacheFormat | LayeredFormat | MixedSpec | None:
     """Check the quant, transform, objective and calib groups against the model's dims; the validated cache format
@@ -112,13 +118,14 @@ def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True, calib
         return None
     if mixed:
         spec = mixed_spec(cfg.quant, dims["d_c"], dims["d_r"], dims["layers"], dims["context"],
-                          _plain(cfg.model.get("quant_group_size")) or None)
+                          _plain(cfg.model.get("quant_group_size")) or None, rope_layout(cfg.model))
         codec = (_plain(cfg.get("transform") or {}).get("content") or {}).get("codec")
         if codec is not None or spec.budget_name is None:  # else the transforms are fitted for the budget's option
             check_layered_transform(cfg.get("transform"), spec.name, codec)
         return spec
     return transformed_format(cfg.get("transform"), cache_format(cfg.quant, dims["d_c"], dims["d_r"],
-                                                                 context=dims["context"], num_layers=dims["layers"]))
+                                                                 context=dims["context"], num_layers=dims["layers"],
+                                                                 rope_layout=rope_layout(cfg.model)))
 
 
 def check_context(key: str, value, dims: Mapping[str, int]) -> None:

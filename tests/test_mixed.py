@@ -16,7 +16,7 @@ from mla_quant.cache import LatentCache, cache_layer_factory
 from mla_quant.cache.bytes import byte_table, load_quant_option
 from mla_quant.models.absorbed import cache_kwargs, quantized_cache
 from mla_quant.prepare import model_dims, prepare_model, validate
-from mla_quant.quant.formats import LayeredFormat, cache_bytes_per_token, cache_format
+from mla_quant.quant.formats import LayeredFormat, cache_bytes_per_token, cache_format, fake_quantizer
 from mla_quant.quant.mixed import knapsack
 from mla_quant.sensitivity.allocation import (_weights, load_allocation, mixed_spec, sensitivity_from_record,
                                               solve)
@@ -195,7 +195,8 @@ def test_random_and_cache_nmse_weights():
     a, b = _weights(spec_of("quant.allocation.by=random"), None, None, {})[0], \
         _weights(spec_of("quant.allocation.by=random", "quant.allocation.seed=1"), None, None, {})[0]
     assert a == _weights(spec_of("quant.allocation.by=random"), None, None, {})[0] and a != b
-    assert set(a) == {(i, p) for i in range(LAYERS) for p in ("content", "rope")} and all(0 < v < 1 for v in a.values())
+    assert set(a) == {(i, p, None) for i in range(LAYERS) for p in ("content", "rope")}
+    assert all(0 < v < 1 for v in a.values())
     assert set(_weights(spec_of("quant.allocation.by=cache_nmse"), None, None, {})[0].values()) == {1.0}
 
 
@@ -212,11 +213,13 @@ def test_mixed_allocates_measures_stores_and_reuses(tmp_path):
     stored = json.loads(open(m["alloc/file"]).read())
     assert stored["identity"]["weights"] and stored["dims"] == {"d_c": D_C, "d_r": D_R, "layers": LAYERS}
     spec = spec_of("quant.budget=int2_joint", f"quant.allocation.cache_dir={tmp_path}")
-    table = {(i, p, k): v for i, layer in enumerate(stored["nmse"]) for p, ks in layer.items() for k, v in enumerate(ks)}
-    weights = {(i, p): w for i, layer in enumerate(stored["weights"]) for p, w in layer.items()}
+    table = {(i, p, None, k): v for i, layer in enumerate(stored["nmse"]) for p, ks in layer.items()
+             for k, v in enumerate(ks)}
+    weights = {(i, p, None): w for i, layer in enumerate(stored["weights"]) for p, w in layer.items()}
     # the optimum by enumeration over every allocation of the toy's 4 layers x 2 paths
     per_layer = [[(spec.cost("content", kc) + spec.cost("rope", kr),
-                   weights[i, "content"] * table[i, "content", kc] + weights[i, "rope"] * table[i, "rope", kr])
+                   weights[i, "content", None] * table[i, "content", None, kc]
+                   + weights[i, "rope", None] * table[i, "rope", None, kr])
                   for kc in range(len(spec.choices["content"])) for kr in range(len(spec.choices["rope"]))]
                  for i in range(LAYERS)]
     best = min(sum(e for _, e in combo) for combo in itertools.product(*per_layer)
@@ -278,3 +281,92 @@ def test_export_describes_each_layer(tmp_path):
     assert desc["format"] == "mixed" and len(desc["layers"]) == LAYERS and desc["allocation"] == metrics["alloc/file"]
     assert desc["layers"][0] == {"content": metrics["cache/layer0/content"], "rope": metrics["cache/layer0/rope"]}
     assert sum(desc["bytes_per_token_per_layer"]) / LAYERS == metrics["cache/bytes_per_token_per_layer"] <= 48
+
+
+# ---------------------------------------------------------------------------------------------- bits per RoPE pair group
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_pairs_store_each_group_of_pairs_at_its_width(layout):
+    """format=pairs: group g of the RoPE pairs (a pair's two channels together, in the model's layout) is one
+    integer group at its own width; with one width everywhere it equals int at groups of those channels."""
+    from mla_quant.quant.formats import PathFormat, pair_channels
+    from mla_quant.quant.quantizers import fake_quantize
+    from mla_quant.models.families import rope_pair
+
+    x = torch.randn(7, 11, 64, generator=torch.Generator().manual_seed(0))
+    fmt = cache_format(option("int4_joint", rope={"bits": [8, 4, 2, 16]}), D_C, 64, rope_layout=layout).rope
+    assert fmt.format == "pairs" and fmt.pair_layout == layout and fmt.bits == (8, 4, 2, 16)
+    groups = pair_channels(layout, 64, 4)
+    assert sorted(c for g in groups for c in g) == list(range(64))
+    assert set(rope_pair(layout, 64, 9)) <= set(groups[1])  # pair 9 of 32: the second group of 8 pairs
+    got = fmt.decode(fmt.encode(x), 64, torch.float32)
+    for bits, channels in zip(fmt.bits, groups):
+        want = x[..., channels] if bits == 16 else fake_quantize(x[..., channels], bits, None, False, "fp16")
+        assert torch.equal(got[..., channels], want)
+    err = [(got - x)[..., ch].pow(2).mean() for ch in groups]
+    assert err[3] == 0 < err[0] < err[1] < err[2]
+    # bytes: per group its byte-stream codes + an fp16 scale and zero; the unquantized group at 2 B a value
+    assert fmt.bytes_per_token(64) == (16 + 4) + (8 + 4) + (4 + 4) + 16 * 2
+    # one width everywhere, interleaved (contiguous groups): the same values as int at groups of 16 channels
+    if layout == "interleaved":
+        same = cache_format(option("int4_joint", rope={"bits": [4, 4, 4, 4]}), D_C, 64, rope_layout=layout).rope
+        plain = fake_quantizer(PathFormat.from_cfg({"format": "int", "bits": 4, "group_size": 16}), 64)
+        assert torch.equal(same.decode(same.encode(x), 64, torch.float32), plain(x))
+
+
+def test_pairs_in_a_model_cache_hold_their_bytes(toy):
+    cfg = option("int4_joint", rope={"bits": [8, 2]}, protected={"recent": 16})
+    cache = quantized_cache(toy, cfg)
+    ids = torch.randint(3, 1024, (1, 120), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = toy(ids, use_cache=True, **cache_kwargs(cache)).logits
+    assert torch.isfinite(logits).all()
+    f = cache.layers[0].fmt
+    assert f.rope.pair_layout == toy.mla_family.cached_rope_layout(toy.config)
+    assert cache.layers[0].nbytes() == round(cache_bytes_per_token(f, D_C, D_R, 120, act_bytes=4) * 120)
+
+
+@pytest.mark.parametrize("rope,match", [
+    ({"bits": [8, 4, 2]}, r"quant.rope.bits has 3 groups of RoPE pairs; the path has 16 channels \(8 pairs\)"),
+    ({"bits": [8, 5]}, r"quant.rope.bits=\[8, 5\]: format=pairs takes one width per group of RoPE pairs"),
+    ({"bits": [8, 4], "group_size": 4}, r"quant.rope.group_size=4: with bits per group of pairs"),
+])
+def test_bad_pair_widths_are_refused(rope, match):
+    with pytest.raises(ValueError, match=match):
+        cache_format(option("int4_joint", rope=rope), D_C, D_R)
+
+
+def test_pair_widths_refused_where_they_cannot_go():
+    with pytest.raises(ValueError, match=r"quant.content.bits=\[4, 2\]: widths per group of RoPE frequency pairs"):
+        cache_format(option("int4_joint", content={"bits": [4, 2]}), D_C, D_R)
+    with pytest.raises(ValueError, match="quant.backend=triton cannot read it"):
+        cache_format(option("int4_joint", rope={"bits": [8, 2]}, backend="triton"), D_C, D_R)
+    from mla_quant.quant.formats import PathFormat
+
+    with pytest.raises(ValueError, match="on an even dimension"):
+        PathFormat.from_cfg({"bits": [4, 2]}).check(15, "quant.rope")
+    with pytest.raises(ValueError, match=r"rope_groups=3: the RoPE key has 16 channels \(8 pairs\)"):
+        spec_of("quant.allocation.rope_groups=3")
+    with pytest.raises(ValueError, match="each group of pairs takes a bit width"):
+        spec_of("quant.allocation.rope_groups=2", "quant.choices.rope=[2,{bits: 4, symmetric: true}]")
+
+
+def test_mixed_allocates_per_group_of_rope_pairs(tmp_path):
+    """quant.allocation.rope_groups=2: each layer's RoPE key gets a width per group of 4 pairs, weighted by
+    injections into those pairs alone; the cache stores format=pairs and holds exactly its bytes."""
+    overrides = ["quant=mixed", "quant.budget=int2_joint", "quant.allocation.rope_groups=2",
+                 f"quant.allocation.cache_dir={tmp_path}", "quant.allocation.sequences=2", "quant.allocation.seeds=1",
+                 "calib.samples=8", "calib.seq_len=192"]
+    prep = prepare_model(compose(overrides))
+    m = prep.metrics()
+    assert m["alloc/bytes_per_token_per_layer"] <= 44
+    stored = json.loads(open(m["alloc/file"]).read())
+    assert all(isinstance(layer["rope"], list) and len(layer["rope"]) == 2 for layer in stored["weights"])
+    assert all(len(layer["rope"]) == 2 for layer in stored["picks"])
+    pairs = [f for f in prep.fmt.layers if f.rope.format == "pairs"]
+    assert pairs and all(len(f.rope.bits) == 2 for f in pairs)
+    cache = prep.new_cache()
+    ids = torch.randint(3, 1024, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        prep.model(ids, use_cache=True, **cache_kwargs(cache))
+    for layer, f in zip(cache.layers, prep.fmt.layers):
+        assert layer.nbytes() == round(cache_bytes_per_token(f, D_C, D_R, 300, act_bytes=4) * 300)

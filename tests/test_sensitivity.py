@@ -133,6 +133,18 @@ def test_pair_injection_touches_only_that_pair():
     assert (energy[~hit] == 0).all() and (energy[hit] > 0).all()
 
 
+def test_pair_group_injection_touches_only_those_pairs():
+    model = _model()
+    spec = InjectionSpec(path="rope", nmse=0.01, pair=(0, 3), rope_layout="interleaved")
+    capture(model, _ids(model), new_cache(model, injection_factory(spec)))
+    energy = spec.error_energy[0]
+    hit = torch.zeros(energy.numel(), dtype=torch.bool)
+    for i in (0, 3):
+        hit[list(rope_pair("interleaved", energy.numel(), i))] = True
+    assert (energy[~hit] == 0).all() and (energy[hit] > 0).all()
+    assert spec.achieved[0] == pytest.approx(0.01, rel=1e-6)  # the target NMSE of the whole key
+
+
 def test_predictor_matches_monte_carlo():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(64, 16, generator=g, dtype=torch.float64) * torch.linspace(0.1, 3, 16, dtype=torch.float64)

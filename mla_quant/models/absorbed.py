@@ -184,7 +184,9 @@ def model_layer_factory(model: nn.Module, quant_cfg):
     context and the number of cache layers from its config."""
     dims = latent_dims(model)
     context = getattr(model.config, "max_position_embeddings", None)
-    return layer_factory(cache_format(quant_cfg, dims["d_c"], dims["d_r"], context, num_cache_layers(model)))
+    layout = family_for_config(model.config).cached_rope_layout(model.config)
+    return layer_factory(cache_format(quant_cfg, dims["d_c"], dims["d_r"], context, num_cache_layers(model),
+                                      rope_layout=layout))
 
 
 def quantized_cache(model: nn.Module, quant_cfg) -> LatentCache:

@@ -47,6 +47,8 @@ SCALE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "pow2": 1}
 ZERO_BYTES = {name: torch.empty(0, dtype=dt).element_size() for name, dt in quantizers.ZERO_DTYPES.items()}
 TENSOR_SCALE_BYTES = 4  # one float32 per tensor-granularity path (or one shared by both paths), per sequence and layer
 TRITON_INT_BITS = WORD_BITS  # what the decode kernel unpacks: the int32 word layout (kernels/layout.py)
+PAIR_LAYOUTS = ("half", "interleaved")  # which channels of the RoPE key form a frequency pair (format=pairs)
+DERIVED_KEYS = ("pair_layout",)  # PathFormat fields set from the model, never from a config
 
 
 def _plain(cfg) -> dict:
@@ -281,6 +283,97 @@ class CodebookCodec(Codec):
         return f"codebook{fmt.bits} (Lloyd-Max) per-token norm {fmt.scale_dtype}"
 
 
+def pair_channels(layout: str, d: int, groups: int) -> list[list[int]]:
+    """The channels of each of `groups` equal groups of RoPE frequency pairs (pair 0 = the highest frequency), for
+    a d-dim key whose pair i is (i, i + d/2) (`half`, rotate-half order) or (2i, 2i + 1) (`interleaved`)."""
+    if layout not in PAIR_LAYOUTS:
+        raise ValueError(f"RoPE pair layout {layout!r}; allowed: {list(PAIR_LAYOUTS)}")
+    per = d // 2 // groups
+    out = []
+    for g in range(groups):
+        pairs = range(g * per, (g + 1) * per)
+        out.append([c for i in pairs for c in ((i, i + d // 2) if layout == "half" else (2 * i, 2 * i + 1))])
+    return out
+
+
+class PairsCodec(Codec):
+    """The RoPE key with bits per group of frequency pairs: `bits` a list, one width per group of d/2/len(bits)
+    consecutive pairs (a pair's two channels always together; 16 keeps a group unquantized). Each group is one
+    integer group of its own (codes as an LSB-first byte stream, a scale and a zero in `scale_dtype`), so the bytes
+    of a path are the sum of its groups'. Which channels form a pair is the model's RoPE layout (`pair_layout`, set
+    from the model's family when the format is built for it)."""
+
+    name = "pairs"
+    widths = (*quantizers.INT_BITS, 16)
+
+    def check(self, fmt, where):
+        if fmt.token_block is not None:
+            raise ValueError(f"{where}.token_block={fmt.token_block!r}: format=pairs quantizes each token on its own; "
+                             f"allowed: null")
+        bits = fmt.bits
+        if not isinstance(bits, tuple) or not bits or any(b not in self.widths for b in bits):
+            raise ValueError(f"{where}.bits={list(bits) if isinstance(bits, tuple) else bits!r}: format=pairs takes "
+                             f"one width per group of RoPE pairs, each in {list(self.widths)} (16 = unquantized)")
+        if fmt.group_size is not None:
+            raise ValueError(f"{where}.group_size={fmt.group_size!r}: with bits per group of pairs each group is one "
+                             f"quantization group; allowed: null")
+        if fmt.granularity != "group":
+            raise ValueError(f"{where}.granularity={fmt.granularity!r}: format=pairs takes ['group']")
+        quantizers.check_scale_dtype(fmt.scale_dtype)
+
+    def check_dim(self, fmt, d, where):
+        groups = len(fmt.bits)
+        if d % 2 or (d // 2) % groups:
+            raise ValueError(f"{where}.bits has {groups} groups of RoPE pairs; the path has {d} channels ({d // 2} "
+                             f"pairs): allowed a number of groups dividing {d // 2}, on an even dimension")
+
+    def _groups(self, fmt, d):
+        return list(zip(fmt.bits, pair_channels(fmt.pair_layout, d, len(fmt.bits))))
+
+    def group_bytes(self, fmt, bits: int, n: int, act_bytes: int) -> int:
+        if bits == 16:
+            return n * act_bytes
+        zeros = 0 if fmt.symmetric else ZERO_BYTES[fmt.scale_dtype]
+        return packing.packed_dim(n, bits) + SCALE_BYTES[fmt.scale_dtype] + zeros
+
+    def bytes_per_token(self, fmt, d, act_bytes):
+        return sum(self.group_bytes(fmt, b, len(ch), act_bytes) for b, ch in self._groups(fmt, d))
+
+    def encode(self, fmt, x, tensor_scale):
+        parts = {}
+        for g, (bits, channels) in enumerate(self._groups(fmt, x.shape[-1])):
+            sub = x[..., channels]
+            if bits == 16:
+                parts[f"g{g}/values"] = sub
+                continue
+            codes, scales, zeros = quantizers.group_quantize(sub, bits, None, fmt.symmetric, fmt.scale_dtype,
+                                                             fmt.quantizer)
+            parts[f"g{g}/codes"] = packing.pack(codes, bits, check=False)
+            parts[f"g{g}/scales"] = scales
+            if zeros is not None:
+                parts[f"g{g}/zeros"] = zeros
+        return parts
+
+    def decode(self, fmt, parts, d, dtype, tensor_scale):
+        lead = next(iter(parts.values())).shape[:-1]
+        out = torch.empty(*lead, d, dtype=dtype, device=next(iter(parts.values())).device)
+        for g, (bits, channels) in enumerate(self._groups(fmt, d)):
+            if bits == 16:
+                out[..., channels] = parts[f"g{g}/values"].to(dtype)
+                continue
+            codes = packing.unpack(parts[f"g{g}/codes"], bits, len(channels))
+            out[..., channels] = quantizers.group_dequantize(codes, parts[f"g{g}/scales"], parts.get(f"g{g}/zeros"),
+                                                             bits, dtype)
+        return out
+
+    def kernel_unsupported(self, fmt, d):
+        return "format=pairs (bits per group of RoPE pairs; the kernel reads one width per path)"
+
+    def describe(self, fmt):
+        return (f"pairs int{'/'.join(str(b) for b in fmt.bits)} over {len(fmt.bits)} groups of pairs "
+                f"{'sym' if fmt.symmetric else 'asym'} {fmt.scale_dtype}")
+
+
 class ChannelBlockCodec(Codec):
     """KIVI's key quantization: asymmetric integer codes per channel over blocks of `token_block` consecutive tokens
     (`quantizers.channel_block_quantize`), so an outlier channel gets its own step instead of widening every
@@ -365,7 +458,7 @@ class ChannelBlockCodec(Codec):
 
 
 CODECS: dict[str, Codec] = {c.name: c for c in (ValuesCodec(), IntCodec(), Fp8Codec(), CodebookCodec(),
-                                                  ChannelBlockCodec())}
+                                                  ChannelBlockCodec(), PairsCodec())}
 FORMATS = tuple(CODECS)
 
 
@@ -392,13 +485,18 @@ class PathFormat:
     granularity: str = "group"
     token_block: int | None = None  # format=channel_block: tokens per block (one scale + zero per channel and block)
     quantizer: str = "rtn"  # format=int: how each group's scale and zero are chosen (quantizers.QUANTIZERS)
+    pair_layout: str = "half"  # format=pairs: the model's RoPE pair layout (set from the model, not a config key)
 
     @classmethod
     def from_cfg(cls, cfg, where: str = "quant.<path>") -> "PathFormat":
         cfg = _plain(cfg)
-        _check_keys(cfg, [f.name for f in fields(cls)], where)
+        _check_keys(cfg, [f.name for f in fields(cls) if f.name not in DERIVED_KEYS], where)
+        if isinstance(cfg.get("bits"), (list, tuple)):  # a width per group of RoPE pairs: format=pairs
+            cfg = {**cfg, "bits": tuple(cfg["bits"])}
+            if cfg.get("format", "bf16") in ("bf16", "int"):
+                cfg["format"] = "pairs"
         # A low bit width on a bf16 path means an integer format: `quant.content.bits=3` works from quant=bf16.
-        if cfg.get("format", "bf16") == "bf16" and cfg.get("bits", 16) not in (16, None):
+        elif cfg.get("format", "bf16") == "bf16" and cfg.get("bits", 16) not in (16, None):
             cfg = {**cfg, "format": "int"}
         fmt = cls(**cfg)
         fmt.check(where=where)
@@ -413,7 +511,7 @@ class PathFormat:
         if self.format not in CODECS:
             raise ValueError(f"{where}.format={self.format!r} is unknown; allowed: {list(CODECS)}")
         self.codec.check(self, where)
-        if self.format == "int":
+        if self.format in ("int", "pairs"):
             quantizers.check_quantizer(self.quantizer, self.symmetric, f"{where}.quantizer")
         elif self.quantizer != "rtn":
             raise ValueError(f"{where}.quantizer={self.quantizer!r} chooses integer groups' ranges: it applies to "
@@ -422,6 +520,8 @@ class PathFormat:
             isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0
         ):
             raise ValueError(f"{where}.group_size={self.group_size!r}; allowed: null or a positive integer")
+        if d is not None and self.format == "pairs":
+            self.codec.check_dim(self, d, where)
         if d is not None and self.quantized and self.granularity == "group" and self.group_size is not None:
             if d % self.group_size:
                 divisors = [g for g in range(1, d + 1) if d % g == 0]
@@ -599,7 +699,7 @@ def refuse_layered(fmt, what: str) -> None:
 
 
 def layered_format(cfg: dict, layers, d_c: int, d_r: int, context: int | None, num_layers: int | None,
-                   source: str = "quant.layers") -> LayeredFormat:
+                   source: str = "quant.layers", rope_layout: str = "half") -> LayeredFormat:
     """`quant.layers`: a list with one entry per cache layer, each null (the option's own paths) or a mapping of
     `content` / `rope` blocks whose keys replace those of the option's blocks for that layer."""
     name = cfg.get("name", "?")
@@ -617,7 +717,8 @@ def layered_format(cfg: dict, layers, d_c: int, d_r: int, context: int | None, n
             if entry.get(path) is not None:
                 merged[path] = {**_plain(cfg.get(path, {})), **_plain(entry[path])}
         try:
-            formats.append(cache_format({**merged, "name": f"{name}/layer{i}"}, d_c, d_r, context))
+            formats.append(cache_format({**merged, "name": f"{name}/layer{i}"}, d_c, d_r, context,
+                                        rope_layout=rope_layout))
         except ValueError as err:
             raise ValueError(f"quant.layers[{i}]: {err}") from err
     return LayeredFormat(name, tuple(formats), source)
@@ -629,14 +730,16 @@ def _nonneg_int(value, where: str, least: int = 0) -> int:
     return value
 
 
-def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None, num_layers: int | None = None
-                 ) -> CacheFormat:
+def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None, num_layers: int | None = None,
+                 rope_layout: str = "half") -> CacheFormat:
     """Build and validate the format of a `quant` config for a model with latent dims (d_c, d_r).
 
     With `context` (the longest sequence the run will hold), a quantized format whose protected region covers the
     whole context is refused: nothing would ever be quantized. A backend that cannot read the format is refused.
     A config with a `peer` block is a peer option: its `PeerFormat` (mla_quant/quant/peers.py). A `layers` list
     gives each cache layer its own paths: a `LayeredFormat` (its length checked against `num_layers` when given).
+    `rope_layout`: the model's RoPE pair layout (`half` | `interleaved`), which a RoPE key with bits per group of
+    pairs (format=pairs) groups by.
     """
     cfg = _plain(quant_cfg)
     from mla_quant.quant.peers import is_peer, peer_format
@@ -651,7 +754,7 @@ def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None, num_
     _check_keys(cfg, TOP_KEYS, "quant")
     if cfg.get("layers") is not None:
         return layered_format({k: v for k, v in cfg.items() if k != "layers"}, cfg["layers"], d_c, d_r, context,
-                              num_layers)
+                              num_layers, rope_layout=rope_layout)
     cfg.pop("layers", None)
     mode, backend = cfg.get("mode", "simulated"), cfg.get("backend", "auto")
     if mode not in MODES:
@@ -663,8 +766,18 @@ def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None, num_
     n_sink = _nonneg_int(protected.get("n_sink", 4), "quant.protected.n_sink")
     recent = _nonneg_int(protected.get("recent", 128), "quant.protected.recent")
     block_size = _nonneg_int(cfg.get("block_size", 64), "quant.block_size", least=1)
+    content_bits = _plain(cfg.get("content") or {}).get("bits")
+    if isinstance(content_bits, (list, tuple)) or _plain(cfg.get("content") or {}).get("format") == "pairs":
+        raise ValueError(f"quant.content.bits={content_bits}: widths per group of RoPE frequency pairs apply to the "
+                         f"RoPE key; the content latent takes one width (an integer)")
     content = PathFormat.from_cfg(cfg.get("content", {}), "quant.content")
     rope = PathFormat.from_cfg(cfg.get("rope", {}), "quant.rope")
+    if rope.format == "pairs":
+        if rope_layout not in PAIR_LAYOUTS:
+            raise ValueError(f"RoPE pair layout {rope_layout!r}; allowed: {list(PAIR_LAYOUTS)}")
+        import dataclasses
+
+        rope = dataclasses.replace(rope, pair_layout=rope_layout)
     content.check(d_c, "quant.content")
     rope.check(d_r, "quant.rope")
     if context is not None and (content.quantized or rope.quantized) and n_sink + recent >= context:

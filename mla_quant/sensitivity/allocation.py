@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.models.absorbed import cache_kwargs, new_cache
 from mla_quant.quant.formats import (
+    CODECS,
     MIXED_KEYS,
     LayeredFormat,
     PathFormat,
@@ -42,6 +43,7 @@ from mla_quant.quant.formats import (
     cache_format,
     fake_quantizer,
     layered_format,
+    pair_channels,
 )
 from mla_quant.quant.mixed import knapsack, path_override
 from mla_quant.record import write_json_atomic
@@ -50,7 +52,8 @@ from mla_quant.sensitivity.study import capture
 
 PATHS = ("content", "rope")
 BY = ("sensitivity", "cache_nmse", "random")
-ALLOCATION_KEYS = ("by", "seed", "sensitivity", "nmse", "seeds", "sequences", "file", "reuse", "cache_dir")
+ALLOCATION_KEYS = ("by", "seed", "sensitivity", "nmse", "seeds", "sequences", "rope_groups", "file", "reuse",
+                   "cache_dir")
 ALLOCATION_VERSION = 1
 
 
@@ -72,9 +75,38 @@ class MixedSpec:
     d_r: int
     num_layers: int
     context: int | None
+    rope_layout: str = "half"  # the model's RoPE pair layout (which channels a group of pairs holds)
 
     def dim(self, path: str) -> int:
         return {"content": self.d_c, "rope": self.d_r}[path]
+
+    @property
+    def rope_groups(self) -> int:
+        return int(self.allocation["rope_groups"])
+
+    def units(self) -> list[tuple[str, int | None]]:
+        """What each layer allocates: (path, None) for a whole path, (rope, g) for group g of the RoPE pairs."""
+        if self.rope_groups == 1:
+            return [(p, None) for p in PATHS]
+        return [("content", None)] + [("rope", g) for g in range(self.rope_groups)]
+
+    def channels(self, g: int) -> list[int]:
+        return pair_channels(self.rope_layout, self.d_r, self.rope_groups)[g]
+
+    def unit_format(self, path: str, g: int | None, k: int) -> PathFormat:
+        """The format of choice `k` of a unit: the path's, or one group of pairs quantized as one int group."""
+        if g is None:
+            return self.path_format(path, k)
+        block = {**_plain(self.base.get(path, {})), **self.choices[path][k], "group_size": None}
+        return PathFormat.from_cfg(block, f"quant.choices.{path}[{k}]")
+
+    def unit_cost(self, path: str, g: int | None, k: int) -> float:
+        """Bytes per quantized token of a unit at choice `k` (a group of pairs: its byte-stream codes and its own
+        scale and zero, as format=pairs stores it)."""
+        if g is None:
+            return self.cost(path, k)
+        fmt = self.unit_format(path, g, k)
+        return CODECS["pairs"].group_bytes(fmt, fmt.bits, len(self.channels(g)), 2)
 
     def path_format(self, path: str, k: int) -> PathFormat:
         """The format of choice `k` of `path`."""
@@ -89,9 +121,12 @@ class MixedSpec:
         return self.path_format(path, k).bytes_per_token(self.dim(path), 2)
 
     def layered(self, picks: list[dict], source: str) -> LayeredFormat:
-        """Per layer {path: choice index} -> the per-layer formats."""
-        layers = [{p: self.choices[p][k] for p, k in layer.items()} for layer in picks]
-        return layered_format(self.base, layers, self.d_c, self.d_r, self.context, self.num_layers, source=source)
+        """Per layer {path: choice index, or for the RoPE key per group of pairs a list of them} -> the formats."""
+        layers = [{p: (self.choices[p][k] if isinstance(k, int) else
+                       {"format": "pairs", "bits": [self.choices[p][j]["bits"] for j in k]})
+                   for p, k in layer.items()} for layer in picks]
+        return layered_format(self.base, layers, self.d_c, self.d_r, self.context, self.num_layers, source=source,
+                              rope_layout=self.rope_layout)
 
 
 def _choice_list(value, where: str) -> list[dict]:
@@ -129,7 +164,7 @@ def budget_bytes(budget, d_c: int, d_r: int, groups: dict | None) -> tuple[float
 
 
 def mixed_spec(quant_cfg, d_c: int, d_r: int, num_layers: int, context: int | None = None,
-               groups: dict | None = None) -> MixedSpec:
+               groups: dict | None = None, rope_layout: str = "half") -> MixedSpec:
     """Validate a `quant=mixed` option against the model's dims, before any weight is read."""
     cfg = _plain(quant_cfg)
     name = cfg.get("name", "mixed")
@@ -148,27 +183,42 @@ def mixed_spec(quant_cfg, d_c: int, d_r: int, num_layers: int, context: int | No
         raise ValueError(f"quant.choices={choices!r}; allowed: a list of bit widths for each of {list(PATHS)}")
     choices = {p: _choice_list(choices[p], f"quant.choices.{p}") for p in PATHS}
     alloc = {"by": "sensitivity", "seed": 0, "sensitivity": None, "nmse": 0.01, "seeds": 2, "sequences": 8,
-             "file": None, "reuse": True, "cache_dir": "outputs/calibration", **_plain(cfg.get("allocation") or {})}
+             "rope_groups": 1, "file": None, "reuse": True, "cache_dir": "outputs/calibration",
+             **_plain(cfg.get("allocation") or {})}
     unknown = sorted(set(alloc) - set(ALLOCATION_KEYS))
     if unknown:
         raise ValueError(f"quant.allocation: unknown key(s) {unknown}; allowed: {list(ALLOCATION_KEYS)}")
     if alloc["by"] not in BY:
         raise ValueError(f"quant.allocation.by={alloc['by']!r}; allowed: {list(BY)}")
     check_nmse_target(alloc["nmse"])
-    for key in ("seeds", "sequences"):
+    for key in ("seeds", "sequences", "rope_groups"):
         if isinstance(alloc[key], bool) or not isinstance(alloc[key], int) or alloc[key] < 1:
             raise ValueError(f"quant.allocation.{key}={alloc[key]!r}; allowed: an integer >= 1")
     for key in ("sensitivity", "file"):
         if alloc[key] is not None and not Path(alloc[key]).exists():
             raise ValueError(f"quant.allocation.{key}={alloc[key]!r}: no such file or folder")
+    if alloc["rope_groups"] > 1:
+        g = alloc["rope_groups"]
+        if d_r % 2 or (d_r // 2) % g:
+            raise ValueError(f"quant.allocation.rope_groups={g}: the RoPE key has {d_r} channels ({d_r // 2} pairs); "
+                             f"allowed: a number of groups dividing {d_r // 2}")
+        plain = [c for c in choices["rope"] if set(c) != {"format", "bits"}]
+        if plain:
+            raise ValueError(f"quant.choices.rope={choices['rope']}: with quant.allocation.rope_groups={g} each group "
+                             f"of pairs takes a bit width (one scale and zero per group); allowed: plain widths")
+        if alloc["sensitivity"] is not None:
+            raise ValueError(f"quant.allocation.sensitivity with rope_groups={g}: a sensitivity run injects into "
+                             f"whole paths; the weights per group of pairs are measured now (sensitivity: null)")
     budget, budget_name = budget_bytes(cfg.get("budget"), d_c, d_r, groups)
-    spec = MixedSpec(name, base, budget, budget_name, choices, alloc, d_c, d_r, num_layers, context)
-    cheapest = sum(min(spec.cost(p, k) for k in range(len(choices[p]))) for p in PATHS)  # validates every choice
+    spec = MixedSpec(name, base, budget, budget_name, choices, alloc, d_c, d_r, num_layers, context, rope_layout)
+    cheapest = sum(min(spec.unit_cost(p, g, k) for k in range(len(choices[p])))  # validates every choice
+                   for p, g in spec.units())
     for p in PATHS:  # each choice as a whole layer format: the backend reads it, the protected region fits the context
         other = [q for q in PATHS if q != p][0]
         for k in range(len(choices[p])):
+            pick = [k] * spec.rope_groups if p == "rope" and spec.rope_groups > 1 else k
             try:
-                spec.layered([{p: k, other: 0}] * num_layers, "quant.choices")
+                spec.layered([{p: pick, other: 0}] * num_layers, "quant.choices")
             except ValueError as err:
                 raise ValueError(f"quant.choices.{p}[{k}]={choices[p][k]}: {err}") from err
     bf16 = float((d_c + d_r) * 2)
@@ -183,13 +233,18 @@ def mixed_spec(quant_cfg, d_c: int, d_r: int, num_layers: int, context: int | No
 
 # ---------------------------------------------------------------------------------------------- measurements
 @torch.no_grad()
-def measure_nmse(model, ids: torch.Tensor, spec: MixedSpec, batch: int = 8) -> dict[tuple[int, str, int], float]:
-    """Cache NMSE of every choice, per layer and path, on the model's own latents over `ids` (every token quantized:
-    the format's error, not the protected region's). -> {(layer, path, choice index): NMSE}"""
+def measure_nmse(model, ids: torch.Tensor, spec: MixedSpec, batch: int = 8) -> dict[tuple, float]:
+    """Cache NMSE of every choice of every unit, per layer, on the model's own latents over `ids` (every token
+    quantized: the format's error, not the protected region's), relative to the whole path's energy (a group of
+    pairs: its error over the RoPE key's energy, as the injection's NMSE is). -> {(layer, path, g, choice): NMSE}"""
     err: dict = {}
     energy: dict = {}
-    quantize = {(p, k): fake_quantizer(spec.path_format(p, k), spec.dim(p), path=p)
-                for p in PATHS for k in range(len(spec.choices[p]))}
+    quantize = {}
+    for p, g in spec.units():
+        for k in range(len(spec.choices[p])):
+            fmt = spec.unit_format(p, g, k)
+            d = spec.dim(p) if g is None else len(spec.channels(g))
+            quantize[p, g, k] = fake_quantizer(fmt, d, path=p)
     for start in tqdm(range(0, ids.shape[0], batch), desc="allocation: cache NMSE", unit="batch"):
         cache = new_cache(model)
         model(ids[start:start + batch].to(model.device), use_cache=True, **cache_kwargs(cache))
@@ -197,25 +252,28 @@ def measure_nmse(model, ids: torch.Tensor, spec: MixedSpec, batch: int = 8) -> d
             latents = {p: x.float() for p, x in zip(PATHS, layer.read())}
             for p, x in latents.items():
                 energy[i, p] = energy.get((i, p), 0.0) + x.double().pow(2).sum().item()
-            for (p, b), fq in quantize.items():
-                x = latents[p]
-                err[i, p, b] = err.get((i, p, b), 0.0) + (fq(x).double() - x.double()).pow(2).sum().item()
+            for (p, g, k), fq in quantize.items():
+                x = latents[p] if g is None else latents[p][..., spec.channels(g)]
+                err[i, p, g, k] = err.get((i, p, g, k), 0.0) + (fq(x).double() - x.double()).pow(2).sum().item()
     return {key: e / energy[key[0], key[1]] for key, e in err.items()}
 
 
 @torch.no_grad()
 def measure_sensitivity(model, ids: torch.Tensor, spec: MixedSpec) -> dict[tuple[int, str], float]:
-    """Per layer and path: logits NMSE / injected cache NMSE, Gaussian noise in that layer and path alone."""
+    """Per layer and unit: logits NMSE / injected cache NMSE, Gaussian noise in that layer and unit alone (a group
+    of RoPE pairs: noise on its pairs only, at that NMSE of the whole key). -> {(layer, path, g): weight}"""
     alloc = spec.allocation
     ids = ids[:alloc["sequences"]].to(model.device)
     clean = capture(model, ids, new_cache(model))
-    layout = model.mla_family.cached_rope_layout(model.config)
-    jobs = [(i, p, s) for i in range(spec.num_layers) for p in PATHS for s in range(alloc["seeds"])]
+    per = spec.d_r // 2 // spec.rope_groups
+    jobs = [(i, p, g, s) for i in range(spec.num_layers) for p, g in spec.units() for s in range(alloc["seeds"])]
     slopes: dict = {}
-    for i, p, s in tqdm(jobs, desc="allocation: sensitivity", unit="injection"):
-        inj = InjectionSpec(path=p, nmse=float(alloc["nmse"]), layers={i}, seed=s, rope_layout=layout)
+    for i, p, g, s in tqdm(jobs, desc="allocation: sensitivity", unit="injection"):
+        pairs = None if g is None else tuple(range(g * per, (g + 1) * per))
+        inj = InjectionSpec(path=p, nmse=float(alloc["nmse"]), layers={i}, seed=s, rope_layout=spec.rope_layout,
+                            pair=pairs)
         noisy = capture(model, ids, new_cache(model, injection_factory(inj)))
-        slopes.setdefault((i, p), []).append(nmse(noisy.logits, clean.logits) / inj.achieved[i])
+        slopes.setdefault((i, p, g), []).append(nmse(noisy.logits, clean.logits) / inj.achieved[i])
     return {key: sum(v) / len(v) for key, v in slopes.items()}
 
 
@@ -252,23 +310,27 @@ def sensitivity_from_record(source: str | Path, num_layers: int, model_identity:
 
 # ---------------------------------------------------------------------------------------------- allocation
 def solve(spec: MixedSpec, nmse_table: dict, weights: dict) -> tuple[list[dict], float, float]:
-    """The exact allocation: -> (per layer {path: choice index}, mean bytes per token per layer, predicted error)."""
+    """The exact allocation: -> (per layer {path: choice index, or a list of them per group of RoPE pairs}, mean
+    bytes per token per layer, predicted error)."""
     groups, options = [], []
     for i in range(spec.num_layers):
-        for p in PATHS:
-            groups.append((i, p))
-            options.append([(spec.cost(p, k), weights[i, p] * nmse_table[i, p, k])
+        for p, g in spec.units():
+            groups.append((i, p, g))
+            options.append([(spec.unit_cost(p, g, k), weights[i, p, g] * nmse_table[i, p, g, k])
                             for k in range(len(spec.choices[p]))])
     picks, cost, error = knapsack(options, spec.budget * spec.num_layers)
     chosen = [dict() for _ in range(spec.num_layers)]
-    for (i, p), k in zip(groups, picks):
-        chosen[i][p] = k
+    for (i, p, g), k in zip(groups, picks):
+        if g is None:
+            chosen[i][p] = k
+        else:
+            chosen[i].setdefault(p, []).append(k)
     return chosen, cost / spec.num_layers, error
 
 
 def _weights(spec: MixedSpec, model, ids, identity) -> tuple[dict, str]:
     by, alloc = spec.allocation["by"], spec.allocation
-    keys = [(i, p) for i in range(spec.num_layers) for p in PATHS]
+    keys = [(i, p, g) for i in range(spec.num_layers) for p, g in spec.units()]
     if by == "cache_nmse":
         return {k: 1.0 for k in keys}, "none (cache NMSE alone)"
     if by == "random":
@@ -276,8 +338,8 @@ def _weights(spec: MixedSpec, model, ids, identity) -> tuple[dict, str]:
         draws = torch.rand(len(keys), generator=g, dtype=torch.float64).tolist()
         return dict(zip(keys, draws)), f"random, seed {alloc['seed']}"
     if alloc["sensitivity"] is not None:
-        return sensitivity_from_record(alloc["sensitivity"], spec.num_layers, identity.get("model")), \
-            str(alloc["sensitivity"])
+        slopes = sensitivity_from_record(alloc["sensitivity"], spec.num_layers, identity.get("model"))
+        return {(i, p, None): w for (i, p), w in slopes.items()}, str(alloc["sensitivity"])
     return measure_sensitivity(model, ids, spec), (f"measured: Gaussian NMSE {alloc['nmse']:g}, {alloc['seeds']} "
                                                    f"seeds, {min(alloc['sequences'], ids.shape[0])} sequences")
 
@@ -333,17 +395,26 @@ def allocate(model, spec: MixedSpec, ids: torch.Tensor, identity: dict, batch: i
         table = measure_nmse(model, ids, spec, batch)
         weights, weight_source = _weights(spec, model, ids, identity)
         picks, mean_bytes, predicted = solve(spec, table, weights)
+        fmt = spec.layered(picks, source=str(path))
+
+        def per_unit(values, i, p):  # a whole path's value, or the list over its groups of pairs
+            keys = [g for q, g in spec.units() if q == p]
+            return values(i, p, None) if keys == [None] else [values(i, p, g) for g in keys]
+
+        n = {p: len(spec.choices[p]) for p in PATHS}
         stored = {"version": ALLOCATION_VERSION, "config_sha256": sha, "identity": identity,
                   "dims": {"d_c": spec.d_c, "d_r": spec.d_r, "layers": spec.num_layers},
                   "budget": spec.budget, "budget_name": spec.budget_name, "by": alloc["by"],
-                  "weights_from": weight_source, "choices": spec.choices, "picks": picks,
-                  "layers": [{p: spec.path_format(p, k).describe() for p, k in layer.items()} for layer in picks],
-                  "bits": [{p: spec.path_format(p, k).bits for p, k in layer.items()} for layer in picks],
-                  "bytes": [{p: spec.cost(p, k) for p, k in layer.items()} for layer in picks],
+                  "rope_groups": spec.rope_groups, "weights_from": weight_source, "choices": spec.choices,
+                  "picks": picks, "layers": fmt.describe(),
+                  "bits": [{p: (list(b) if isinstance(b := f.path(p).bits, tuple) else b) for p in PATHS}
+                           for f in fmt.layers],
+                  "bytes": [{p: f.path(p).bytes_per_token(f.dim(p), 2) for p in PATHS} for f in fmt.layers],
                   "bytes_per_token_per_layer": mean_bytes, "predicted_error": predicted,
-                  "weights": [{p: weights[i, p] for p in PATHS} for i in range(spec.num_layers)],
-                  "nmse": [{p: [table[i, p, k] for k in range(len(spec.choices[p]))] for p in PATHS}
-                           for i in range(spec.num_layers)],
+                  "weights": [{p: per_unit(lambda i, p, g: weights[i, p, g], i, p) for p in PATHS}
+                              for i in range(spec.num_layers)],
+                  "nmse": [{p: per_unit(lambda i, p, g: [table[i, p, g, k] for k in range(n[p])], i, p)
+                            for p in PATHS} for i in range(spec.num_layers)],
                   "seconds": time.perf_counter() - start, "torch": torch.__version__}
         write_json_atomic(path, stored)
         figure(stored, path.with_suffix(".png"))
@@ -364,9 +435,13 @@ def figure(stored: dict, path: Path) -> Path:
 
     layers = range(len(stored["bits"]))
     fig, (ax, aw) = plt.subplots(1, 2, figsize=(9, 3.2))
+    mean = lambda v: sum(v) / len(v) if isinstance(v, list) else v  # noqa: E731  (groups of RoPE pairs: their mean)
     for k, p in enumerate(PATHS):
-        ax.bar([i + (k - 0.5) * 0.4 for i in layers], [stored["bits"][i][p] for i in layers], width=0.4, label=p)
-        aw.plot(list(layers), [stored["weights"][i][p] for i in layers], "o-", label=p)
+        ax.bar([i + (k - 0.5) * 0.4 for i in layers], [mean(stored["bits"][i][p]) for i in layers], width=0.4,
+               label=p if not isinstance(stored["bits"][0][p], list) else f"{p} (mean over groups of pairs)")
+        w = [stored["weights"][i][p] for i in layers]
+        for g, series in enumerate(zip(*w) if isinstance(w[0], list) else [w]):
+            aw.plot(list(layers), list(series), "o-", label=p if not isinstance(w[0], list) else f"{p} group {g}")
     ax.set(xlabel="cache layer", ylabel="bits", xticks=list(layers))
     ax.set_title(f"{stored['bytes_per_token_per_layer']:.1f} of {stored['budget']:.1f} B/token/layer "
                  f"({stored['by']})", fontsize=10)
@@ -388,7 +463,7 @@ def allocation_metrics(stored: dict, path: Path, reused: bool) -> dict:
     if stored.get("budget_name"):
         m["alloc/budget_name"] = stored["budget_name"]
     for i, (layer, shown) in enumerate(zip(stored["bits"], stored["layers"])):
-        for p, b in layer.items():
-            m[f"alloc/layer{i}/{p}_bits"] = int(b)
+        for p, b in layer.items():  # a list over groups of RoPE pairs: their mean
+            m[f"alloc/layer{i}/{p}_bits"] = sum(b) / len(b) if isinstance(b, list) else int(b)
             m[f"alloc/layer{i}/{p}"] = shown[p]
     return m

@@ -82,7 +82,7 @@ class InjectionSpec:
     layers: set[int] | None = None
     shape: str = "gaussian"
     side: str = "both"
-    pair: int | None = None
+    pair: int | tuple[int, ...] | None = None  # rope: the only frequency pair (or pairs) hit
     rope_layout: str = "half"
     quantizer: Callable[[torch.Tensor], torch.Tensor] | None = None
     seed: int = 0
@@ -110,10 +110,10 @@ class InjectionSpec:
             z = torch.randn(x.shape, generator=generator, dtype=torch.float64).to(x.device)
         else:
             z = self.quantizer(x).double() - x.double()
-        if self.pair is not None:
-            a, b = rope_pair(self.rope_layout, x.shape[-1], self.pair)
+        if self.pair is not None:  # one frequency pair, or a group of them
             keep = torch.zeros(x.shape[-1], dtype=z.dtype, device=z.device)
-            keep[[a, b]] = 1.0
+            for i in (self.pair,) if isinstance(self.pair, int) else self.pair:
+                keep[list(rope_pair(self.rope_layout, x.shape[-1], i))] = 1.0
             z = z * keep
         return z
 
