@@ -141,6 +141,16 @@ def test_layers_are_refused_where_one_format_is_read():
 
 
 # ---------------------------------------------------------------------------------------------- quant=mixed
+def assert_holds_its_bytes(prep, tokens: int = 300):
+    """A prompt through the prepared model's cache: each layer holds exactly its own format's bytes (float32 toy)."""
+    cache = prep.new_cache()
+    ids = torch.randint(3, 1024, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        prep.model(ids, use_cache=True, **cache_kwargs(cache))
+    for layer, f in zip(cache.layers, prep.fmt.layers):
+        assert layer.nbytes() == round(cache_bytes_per_token(f, D_C, D_R, tokens, act_bytes=4) * tokens)
+
+
 def spec_of(*overrides, dims=(D_C, D_R, LAYERS)):
     quant = OmegaConf.create(OmegaConf.to_container(compose(["quant=mixed", *overrides]).quant, resolve=True))
     return mixed_spec(quant, *dims, context=2048, groups=GROUPS)
@@ -228,13 +238,7 @@ def test_mixed_allocates_measures_stores_and_reuses(tmp_path):
     assert solve(spec, table, weights)[0] == stored["picks"]
     # the stored weights came from the toy's own injections: layers differ, RoPE amplified somewhere
     assert len({round(w, 9) for w in weights.values()}) == 2 * LAYERS
-    # the cache built from it holds its formats' bytes
-    cache = prep.new_cache()
-    ids = torch.randint(3, 1024, (1, 300), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        prep.model(ids, use_cache=True, **cache_kwargs(cache))
-    for layer, f in zip(cache.layers, prep.fmt.layers):
-        assert layer.nbytes() == round(cache_bytes_per_token(f, D_C, D_R, 300, act_bytes=4) * 300)
+    assert_holds_its_bytes(prep)  # the cache built from it holds its formats' bytes
     # reused as stored
     again = prepare_model(compose(overrides))
     assert again.metrics()["alloc/reused"] == 1 and again.fmt == prep.fmt
@@ -364,9 +368,4 @@ def test_mixed_allocates_per_group_of_rope_pairs(tmp_path):
     assert all(len(layer["rope"]) == 2 for layer in stored["picks"])
     pairs = [f for f in prep.fmt.layers if f.rope.format == "pairs"]
     assert pairs and all(len(f.rope.bits) == 2 for f in pairs)
-    cache = prep.new_cache()
-    ids = torch.randint(3, 1024, (1, 300), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        prep.model(ids, use_cache=True, **cache_kwargs(cache))
-    for layer, f in zip(cache.layers, prep.fmt.layers):
-        assert layer.nbytes() == round(cache_bytes_per_token(f, D_C, D_R, 300, act_bytes=4) * 300)
+    assert_holds_its_bytes(prep)
