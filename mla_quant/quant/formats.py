@@ -26,6 +26,9 @@ Codecs (`format`), see docs/cache.md "Formats":
           (token j of a block stores the scales and zeros of channels [j S, (j + 1) S), S = ceil(d / token_block));
           encode/decode take whole blocks along the token dim (-2); the cache keeps a block's tokens unquantized
           until it fills (cache/layer.py)
+    pairs  the RoPE key with `bits` a list: one width (2/3/4/8, 16 unquantized) per group of consecutive frequency
+          pairs in the model's RoPE layout, each group one integer group (byte-stream codes, its own scale + zero)
+A `layers` list gives each cache layer its own paths (`LayeredFormat`).
 """
 
 from __future__ import annotations
