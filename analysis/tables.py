@@ -138,7 +138,10 @@ def _eval_base(r) -> dict:
     budget = None
     if "budget" in quant:  # quant=mixed: a format per layer, allocated at the bytes of quant.budget
         budget = quant["budget"]
-        cache = f"mixed {(quant.get('allocation') or {}).get('by', 'sensitivity')} @{budget}"
+        alloc = quant.get("allocation") or {}
+        cache = f"mixed {alloc.get('by', 'sensitivity')} @{budget}"
+        if (alloc.get("rope_groups") or 1) > 1:  # a width per group of RoPE pairs
+            cache += f" rope/{alloc['rope_groups']}"
         content = rope = "per layer"
         shield = quant.get("protected") or {}
         protected = f"{shield.get('n_sink', 0)}+{shield.get('recent', 0)}"
