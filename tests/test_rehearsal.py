@@ -95,6 +95,27 @@ def test_the_rehearsal_stages_run_on_it(folder, tmp_path, stage):
         assert any(k.startswith("sensitivity/") for k in m), m
 
 
+def test_mixed_precision_from_the_checkpoints_sensitivity_record(folder, tmp_path):
+    """quant=mixed on the real-checkpoint path: the weights come from a sensitivity run on the same folder (no new
+    injection, no evaluation to choose), the cache NMSE of each width from calibration latents; each layer's format
+    and bytes land in the record."""
+    sens = tmp_path / "sens"
+    _stage_record(run_py("experiment=sensitivity", "task.probe.source=random", "task.probe.num_sequences=1",
+                         "task.probe.seq_len=64", "task.sweep_nmse=[]", "task.seeds=1", "task.mechanism=false",
+                         "task.rope_pairs=false", *REAL, f"model.path={folder}", f"hydra.run.dir={sens}"), sens)
+    run_dir = tmp_path / "run"
+    record = _stage_record(run_py("experiment=quality", "quant=mixed", "quant.budget=int2_content_int4_rope",
+                                  f"quant.allocation.sensitivity={sens}", f"quant.allocation.cache_dir={tmp_path}",
+                                  "quant.protected.recent=8", "calib.source=random", "calib.samples=2",
+                                  "calib.seq_len=64", "task.data.source=random", "task.data.samples=2",
+                                  "task.data.seq_len=64", *REAL, f"model.path={folder}", f"hydra.run.dir={run_dir}"),
+                           run_dir)
+    m = record["metrics"]
+    assert m["alloc/weights_from"] == str(sens) and m["alloc/reused"] == 0
+    assert m["alloc/bytes_per_token_per_layer"] <= m["alloc/budget"] and "cache/layer1/rope" in m
+    assert m["quality/kl"] > 0
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_a_corrupt_weight_file_is_named(folder, tmp_path, damage):
     """A local folder whose safetensors shard is cut short or overwritten: one line naming the file and what is
