@@ -18,7 +18,8 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# The cores shared among pytest-xdist's workers (README: pytest -n auto), at most 2 threads each.
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 def compose(overrides=()):
