@@ -148,10 +148,7 @@ def _choice_list(value, where: str) -> list[dict]:
 def budget_bytes(budget, d_c: int, d_r: int, groups: dict | None) -> tuple[float, str | None]:
     """quant.budget: a number of bytes per token per layer, or a uniform option's name (its bytes)."""
     if isinstance(budget, str):
-        try:
-            option = load_quant_option(budget, groups=groups)
-        except FileNotFoundError as err:
-            raise ValueError(f"quant.budget={budget!r} names no quant option ({err})") from err
+        option = load_quant_option(budget, groups=groups)  # an unknown name: refused with the allowed ones
         if is_mixed(option) or "peer" in option or option.get("layers") is not None:
             raise ValueError(f"quant.budget={budget!r}: allowed a uniform option of the project's formats (e.g. "
                              f"int2_content_int4_rope), or a number of bytes per token per layer")
