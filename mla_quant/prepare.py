@@ -216,7 +216,7 @@ def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True
     spec = fmt if isinstance(fmt, MixedSpec) else None
     model = build_model(cfg.model, absorbed=False, **build_overrides)
     tok = load_tokenizer(cfg.model) if tokenizer or needs_tokenizer(cfg, calib_report) else None
-    run_format = fmt if spec is None else budget_format(cfg, spec)
+    run_format = fmt if spec is None else spec.budget_format  # quant=mixed: fit for the budget's named option
     tset, transform_metrics, report = calibrated_transforms(model, cfg, tok, run_format, report=calib_report)
     if tset is not None:
         apply_transforms(model, tset)
@@ -230,17 +230,6 @@ def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True
         raise RuntimeError(f"the loaded model has (d_c, d_r) = {(measured['d_c'], measured['d_r'])}, its config "
                            f"said {(dims['d_c'], dims['d_r'])}")
     return Prepared(model, tok if tokenizer else None, dims, fmt, transform_metrics, report, alloc_metrics)
-
-
-def budget_format(cfg: DictConfig, spec: MixedSpec) -> CacheFormat | None:
-    """quant=mixed with quant.budget named: that uniform option's format, the one the transforms are fitted for
-    (transform.fit.format=auto); else None (a fitted transform then names its format, checked in `validate`)."""
-    if spec.budget_name is None:
-        return None
-    from mla_quant.cache.bytes import load_quant_option
-
-    option = load_quant_option(spec.budget_name, groups=_plain(cfg.model.get("quant_group_size")) or None)
-    return cache_format(option, spec.d_c, spec.d_r)
 
 
 def allocate_formats(model, cfg: DictConfig, tokenizer, spec: MixedSpec, transform_metrics: dict | None):

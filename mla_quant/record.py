@@ -106,6 +106,11 @@ def git_sha(start: str | Path | None = None) -> str | None:
     return f"{sha}-dirty" if dirty else sha
 
 
+def config_sha256(payload: Mapping) -> str:
+    """SHA-256 of a JSON payload with sorted keys: what stored artifacts (fitted transforms, allocations) are keyed by."""
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def config_hash(config: Mapping) -> str:
     """A stable hash of a resolved config (keys sorted), used to key runs for resumable sweeps."""
     blob = json.dumps(config, sort_keys=True, default=_json_default).encode()

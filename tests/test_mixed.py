@@ -160,7 +160,9 @@ def test_budget_of_a_named_option_is_its_bytes():
     spec = spec_of("quant.budget=int2_content_int4_rope")
     uniform = cache_format(option("int2_content_int4_rope"), D_C, D_R)
     assert spec.budget == uniform.content.bytes_per_token(D_C) + uniform.rope.bytes_per_token(D_R) == 48
+    assert spec.budget_format == uniform  # what transforms are fitted for (transform.fit.format=auto)
     assert spec_of("quant.budget=44.5").budget == 44.5 and spec_of("quant.budget=44.5").budget_name is None
+    assert spec_of("quant.budget=44.5").budget_format is None
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -182,6 +184,15 @@ def test_budget_of_a_named_option_is_its_bytes():
                                 r"quant.choices.content"),
     (["quant.protected.recent=3000"], r"covers the whole context of 2048 tokens"),
     (["quant.backend=triton"], r"quant.choices.content\[2\]=.*'bits': 3.*quant.backend=triton cannot read it"),
+    # settings the run would not read, changed from their defaults
+    (["quant.allocation.seed=3"], r"quant.allocation.seed=3 would do nothing: quant.allocation.seed draws the weights "
+                                  r"of by=random; this run has by=sensitivity; drop it"),
+    (["quant.allocation.by=cache_nmse", "quant.allocation.nmse=0.02"],
+     r"quant.allocation.nmse=0.02 would do nothing: .* by=cache_nmse measures no sensitivity"),
+    (["quant.allocation.sensitivity=tests", "quant.allocation.seeds=3"],
+     r"quant.allocation.seeds=3 would do nothing: .*; the weights are read from 'tests'"),
+    (["quant.allocation.file=pyproject.toml", "quant.allocation.by=random"],
+     r"quant.allocation.by='random' would do nothing: quant.allocation.file='pyproject.toml' is used as is"),
 ])
 def test_bad_mixed_settings_are_refused_by_name(overrides, match):
     with pytest.raises(ValueError, match=match):

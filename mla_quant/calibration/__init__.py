@@ -25,13 +25,14 @@ from mla_quant.calibration.data import calibration_ids, check_calib, ids_sha256,
 from mla_quant.calibration.options import (CONTENT_CODECS, DEFAULT_FIT_FORMAT, FIT_KEYS, OBJECTIVES, TRANSFORM_KEYS,
                                            check_transform, fit_format, fit_options, fitted_paths, kinds, needs_data,
                                            transformed_format)
-from mla_quant.calibration.store import config_sha256, load_transforms, save_transforms, transform_path
+from mla_quant.calibration.store import load_transforms, save_transforms, transform_path
 from mla_quant.calibration.sweep import fit_all, report_metrics
 from mla_quant.models.absorbed import attention_modules
 from mla_quant.models.build import _plain
 from mla_quant.models.families import family_for_config
 from mla_quant.models.fp8 import weight_of
 from mla_quant.quant.formats import CacheFormat
+from mla_quant.record import config_sha256
 from mla_quant.transforms import TransformSet
 
 __all__ = ["CONTENT_CODECS", "DEFAULT_FIT_FORMAT", "FIT_KEYS", "OBJECTIVES", "TRANSFORM_KEYS", "LayerCheckpoints",

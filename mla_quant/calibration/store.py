@@ -11,17 +11,12 @@ the fitted-for cache format), a SHA-256 over the stored tensors, library version
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
 import torch
 
 from mla_quant.transforms import TransformSet
-
-
-def config_sha256(payload: dict) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:

@@ -23,7 +23,6 @@ is stored as JSON with its provenance beside the fitted transforms and reused wh
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from mla_quant.models.absorbed import cache_kwargs, new_cache
 from mla_quant.quant.formats import (
     CODECS,
     MIXED_KEYS,
+    CacheFormat,
     LayeredFormat,
     PathFormat,
     _plain,
@@ -46,14 +46,14 @@ from mla_quant.quant.formats import (
     pair_channels,
 )
 from mla_quant.quant.mixed import knapsack, path_override
-from mla_quant.record import write_json_atomic
+from mla_quant.record import config_sha256, write_json_atomic
 from mla_quant.sensitivity.injection import InjectionSpec, check_nmse_target, injection_factory, nmse
 from mla_quant.sensitivity.study import capture
 
 PATHS = ("content", "rope")
 BY = ("sensitivity", "cache_nmse", "random")
-ALLOCATION_KEYS = ("by", "seed", "sensitivity", "nmse", "seeds", "sequences", "rope_groups", "file", "reuse",
-                   "cache_dir")
+ALLOCATION_DEFAULTS = {"by": "sensitivity", "seed": 0, "sensitivity": None, "nmse": 0.01, "seeds": 2, "sequences": 8,
+                       "rope_groups": 1, "file": None, "reuse": True, "cache_dir": "outputs/calibration"}
 ALLOCATION_VERSION = 1
 
 
@@ -76,6 +76,7 @@ class MixedSpec:
     num_layers: int
     context: int | None
     rope_layout: str = "half"  # the model's RoPE pair layout (which channels a group of pairs holds)
+    budget_format: CacheFormat | None = None  # the uniform option the budget names, if named (what transforms fit for)
 
     def dim(self, path: str) -> int:
         return {"content": self.d_c, "rope": self.d_r}[path]
@@ -145,19 +146,19 @@ def _choice_list(value, where: str) -> list[dict]:
     return out
 
 
-def budget_bytes(budget, d_c: int, d_r: int, groups: dict | None) -> tuple[float, str | None]:
-    """quant.budget: a number of bytes per token per layer, or a uniform option's name (its bytes)."""
+def budget_bytes(budget, d_c: int, d_r: int, groups: dict | None) -> tuple[float, str | None, CacheFormat | None]:
+    """quant.budget: a number of bytes per token per layer, or a uniform option's name (its bytes and its format)."""
     if isinstance(budget, str):
         option = load_quant_option(budget, groups=groups)  # an unknown name: refused with the allowed ones
         if is_mixed(option) or "peer" in option or option.get("layers") is not None:
             raise ValueError(f"quant.budget={budget!r}: allowed a uniform option of the project's formats (e.g. "
                              f"int2_content_int4_rope), or a number of bytes per token per layer")
         fmt = cache_format(option, d_c, d_r)
-        return float(fmt.content.bytes_per_token(d_c, 2) + fmt.rope.bytes_per_token(d_r, 2)), budget
+        return float(fmt.content.bytes_per_token(d_c, 2) + fmt.rope.bytes_per_token(d_r, 2)), budget, fmt
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
         raise ValueError(f"quant.budget={budget!r}; allowed: bytes per token per layer (> 0) or a uniform option's "
                          f"name, e.g. int2_content_int4_rope")
-    return float(budget), None
+    return float(budget), None, None
 
 
 def mixed_spec(quant_cfg, d_c: int, d_r: int, num_layers: int, context: int | None = None,
@@ -179,14 +180,13 @@ def mixed_spec(quant_cfg, d_c: int, d_r: int, num_layers: int, context: int | No
     if set(choices) != set(PATHS):
         raise ValueError(f"quant.choices={choices!r}; allowed: a list of bit widths for each of {list(PATHS)}")
     choices = {p: _choice_list(choices[p], f"quant.choices.{p}") for p in PATHS}
-    alloc = {"by": "sensitivity", "seed": 0, "sensitivity": None, "nmse": 0.01, "seeds": 2, "sequences": 8,
-             "rope_groups": 1, "file": None, "reuse": True, "cache_dir": "outputs/calibration",
-             **_plain(cfg.get("allocation") or {})}
-    unknown = sorted(set(alloc) - set(ALLOCATION_KEYS))
+    alloc = {**ALLOCATION_DEFAULTS, **_plain(cfg.get("allocation") or {})}
+    unknown = sorted(set(alloc) - set(ALLOCATION_DEFAULTS))
     if unknown:
-        raise ValueError(f"quant.allocation: unknown key(s) {unknown}; allowed: {list(ALLOCATION_KEYS)}")
+        raise ValueError(f"quant.allocation: unknown key(s) {unknown}; allowed: {list(ALLOCATION_DEFAULTS)}")
     if alloc["by"] not in BY:
         raise ValueError(f"quant.allocation.by={alloc['by']!r}; allowed: {list(BY)}")
+    refuse_idle_allocation(alloc)
     check_nmse_target(alloc["nmse"])
     for key in ("seeds", "sequences", "rope_groups"):
         if isinstance(alloc[key], bool) or not isinstance(alloc[key], int) or alloc[key] < 1:
@@ -206,8 +206,9 @@ def mixed_spec(quant_cfg, d_c: int, d_r: int, num_layers: int, context: int | No
         if alloc["sensitivity"] is not None:
             raise ValueError(f"quant.allocation.sensitivity with rope_groups={g}: a sensitivity run injects into "
                              f"whole paths; the weights per group of pairs are measured now (sensitivity: null)")
-    budget, budget_name = budget_bytes(cfg.get("budget"), d_c, d_r, groups)
-    spec = MixedSpec(name, base, budget, budget_name, choices, alloc, d_c, d_r, num_layers, context, rope_layout)
+    budget, budget_name, named = budget_bytes(cfg.get("budget"), d_c, d_r, groups)
+    spec = MixedSpec(name, base, budget, budget_name, choices, alloc, d_c, d_r, num_layers, context, rope_layout,
+                     named)
     cheapest = sum(min(spec.unit_cost(p, g, k) for k in range(len(choices[p])))  # validates every choice
                    for p, g in spec.units())
     for p in PATHS:  # each choice as a whole layer format: the backend reads it, the protected region fits the context
@@ -226,6 +227,26 @@ def mixed_spec(quant_cfg, d_c: int, d_r: int, num_layers: int, context: int | No
         raise ValueError(f"quant.budget={cfg.get('budget')!r} ({budget:g} B/token/layer) is above BF16's "
                          f"{bf16:g}; allowed: {cheapest:g} to {bf16:g}")
     return spec
+
+
+def refuse_idle_allocation(alloc: dict) -> None:
+    """An allocation setting that this run would not read, changed from its default, is refused by name."""
+    measured = alloc["by"] == "sensitivity" and alloc["sensitivity"] is None
+    idle = {}
+    if alloc["file"] is not None:  # a stored allocation used as is: nothing is measured or stored
+        why = f"quant.allocation.file={alloc['file']!r} is used as is"
+        idle = {k: why for k in ALLOCATION_DEFAULTS if k not in ("file", "rope_groups")}
+    else:
+        if alloc["by"] != "random":
+            idle["seed"] = f"quant.allocation.seed draws the weights of by=random; this run has by={alloc['by']}"
+        if not measured:
+            why = (f"the weights are read from {alloc['sensitivity']!r}" if alloc["by"] == "sensitivity" else
+                   f"by={alloc['by']} measures no sensitivity")
+            idle.update({k: f"quant.allocation.{k} sets the injections of by=sensitivity measured now; {why}"
+                         for k in ("nmse", "seeds", "sequences")})
+    for key, why in idle.items():
+        if alloc[key] != ALLOCATION_DEFAULTS[key]:
+            raise ValueError(f"quant.allocation.{key}={alloc[key]!r} would do nothing: {why}; drop it")
 
 
 # ---------------------------------------------------------------------------------------------- measurements
@@ -346,7 +367,7 @@ def allocation_path(spec: MixedSpec, identity: dict) -> tuple[Path, str]:
                # the paths' settings only: the protected region, mode and backend change no measured figure
                "base": {p: spec.base.get(p) for p in PATHS}, "allocation": {k: v for k, v in spec.allocation.items()
                                                  if k not in ("file", "reuse", "cache_dir")}}
-    sha = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+    sha = config_sha256(payload)
     return Path(spec.allocation["cache_dir"]) / f"mixed-{spec.allocation['by']}-{sha[:16]}.json", sha
 
 
