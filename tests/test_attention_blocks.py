@@ -157,9 +157,8 @@ def test_values_and_absorbed_projections_per_block():
     assert err <= 1e-5, f"absorbed projections per block: max relative error {err:.3g}"
 
 
-def test_causal_blocks_skip_keys_after_the_last_query():
-    """Under a causal mask a query block reads only the keys up to its last query: no score beyond them is formed."""
-    b, h, t, d = 1, 2, 40, 8
+def _score_blocks(*args, blocks):
+    """latent_attention(*args, blocks=blocks) and the (query tokens, keys) of every block of scores it formed."""
     seen = []
     real = attn_mod._masked_scores
 
@@ -169,12 +168,54 @@ def test_causal_blocks_skip_keys_after_the_last_query():
 
     attn_mod._masked_scores = spy
     try:
-        latent_attention(torch.randn(b, h, t, d), torch.randn(b, h, t, 4), torch.randn(b, t, d), torch.randn(b, t, 4),
-                         0.5, None, blocks=AttentionBlocks(10, 10))
+        return latent_attention(*args, blocks=blocks), seen
     finally:
         attn_mod._masked_scores = real
+
+
+def _causal_args(b=1, h=2, t=40, d=8):
+    return torch.randn(b, h, t, d), torch.randn(b, h, t, 4), torch.randn(b, t, d), torch.randn(b, t, 4), 0.5, None
+
+
+def test_causal_blocks_skip_keys_after_the_last_query():
+    """Under a causal mask a query block reads only the keys up to its last query: no score beyond them is formed."""
+    _, seen = _score_blocks(*_causal_args(), blocks=AttentionBlocks(10, 10))
     widest = max(k for _, k in seen)
     assert widest <= 10 and sum(q * k for q, k in seen) <= 10 * 10 * 10, seen  # 10 blocks of 10 x 10, causal half
+
+
+def test_a_step_over_few_keys_takes_more_queries_per_block():
+    """Over fewer keys than `key`, a query block holds proportionally more queries: the same workspace bound
+    (query x key per head), fewer blocks."""
+    args = _causal_args()
+    got, seen = _score_blocks(*args, blocks=AttentionBlocks(10, 100))
+    assert [q for q, _ in seen] == [25, 15] and all(q * k <= 10 * 100 for q, k in seen), seen
+    assert AttentionBlocks(10, 100).queries_per_block(400) == 10  # at or beyond `key` keys: `query`
+    torch.testing.assert_close(got, latent_attention(*args, blocks=UNBLOCKED), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("t,s,sampled", [(37, 37, False), (5, 41, False), (9, 50, True)])
+def test_fused_causal_attention_equals_the_latent_form_with_gradients(t, s, sampled):
+    """The fused (SDPA) form of causal latent attention, for every query of a sequence, its last T queries, or
+    queries sampled at positions: the blocked form's output and gradients, to float32 rounding."""
+    g = torch.Generator().manual_seed(t + s)
+    b, h, d_c, d_r = 2, 3, 24, 8
+    pos = torch.tensor(sorted(torch.randperm(s, generator=g)[:t].tolist())) if sampled else None
+    tensors = [torch.randn(b, h, t, d_c, generator=g), torch.randn(b, h, t, d_r, generator=g),
+               torch.randn(b, s, d_c, generator=g), torch.randn(b, s, d_r, generator=g)]
+    outs, grads = [], []
+    for form in (attn_mod.fused_causal_attention, None):
+        leaves = [x.clone().requires_grad_(True) for x in tensors]
+        if form is None:
+            out = latent_attention(*leaves, 0.3, None, blocks=AttentionBlocks(4, 8), q_positions=pos)
+        else:
+            out = form(*leaves, 0.3, q_positions=pos)
+        out.pow(2).sum().backward()
+        outs.append(out.detach())
+        grads.append([x.grad for x in leaves])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -135,6 +135,9 @@ def test_query_tokens_sample_the_per_head_queries_and_the_objectives_follow(toy_
     keep = torch.arange(96)[None, :] <= pos[:, None]
     want = scores[:, :, pos].masked_fill(~keep, 0).pow(2).sum() / base[:, :, pos].masked_fill(~keep, 0).pow(2).sum()
     assert abs(float(positional_qk_error(part, k_hat)) - float(want)) <= 1e-5 * float(want)
+    keep = torch.arange(96)[None, :] <= torch.arange(96)[:, None]  # every query: the whole causal triangle
+    want = scores.masked_fill(~keep, 0).pow(2).sum() / base.masked_fill(~keep, 0).pow(2).sum()
+    assert abs(float(positional_qk_error(full, k_hat)) - float(want)) <= 1e-5 * float(want)
     bound = rope_output_bound(part, torch.zeros(8), torch.ones(8), ste_quantizer(fmt.rope, 16))
     assert bound["measured"] <= bound["bound"]
 

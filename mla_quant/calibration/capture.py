@@ -30,6 +30,9 @@ from mla_quant.models.families import family_for_config
 from mla_quant.models.fp8 import linear
 
 
+EVAL_CHUNK = 8  # sequences per evaluation of an objective on a whole capture (its workspace bound)
+
+
 @dataclass
 class LayerCapture:
     layer: int
@@ -43,6 +46,7 @@ class LayerCapture:
     scale: float
     cached_layout: str  # pair layout of the cached (post-RoPE) key
     ref_out: torch.Tensor | None = None  # (N, H, T, d_v) unquantized attention output per head (see `reference`)
+    qk_energy: torch.Tensor | None = None  # sum of the squared visible RoPE scores (positional_qk's denominator)
     ids: torch.Tensor | None = None  # (N, T) the token ids captured (end-to-end objectives rerun the model on them)
     model: Any = field(default=None, repr=False, compare=False)  # the model they came from
     q_pos: torch.Tensor | None = None  # (T_q,) positions of the captured queries (calib.query_tokens); None = all T
@@ -59,12 +63,18 @@ class LayerCapture:
             self.chunks[start, stop] = self.rows(slice(start, stop))
         return self.chunks[start, stop]
 
+    def eval_chunks(self, size: int = EVAL_CHUNK) -> list["LayerCapture"]:
+        """The capture as the evaluations read it: itself, or its `chunk`s of `size` sequences (the same objects,
+        with their reference outputs, on every call)."""
+        n = self.x_hat.shape[0]
+        return [self] if n <= size else [self.chunk(i, min(n, i + size)) for i in range(0, n, size)]
+
     def rows(self, idx) -> "LayerCapture":
         """The same capture restricted to sequences `idx`."""
         return LayerCapture(self.layer, self.x_hat[idx], self.gamma, self.latent_scale, self.q_latent[idx],
                             self.q_rope[idx], self.k_rope[idx], self.w_uv, self.scale, self.cached_layout,
-                            None if self.ref_out is None else self.ref_out[idx],
-                            None if self.ids is None else self.ids[idx], self.model, self.q_pos)
+                            ref_out=None if self.ref_out is None else self.ref_out[idx],
+                            ids=None if self.ids is None else self.ids[idx], model=self.model, q_pos=self.q_pos)
 
 
 class _Stop(Exception):

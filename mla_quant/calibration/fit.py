@@ -57,13 +57,10 @@ def pair_balance(cap: LayerCapture, alpha: float) -> torch.Tensor:
     return 1.0 / balance(k_mag, q_mag, alpha)
 
 
-def _evaluate(fn, cap: LayerCapture, *params, chunk: int = 8) -> float:
-    """Objective over every sequence of the capture (mean of the relative error over chunks of sequences)."""
+def _evaluate(fn, cap: LayerCapture, *params) -> float:
+    """Objective over every sequence of the capture (mean of the relative error over its chunks of sequences)."""
     with torch.no_grad():
-        n = cap.x_hat.shape[0]
-        if n <= chunk:
-            return float(fn(cap, *params))
-        values = [float(fn(cap.chunk(i, min(n, i + chunk)), *params)) for i in range(0, n, chunk)]
+        values = [float(fn(part, *params)) for part in cap.eval_chunks()]
         return sum(values) / len(values)
 
 

@@ -35,8 +35,9 @@ import torch
 @dataclass(frozen=True)
 class AttentionBlocks:
     """Block sizes of the absorbed attention: `query` tokens per query block and `key` keys per key block at that
-    query block size (a block of fewer query tokens, e.g. a decode step, takes proportionally more keys, so the
-    workspace bound H x query x key holds for every step). None for both: one block (the unblocked reference)."""
+    query block size (a block of fewer query tokens, e.g. a decode step, takes proportionally more keys, and a step
+    over fewer keys takes proportionally more queries per block, so the workspace bound H x query x key holds for
+    every step). None for both: one block (the unblocked reference)."""
 
     query: int | None = 64
     key: int | None = 2048
@@ -63,6 +64,11 @@ class AttentionBlocks:
     def keys_per_block(self, query_tokens: int) -> int:
         """Keys per key block for a query block of `query_tokens` tokens (workspace <= query x key per head)."""
         return max(self.key, self.key * self.query // max(query_tokens, 1))
+
+    def queries_per_block(self, keys: int) -> int:
+        """Query tokens per block over `keys` keys: `query`, or more when there are fewer than `key` keys, within the
+        same workspace (query x key per head), so a short sequence's prefill runs as one block."""
+        return max(self.query, self.query * self.key // max(keys, 1))
 
 
 UNBLOCKED = AttentionBlocks(None, None)
@@ -176,7 +182,8 @@ def latent_attention(
     """
     blocks = DEFAULT_BLOCKS if blocks is None else blocks
     b, h, t = q_latent.shape[:3]
-    q_block = t if not blocks.blocked else min(t, blocks.query)
+    s = content.length if callable(content) else content.shape[1]
+    q_block = t if not blocks.blocked else min(t, blocks.queries_per_block(s))
     expanded = blocks.expand_from is not None and t >= blocks.expand_from and w_uk is not None and w_uv is not None
     if callable(content):  # a key source (the cache's StoredKeys): keys(k0, k1) -> content, rope blocks
         if values is not None:
@@ -189,7 +196,7 @@ def latent_attention(
                                   q_positions)
     dtype = q_latent.dtype if w_uk is None else torch.promote_types(q_latent.dtype, w_uk.dtype)
     if callable(content):  # one query block: each key block decoded when it is read, blocks.key keys at a time
-        source, d_c, s = content, content.dims[0], content.length
+        source, d_c = content, content.dims[0]
         k_block = blocks.key
 
         def keys(k0, k1):
@@ -197,7 +204,7 @@ def latent_attention(
             c = c.to(dtype)
             return c, r.to(q_rope.dtype), c
     else:
-        d_c, s = content.shape[-1], content.shape[1]
+        d_c = content.shape[-1]
         content = content.to(dtype)
         values = content if values is None else values.to(dtype)
         rope = rope.to(q_rope.dtype)
@@ -244,6 +251,31 @@ def query_blocks(t: int, s: int, q_block: int, mask, q_positions, device):
             return dense[..., t0:t1, k0:k1]
 
         yield t0, t1, limit, block_mask
+
+
+def fused_causal_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, content: torch.Tensor, rope: torch.Tensor,
+                           scale: float, q_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """`latent_attention` under a causal mask without padding (the T queries at the last T of the S slots, or at
+    `q_positions`), through PyTorch's fused scaled_dot_product_attention: the latent is one key and value head shared
+    by every query head (expanded, not copied), the query and key [latent ; RoPE], the values the content zero-padded
+    to the keys' width (so the kernel is the flash one, whose workspace is a tile, not the (T, S) scores; the padding
+    changes no product). On the CPU its flash kernel takes any head width and runs ~1.5x (V2-Lite dims) to ~5x (tiny
+    dims) faster than the blocked form; CUDA's flash kernels stop at head dims of 256, where the latent's 576 would
+    fall back to the math path that holds every score, so this is the CPU's form (calibration's objectives)."""
+    import torch.nn.functional as F
+
+    b, h, t, d_c = q_latent.shape
+    s, d_r = content.shape[1], rope.shape[-1]
+    q = torch.cat([q_latent, q_rope.to(q_latent.dtype)], -1)
+    k = torch.cat([content.to(q.dtype), rope.to(q.dtype)], -1)[:, None].expand(b, h, s, d_c + d_r)
+    v = F.pad(content.to(q.dtype), (0, d_r))[:, None].expand(b, h, s, d_c + d_r)
+    if q_positions is None and t == s:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        slots = torch.arange(s - t, s, device=q.device) if q_positions is None else q_positions.to(q.device)
+        visible = torch.arange(s, device=q.device)[None, :] <= slots[:, None]  # (T, S), True = attend
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+    return out[..., :d_c]
 
 
 EXPANDED_HEAD_GROUP = 16  # heads whose keys and values the expanded form holds at once (V2-Lite has 16 in all)
@@ -303,7 +335,12 @@ def _masked_scores(ql, qr, content, rope, scale, mask) -> torch.Tensor:
     scores = scores + qr.reshape(b, h * tb, -1) @ rope.transpose(1, 2)
     scores = scores.view(b, h, tb, -1) * scale
     if mask.dtype == torch.bool:
-        return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        low = torch.finfo(scores.dtype).min
+        if scores.dtype == torch.float16:  # min + a score can overflow to -inf in fp16's range: fill instead
+            return scores.masked_fill(~mask, low)
+        # The same numbers as masked_fill (min + s rounds to min for any |s| < 1e31, 0 + s = s), but a broadcast add of
+        # a bias the mask's size (no batch or head dims) is ~10x faster on the CPU than filling the scores.
+        mask = torch.zeros(mask.shape, dtype=scores.dtype, device=mask.device).masked_fill_(~mask, low)
     return scores + mask.to(scores.dtype)
 
 
