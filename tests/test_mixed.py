@@ -267,16 +267,38 @@ def test_sensitivity_from_a_study_run(tmp_path):
 
     cfg = compose(["model=tiny_deepseek_v2", "experiment=sensitivity", "task.seeds=1", "task.sweep_nmse=[]",
                    "task.mechanism=false", "task.rope_pairs=false", "task.probe.num_sequences=2",
-                   "task.probe.seq_len=32"])
+                   "task.probe.seq_len=32", "task.rope_groups=2"])
     sensitivity.run(cfg, tmp_path)
     layers = model_dims(cfg.model)["layers"]
     slopes = sensitivity_from_record(tmp_path, layers)
     import pandas as pd
 
     rows = pd.read_csv(tmp_path / "sensitivity_rows.csv")
-    for (i, p), v in slopes.items():
+    for (i, p, g), v in slopes.items():
         sel = rows[(rows.kind == "one_layer") & (rows.site == "logits") & (rows.layer == i) & (rows.path == p)]
+        assert g is None and v == pytest.approx(float(sel.value.iloc[0]) / 0.01) and v > 0
+    # per group of RoPE pairs (task.rope_groups=2): the study's rows of injections into each group's pairs alone
+    grouped = sensitivity_from_record(tmp_path, layers, rope_groups=2)
+    assert {k for k in grouped if k[1] == "rope"} == {(i, "rope", g) for i in range(layers) for g in range(2)}
+    for (i, p, g), v in grouped.items():
+        kind = "one_layer" if g is None else "one_layer_group"
+        sel = rows[(rows.kind == kind) & (rows.site == "logits") & (rows.layer == i) & (rows.path == p) &
+                   (rows.group == (-1 if g is None else g))]
         assert v == pytest.approx(float(sel.value.iloc[0]) / 0.01) and v > 0
+    assert sum(grouped[i, "rope", g] for i in range(layers) for g in range(2)) > 0
+    with pytest.raises(ValueError, match=r"no injections into 4 groups of RoPE pairs \(groups measured: \[2\]\); "
+                                         r"run the study with task.rope_groups=4"):
+        sensitivity_from_record(tmp_path, layers, rope_groups=4)
+    prep = prepare_model(compose(["model=tiny_deepseek_v2", "quant=mixed", "quant.budget=int2_joint",
+                                  "quant.allocation.rope_groups=2", f"quant.allocation.sensitivity={tmp_path}",
+                                  f"quant.allocation.cache_dir={tmp_path / 'alloc'}", "calib.samples=2",
+                                  "calib.seq_len=32", "quant.protected.recent=8"]))
+    stored = json.loads(open(prep.metrics()["alloc/file"]).read())
+    assert stored["weights_from"] == str(tmp_path)
+    assert [layer["rope"] for layer in stored["weights"]] == [[grouped[i, "rope", g] for g in range(2)]
+                                                              for i in range(layers)]
+    with pytest.raises(ValueError, match=r"task.rope_groups=3; allowed: null \(off\) or a number of groups dividing"):
+        sensitivity.validate(compose(["model=tiny_deepseek_v2", "experiment=sensitivity", "task.rope_groups=3"]))
     with pytest.raises(ValueError, match=rf"the model has {layers + 1} cache layers"):
         sensitivity_from_record(tmp_path / "sensitivity_rows.csv", layers + 1)
     rows[rows.kind != "one_layer"].to_csv(tmp_path / "none.csv", index=False)

@@ -203,9 +203,6 @@ def mixed_spec(quant_cfg, d_c: int, d_r: int, num_layers: int, context: int | No
         if plain:
             raise ValueError(f"quant.choices.rope={choices['rope']}: with quant.allocation.rope_groups={g} each group "
                              f"of pairs takes a bit width (one scale and zero per group); allowed: plain widths")
-        if alloc["sensitivity"] is not None:
-            raise ValueError(f"quant.allocation.sensitivity with rope_groups={g}: a sensitivity run injects into "
-                             f"whole paths; the weights per group of pairs are measured now (sensitivity: null)")
     budget, budget_name, named = budget_bytes(cfg.get("budget"), d_c, d_r, groups)
     spec = MixedSpec(name, base, budget, budget_name, choices, alloc, d_c, d_r, num_layers, context, rope_layout,
                      named)
@@ -295,10 +292,11 @@ def measure_sensitivity(model, ids: torch.Tensor, spec: MixedSpec) -> dict[tuple
     return {key: sum(v) / len(v) for key, v in slopes.items()}
 
 
-def sensitivity_from_record(source: str | Path, num_layers: int, model_identity: dict | None = None
-                            ) -> dict[tuple[int, str], float]:
-    """Per layer and path amplification from a sensitivity run (its folder or its sensitivity_rows.csv): the
-    one-layer injections (task.per_layer=true), logits NMSE / injected NMSE, mean over seeds."""
+def sensitivity_from_record(source: str | Path, num_layers: int, model_identity: dict | None = None,
+                            rope_groups: int = 1) -> dict[tuple[int, str, int | None], float]:
+    """Per layer and unit amplification from a sensitivity run (its folder or its sensitivity_rows.csv): the
+    one-layer injections (task.per_layer=true; with rope_groups=G > 1 the RoPE key's from the injections into each
+    group of its pairs, task.rope_groups=G), logits NMSE / injected NMSE, mean over seeds. -> {(layer, path, g)}"""
     import pandas as pd
 
     path = Path(source)
@@ -323,7 +321,21 @@ def sensitivity_from_record(source: str | Path, num_layers: int, model_identity:
         layers = sorted({i for i, _ in found})
         raise ValueError(f"{rows_file}: one-layer sensitivity of layers {layers} (paths "
                          f"{sorted({p for _, p in found})}); the model has {num_layers} cache layers x {list(PATHS)}")
-    return {(int(i), str(p)): float(v) for (i, p), v in slope.items()}
+    out = {(int(i), str(p), None): float(v) for (i, p), v in slope.items()}
+    if rope_groups == 1:
+        return out
+    grouped = df[(df.kind == "one_layer_group") & (df.site == "logits")] if "groups" in df.columns else df.iloc[:0]
+    sel = grouped[grouped.groups == rope_groups] if len(grouped) else grouped
+    if sel.empty:
+        measured = sorted(int(g) for g in grouped.groups.unique()) if len(grouped) else []
+        raise ValueError(f"{rows_file}: no injections into {rope_groups} groups of RoPE pairs (groups measured: "
+                         f"{measured or 'none'}); run the study with task.rope_groups={rope_groups}")
+    groups = (sel.value / sel.nmse_target).groupby([sel.layer, sel.group]).mean()
+    if {(int(i), int(g)) for i, g in groups.index} != {(i, g) for i in range(num_layers) for g in range(rope_groups)}:
+        raise ValueError(f"{rows_file}: the group injections cover layers {sorted({int(i) for i, _ in groups.index})}"
+                         f"; the model has {num_layers} cache layers")
+    return {**{k: v for k, v in out.items() if k[1] != "rope"},
+            **{(int(i), "rope", int(g)): float(v) for (i, g), v in groups.items()}}
 
 
 # ---------------------------------------------------------------------------------------------- allocation
@@ -356,8 +368,9 @@ def _weights(spec: MixedSpec, model, ids, identity) -> tuple[dict, str]:
         draws = torch.rand(len(keys), generator=g, dtype=torch.float64).tolist()
         return dict(zip(keys, draws)), f"random, seed {alloc['seed']}"
     if alloc["sensitivity"] is not None:
-        slopes = sensitivity_from_record(alloc["sensitivity"], spec.num_layers, identity.get("model"))
-        return {(i, p, None): w for (i, p), w in slopes.items()}, str(alloc["sensitivity"])
+        slopes = sensitivity_from_record(alloc["sensitivity"], spec.num_layers, identity.get("model"),
+                                         spec.rope_groups)
+        return slopes, str(alloc["sensitivity"])
     return measure_sensitivity(model, ids, spec), (f"measured: Gaussian NMSE {alloc['nmse']:g}, {alloc['seeds']} "
                                                    f"seeds, {min(alloc['sequences'], ids.shape[0])} sequences")
 

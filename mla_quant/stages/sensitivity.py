@@ -68,6 +68,12 @@ def validate(cfg: DictConfig) -> list[float]:
     if task.noise not in ("gaussian", "quantizer"):
         raise ValueError(f"task.noise={task.noise!r}; allowed: gaussian, quantizer")
     check_context("task.probe.seq_len", task.probe.seq_len, model_dims(cfg.model))
+    groups = task.get("rope_groups")
+    if groups is not None:
+        d_r = model_dims(cfg.model)["d_r"]
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or (d_r // 2) % groups:
+            raise ValueError(f"task.rope_groups={groups!r}; allowed: null (off) or a number of groups dividing the "
+                             f"RoPE key's {d_r // 2} frequency pairs")
     if task.noise == "gaussian":
         refuse_overrides(["quant"], "task.noise=gaussian injects Gaussian noise and reads no quant setting (use "
                                     "task.noise=quantizer to inject the error of quant.<path>)")
@@ -103,12 +109,14 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
 
     rows, specs = [], []
 
-    def inject(kind: str, **kw):
+    def inject(kind: str, group: int = -1, **kw):
         spec = InjectionSpec(shape=task.noise, rope_layout=layout, quantizer=quantizers.get(kw["path"]), **kw)
         errors = output_errors(capture(model, ids, new_cache(model, injection_factory(spec))), clean)
+        pair = kw.get("pair", -1)
         key = dict(kind=kind, path=kw["path"], nmse_target=kw["nmse"], seed=kw.get("seed", 0),
                    layer=-1 if kw.get("layers") is None else min(kw["layers"]),
-                   side=kw.get("side", "both"), pair=kw.get("pair", -1))
+                   side=kw.get("side", "both"), pair=pair if isinstance(pair, int) else -1,
+                   group=group, groups=groups if group >= 0 else 0)
         # what summarise reads: the rows, the achieved NMSE per layer, the error energy of an injected single layer
         return {"rows": _rows(errors, **key), "key": key, "achieved": spec.achieved,
                 "error_energy": {i: spec.error_energy[i].tolist() for i in kw.get("layers") or ()}}
@@ -117,6 +125,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         """One injection, kept in the run's progress (an interruption keeps it, a rerun does not redo it)."""
         done = progress().unit(f"sensitivity/{kind}/{i}", lambda: inject(kind, **kw),
                                metrics=lambda _: {"sensitivity/injections_done": i + 1})
+        kw = {k: v for k, v in kw.items() if k != "group"}
         spec = InjectionSpec(shape=task.noise, rope_layout=layout, quantizer=quantizers.get(kw["path"]), **kw)
         spec.achieved = {int(k): v for k, v in done["achieved"].items()}
         spec.error_energy = {int(k): torch.tensor(v, dtype=torch.float64) for k, v in done["error_energy"].items()}
@@ -133,6 +142,12 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     if task.rope_pairs:
         jobs += [("rope_pair", dict(path="rope", nmse=headline, seed=s, pair=i))
                  for i in range(dims["rope"] // 2) for s in seeds]
+    groups = int(task.rope_groups or 0)
+    if groups:  # one layer and one group of RoPE pairs at a time (quant=mixed quant.allocation.rope_groups reads it)
+        per = dims["rope"] // 2 // groups
+        jobs += [("one_layer_group", dict(path="rope", nmse=headline, seed=s, layers={i}, group=g,
+                                          pair=tuple(range(g * per, (g + 1) * per))))
+                 for i in range(n_layers) for g in range(groups) for s in seeds]
     for i, (kind, kw) in enumerate(tqdm(jobs, desc="sensitivity", unit="injection")):
         kept(i, kind, kw)
 
@@ -207,6 +222,20 @@ def summarise(df, specs, clean, headline, n_layers, attention_layer_of):
             m[f"sensitivity/layer{i}/predicted_amplification"] = pred
             lines.append(f"| {i} | {a_attn.mean():.2f} ± {a_attn.std(ddof=0):.2f} | {a_layer.mean():.2f} | "
                          f"{a_logits.mean():.2f} | {pred:.2f} |")
+
+    if (df.kind == "one_layer_group").any():
+        groups = int(df[df.kind == "one_layer_group"].groups.iloc[0])
+        lines += ["", f"## RoPE key, one layer and one group of pairs at a time ({groups} groups; group 0 = the "
+                      "highest frequencies): logits NMSE / injected cache NMSE of the whole key", "",
+                  "| layer | " + " | ".join(f"group {g}" for g in range(groups)) + " |", "|---|" + "---|" * groups]
+        for i in range(n_layers):
+            row = []
+            for g in range(groups):
+                sel = df[(df.site == "logits") & _match(df, dict(kind="one_layer_group", layer=i, group=g))]
+                slope = float((sel.value / sel.nmse_target).mean())
+                m[f"sensitivity/layer{i}/rope_group{g}/logits_per_cache_nmse"] = slope
+                row.append(f"{slope:.3g}")
+            lines.append(f"| {i} | " + " | ".join(row) + " |")
 
     if (df.kind == "mechanism").any():
         both = m["sensitivity/output_nmse/content/logits"]
