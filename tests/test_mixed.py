@@ -165,6 +165,15 @@ def test_budget_of_a_named_option_is_its_bytes():
     assert spec_of("quant.budget=44.5").budget_format is None
 
 
+def test_the_option_quantizer_applies_to_every_quantized_choice():
+    """quant.<path>.quantizer on quant=mixed: every integer choice quantizes with it, the unquantized one stores
+    values (its quantizer is not an integer range's)."""
+    spec = spec_of("quant.content.quantizer=hqq", "quant.rope.quantizer=clip")
+    assert {spec.path_format("content", k).quantizer for k in range(len(spec.choices["content"]))} == {"hqq"}
+    rope = [spec.path_format("rope", k) for k in range(len(spec.choices["rope"]))]
+    assert [(f.format, f.quantizer) for f in rope] == [("int", "clip")] * 4 + [("bf16", "rtn")]
+
+
 @pytest.mark.parametrize("overrides,match", [
     (["quant.budget=20"], r"quant.budget=20 \(20 B/token/layer\) is below the cheapest allocation of quant.choices "
                           r"\(36: every layer at its fewest bits\)"),

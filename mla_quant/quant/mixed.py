@@ -52,8 +52,10 @@ def path_override(choice) -> dict:
         if "bits" not in block:
             raise ValueError(f"choice {block!r}: a mapping needs bits (and any other key of a path block)")
         if block["bits"] == UNQUANTIZED_BITS:
-            return {"format": "bf16", **block}
+            return {"format": "bf16", "quantizer": "rtn", **block}
         return {"format": "int", **block}
     if isinstance(choice, bool) or not isinstance(choice, int):
         raise ValueError(f"choice {choice!r}: allowed a bit width (16 = unquantized) or a mapping with bits")
-    return {"format": "bf16", "bits": UNQUANTIZED_BITS} if choice == UNQUANTIZED_BITS else {"format": "int", "bits": choice}
+    if choice == UNQUANTIZED_BITS:  # unquantized: the option's integer quantizer does not apply
+        return {"format": "bf16", "bits": UNQUANTIZED_BITS, "quantizer": "rtn"}
+    return {"format": "int", "bits": choice}

@@ -175,7 +175,9 @@ def mixed_spec(quant_cfg, d_c: int, d_r: int, num_layers: int, context: int | No
         if fixed:
             raise ValueError(f"quant.{path}.{fixed[0]}: quant={name} stores every path as format int at the widths "
                              f"of quant.choices.{path} (16 = unquantized); allowed: the block's other keys")
-    cache_format(base, d_c, d_r, context)  # the base paths' other settings and the protected region
+    # the base paths' other settings (as format int, what every quantized choice stores) and the protected region
+    cache_format({**base, **{p: {**_plain(base.get(p) or {}), "format": "int", "bits": 8} for p in PATHS}},
+                 d_c, d_r, context)
     choices = _plain(cfg.get("choices") or {})
     if set(choices) != set(PATHS):
         raise ValueError(f"quant.choices={choices!r}; allowed: a list of bit widths for each of {list(PATHS)}")
