@@ -201,7 +201,7 @@ def mixed_spec(quant_cfg, d_c: int, d_r: int, num_layers: int, context: int | No
         if d_r % 2 or (d_r // 2) % g:
             raise ValueError(f"quant.allocation.rope_groups={g}: the RoPE key has {d_r} channels ({d_r // 2} pairs); "
                              f"allowed: a number of groups dividing {d_r // 2}")
-        plain = [c for c in choices["rope"] if set(c) != {"format", "bits"}]
+        plain = [c for c in choices["rope"] if c != path_override(c["bits"])]
         if plain:
             raise ValueError(f"quant.choices.rope={choices['rope']}: with quant.allocation.rope_groups={g} each group "
                              f"of pairs takes a bit width (one scale and zero per group); allowed: plain widths")
