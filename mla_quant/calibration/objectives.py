@@ -109,11 +109,7 @@ def _causal(cap: LayerCapture, device) -> torch.Tensor:
     """(T_q, T) float32: 1 at the keys each captured query sees, else 0 (a product with it is a masked fill, and
     ~10x faster on the CPU than `masked_fill` over the (N, H, T_q, T) scores)."""
     t = cap.k_rope.shape[1]
-    if cap.q_pos is None:
-        keep = causal_mask(t, t, device)
-    else:
-        keep = torch.arange(t, device=device)[None, :] <= cap.q_pos.to(device)[:, None]
-    return keep.float()
+    return causal_mask(t, t, device, cap.q_pos).float()
 
 
 def _qk(cap: LayerCapture, k: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -94,16 +94,14 @@ class CausalMask:
         s = self.keys.shape[1]
         t = s if t is None else t
         ok = self.block(torch.arange(s - t, s, device=self.keys.device), 0, s)
-        if dtype is None:
-            return ok
-        return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(~ok, torch.finfo(dtype).min)
+        return ok if dtype is None else additive(ok, dtype)
 
 
-def causal_mask(t: int, s: int, device) -> torch.Tensor:
-    """Boolean (T, S) mask, True = may attend: query i sits at absolute position s - t + i."""
-    q_pos = torch.arange(s - t, s, device=device)[:, None]
+def causal_mask(t: int, s: int, device, q_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean (T, S) mask, True = may attend: query i sits at absolute position s - t + i, or at q_positions[i]."""
+    q_pos = torch.arange(s - t, s, device=device) if q_positions is None else q_positions.to(device)
     k_pos = torch.arange(s, device=device)[None, :]
-    return k_pos <= q_pos
+    return k_pos <= q_pos[:, None]
 
 
 def apply_attention_mask(scores: torch.Tensor, mask) -> torch.Tensor:
@@ -126,6 +124,11 @@ def apply_attention_mask(scores: torch.Tensor, mask) -> torch.Tensor:
 def visible(mask: torch.Tensor) -> torch.Tensor:
     """A bool or additive attention mask (any shape) -> bool, True where a key is visible."""
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool attention mask (True = attend) -> its additive form in `dtype`: 0 where visible, the dtype's min else."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 def key_validity(mask, t: int) -> torch.Tensor | None:
@@ -272,9 +275,7 @@ def fused_causal_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, content
     if q_positions is None and t == s:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
-        slots = torch.arange(s - t, s, device=q.device) if q_positions is None else q_positions.to(q.device)
-        visible = torch.arange(s, device=q.device)[None, :] <= slots[:, None]  # (T, S), True = attend
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(t, s, q.device, q_positions), scale=scale)
     return out[..., :d_c]
 
 
@@ -319,8 +320,7 @@ def expanded_attention(q_nope, q_rope, content, rope, scale, mask, values, block
             out[:, h0:h1] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :d_v]
             continue
         for t0, t1, limit, block_mask in query_blocks(t, s, q_block, mask, q_positions, q.device):
-            ok = visible(block_mask(0, limit))
-            bias = torch.zeros(ok.shape, dtype=dtype, device=q.device).masked_fill(~ok, torch.finfo(dtype).min)
+            bias = additive(visible(block_mask(0, limit)), dtype)
             out[:, h0:h1, t0:t1] = F.scaled_dot_product_attention(q[:, :, t0:t1], k[:, :, :limit], v[:, :, :limit],
                                                                   attn_mask=bias, scale=scale)[..., :d_v]
     return out
@@ -335,12 +335,11 @@ def _masked_scores(ql, qr, content, rope, scale, mask) -> torch.Tensor:
     scores = scores + qr.reshape(b, h * tb, -1) @ rope.transpose(1, 2)
     scores = scores.view(b, h, tb, -1) * scale
     if mask.dtype == torch.bool:
-        low = torch.finfo(scores.dtype).min
         if scores.dtype == torch.float16:  # min + a score can overflow to -inf in fp16's range: fill instead
-            return scores.masked_fill(~mask, low)
+            return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         # The same numbers as masked_fill (min + s rounds to min for any |s| < 1e31, 0 + s = s), but a broadcast add of
         # a bias the mask's size (no batch or head dims) is ~10x faster on the CPU than filling the scores.
-        mask = torch.zeros(mask.shape, dtype=scores.dtype, device=mask.device).masked_fill_(~mask, low)
+        mask = additive(mask, scores.dtype)
     return scores + mask.to(scores.dtype)
 
 

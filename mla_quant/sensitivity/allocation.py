@@ -326,10 +326,12 @@ def sensitivity_from_record(source: str | Path, num_layers: int, model_identity:
     out = {(int(i), str(p), None): float(v) for (i, p), v in slope.items()}
     if rope_groups == 1:
         return out
-    grouped = df[(df.kind == "one_layer_group") & (df.site == "logits")] if "groups" in df.columns else df.iloc[:0]
-    sel = grouped[grouped.groups == rope_groups] if len(grouped) else grouped
+    if "groups" in df.columns:  # a study run with task.rope_groups (older runs have no such column)
+        grouped = df[(df.kind == "one_layer_group") & (df.site == "logits")]
+        sel, measured = grouped[grouped.groups == rope_groups], sorted(int(g) for g in grouped.groups.unique())
+    else:
+        sel, measured = df.iloc[:0], []
     if sel.empty:
-        measured = sorted(int(g) for g in grouped.groups.unique()) if len(grouped) else []
         raise ValueError(f"{rows_file}: no injections into {rope_groups} groups of RoPE pairs (groups measured: "
                          f"{measured or 'none'}); run the study with task.rope_groups={rope_groups}")
     groups = (sel.value / sel.nmse_target).groupby([sel.layer, sel.group]).mean()

@@ -46,7 +46,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     if not layer_counts or layer_counts[0] < 1:
         raise ValueError(f"task.layers={list(task.layers)}: positive layer counts")
     transform, objective = cfg.transform, cfg.objective
-    repeats = task.get("repeats", 3)
+    repeats = task.repeats
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"task.repeats={repeats!r}: a number of measurements per mode >= 1")
     rows, metrics = [], {}

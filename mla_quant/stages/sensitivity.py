@@ -108,6 +108,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     seeds = range(int(task.seeds))
 
     rows, specs = [], []
+    groups = int(task.rope_groups or 0)  # task.rope_groups: one layer and one group of RoPE pairs at a time
 
     def inject(kind: str, group: int = -1, **kw):
         spec = InjectionSpec(shape=task.noise, rope_layout=layout, quantizer=quantizers.get(kw["path"]), **kw)
@@ -142,8 +143,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     if task.rope_pairs:
         jobs += [("rope_pair", dict(path="rope", nmse=headline, seed=s, pair=i))
                  for i in range(dims["rope"] // 2) for s in seeds]
-    groups = int(task.rope_groups or 0)
-    if groups:  # one layer and one group of RoPE pairs at a time (quant=mixed quant.allocation.rope_groups reads it)
+    if groups:  # quant=mixed quant.allocation.rope_groups reads these
         per = dims["rope"] // 2 // groups
         jobs += [("one_layer_group", dict(path="rope", nmse=headline, seed=s, layers={i}, group=g,
                                           pair=tuple(range(g * per, (g + 1) * per))))
