@@ -86,19 +86,19 @@ def test_sigterm_leaves_an_interrupted_record_and_the_rerun_resumes_to_the_same_
 def test_local_sweep_with_one_job_killed_reruns_only_that_job(tmp_path):
     root = tmp_path / "multirun"
     sweep = ["--multirun", "hydra/launcher=local", "experiment=sensitivity", "task.seeds=2", "logger=none",
-             "model=tiny_deepseek_v2,tiny_deepseek_v3,tiny_minicpm3"]
+             "model=tiny_deepseek_v2,tiny_deepseek_v3"]
     proc = subprocess.Popen([sys.executable, "run.py", *sweep, f"hydra.sweep.dir={root}/first"], cwd=REPO, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _kill_when(root / "first" / "1", 4, proc)
     out, _ = proc.communicate(timeout=300)
-    records = {i: _read(root / "first" / str(i) / "record.json") for i in range(3)}
+    records = {i: _read(root / "first" / str(i) / "record.json") for i in range(2)}
     assert records[1]["status"] == "interrupted", out[-3000:]
-    assert records[0]["status"] == records[2]["status"] == "ok"
+    assert records[0]["status"] == "ok"
 
     again = _run([*sweep, f"hydra.sweep.dir={root}/second"])
     logs = "".join(p.read_text() for p in (root / "second" / ".submitit").rglob("*.out"))
-    assert logs.count("skipped, this configuration") == 2, logs[-3000:]
-    assert [i for i in range(3) if (root / "second" / str(i) / "record.json").exists()] == [1]
+    assert logs.count("skipped, this configuration") == 1, logs[-3000:]
+    assert [i for i in range(2) if (root / "second" / str(i) / "record.json").exists()] == [1]
     rec = _read(root / "second" / "1" / "record.json")
     assert again.returncode == 0 and rec["status"] == "ok", again.stderr[-3000:]
     assert rec["resume"]["units_reused"] >= 4 and rec["resume"]["resumed_from"] == str(root / "first" / "1")

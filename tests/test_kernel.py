@@ -224,7 +224,7 @@ def test_toy_model_decodes_the_same_through_the_kernel():
             cfg = OmegaConf.merge(load_quant_option(option),
                                   {"backend": backend, "content": {"group_size": 32}, "protected": {"recent": 16}})
             cache = quantized_cache(model, cfg)
-            out = model.generate(**enc, max_new_tokens=3, do_sample=False, output_scores=True,
+            out = model.generate(**enc, max_new_tokens=2, do_sample=False, output_scores=True,
                                  return_dict_in_generate=True, **cache_kwargs(cache))
             runs[backend] = out
             assert cache.backends_run() == {"prefill": "torch", "decode": backend}, (option, backend)
