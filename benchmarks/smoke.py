@@ -11,7 +11,6 @@ from omegaconf import OmegaConf
 
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.cache.factory import cache_layer_factory
-from mla_quant.cache.triton import kernel_segments
 from mla_quant.kernels.latent_decode import latent_decode, latent_decode_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -24,7 +23,7 @@ for option in ("bf16", "int4_joint", "int2_content_int4_rope"):
     layer = cache_layer_factory(quant, 512, 64)()
     layer.append(torch.randn(2, TOKENS, 512, device=DEVICE, dtype=torch.bfloat16),
                  torch.randn(2, TOKENS, 64, device=DEVICE, dtype=torch.bfloat16))
-    segments = kernel_segments(layer)
+    segments = layer.segments()
     for heads in (16, 128):
         q = torch.randn(2, heads, 512, device=DEVICE, dtype=torch.bfloat16)
         qr = torch.randn(2, heads, 64, device=DEVICE, dtype=torch.bfloat16)

@@ -354,3 +354,102 @@ def test_expanded_on_cuda_matches_the_reference(t, s, pad):
                            w_uk=w_uk.bfloat16(), w_uv=w_uv.bfloat16())
     rows = keys[:, s - t:]
     assert rel_err(got.float(), want, rows) < 2e-2
+
+
+# ------------------------------------------------------------------------------- decode steps over stored segments
+SEGMENT_FORMATS = {
+    "bf16": {"option": "bf16"},
+    "int4_joint g32": {"content": {"group_size": 32}},
+    "int2 g32 + int4 rope": {"option": "int2_content_int4_rope", "content": {"group_size": 32}},
+    "int8 g96 sym + bf16 rope": {"option": "int4_content", "content": {"bits": 8, "group_size": 96, "symmetric": True}},
+    "int4 pow2 sym + int8 rope": {"content": {"group_size": 32, "symmetric": True, "scale_dtype": "pow2"},
+                                  "rope": {"bits": 8}},
+    "int4 g128 at d_c 512": {"content": {"group_size": 128}, "d_c": 512},
+    "int4 no recent, serving": {"content": {"group_size": 48}, "protected": {"n_sink": 2, "recent": 0}},
+}
+
+
+def segment_layer(spec: dict, b: int = 3, pads=(0, 9, 77), tokens: int = 190):
+    """A cache layer after a left-padded prefill and single-token appends (sequences hold different numbers of sinks,
+    stored and recent tokens), and its latents' dims."""
+    from mla_quant.cache import cache_layer_factory
+
+    spec = dict(spec)
+    d_c, d_r = spec.pop("d_c", 96), 16
+    cfg = OmegaConf.merge(load_quant_option(spec.pop("option", "int4_joint")), spec)
+    layer = cache_layer_factory(cfg, d_c, d_r)()
+    g = torch.Generator().manual_seed(0)
+    c, r = torch.randn(b, tokens, d_c, generator=g), 3 * torch.randn(b, tokens, d_r, generator=g)
+    valid = torch.ones(b, tokens, dtype=torch.bool)
+    for i, pad in enumerate(pads):
+        valid[i, :pad] = False
+    first = tokens * 2 // 3
+    layer.append(c[:, :first], r[:, :first], valid[:, :first])
+    for i in range(first, tokens):
+        layer.append(c[:, i : i + 1], r[:, i : i + 1], valid[:, i : i + 1])
+    return layer, d_c, d_r
+
+
+@pytest.mark.parametrize("keys", [None, 64, 40, 1])
+@pytest.mark.parametrize("name", list(SEGMENT_FORMATS))
+def test_segment_attention_equals_the_kernels_reference(name, keys, monkeypatch):
+    """segment_attention over a layer's stored segments (codes read in place, `keys` tokens per chunk) equals the
+    kernel's specification (every token dequantized, float32); no decoded chunk exceeds the workspace."""
+    from mla_quant.kernels.latent_decode import latent_decode_reference
+
+    layer, d_c, d_r = segment_layer(SEGMENT_FORMATS[name])
+    segments = layer.segments()
+    if name != "bf16":
+        assert layer.n_quantized > 0 and len(segments) >= 2
+    held = []
+    real = attn_mod._dequantized
+    monkeypatch.setattr(attn_mod, "_dequantized", lambda p, read, d: held.append(real(p, read, d).shape[1]) or
+                        real(p, read, d))
+    g = torch.Generator().manual_seed(1)
+    for heads in (1, 5):
+        q, qr = torch.randn(3, heads, d_c, generator=g), torch.randn(3, heads, d_r, generator=g)
+        got = attn_mod.segment_attention(q, qr, 0.12, segments, keys)
+        torch.testing.assert_close(got, latent_decode_reference(q, qr, 0.12, segments), rtol=1e-5, atol=1e-5)
+    bound = max(keys or 0, layer.block_size) if keys else max(s.longest() for s in segments)
+    assert max(held) <= bound, (held, bound)
+
+
+def test_segment_attention_of_empty_sequences_is_zero():
+    from mla_quant.kernels.layout import Segment
+
+    c, r = torch.randn(2, 4, 8), torch.randn(2, 4, 4)
+    out = attn_mod.segment_attention(torch.randn(2, 3, 8), torch.randn(2, 3, 4), 0.5,
+                                     [Segment.dense(c, r, torch.tensor([0, 2]))])
+    assert torch.equal(out[0], torch.zeros(3, 8)) and out[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("mode", ["simulated", "serving"])
+@pytest.mark.parametrize("name", list(SEGMENT_FORMATS))
+def test_decode_steps_over_segments_equal_the_stored_keys_path(name, mode):
+    """A layer's decode step (one query, padding-only mask) reads the stored segments; it equals attention over the
+    layer's slot-aligned stored keys (`StoredKeys`, what prefill and every other step read), with the absorbed
+    projections, left padding included. A mask that also hides a real token takes the StoredKeys path."""
+    from mla_quant.cache.layer import StoredKeys
+
+    spec = {**SEGMENT_FORMATS[name], "mode": mode}
+    layer, d_c, d_r = segment_layer(spec)
+    g = torch.Generator().manual_seed(2)
+    h, d_nope, d_v = 4, 32, 24
+    w_uk, w_uv = torch.randn(h, d_nope, d_c, generator=g) / 6, torch.randn(h, d_v, d_c, generator=g) / 10
+    keys = torch.cat([layer.slot_valid, torch.ones(3, 1, dtype=torch.bool)], 1)
+    fresh = mode == "serving" and layer.quantized and layer.fmt.recent == 0
+    for step in range(3):
+        q, qr = torch.randn(3, h, 1, d_nope, generator=g), torch.randn(3, h, 1, d_r, generator=g)
+        c, r = torch.randn(3, 1, d_c, generator=g), torch.randn(3, 1, d_r, generator=g)
+        assert layer._reads_segments(q, CausalMask(keys), None) != fresh
+        before = dict(layer.backend_steps)
+        got = layer.attend(q, qr, c, r, 0.1, CausalMask(keys), None, w_uk=w_uk, w_uv=w_uv)
+        assert layer.backend_steps[("decode", "torch")] == before.get(("decode", "torch"), 0) + 1
+        want = latent_attention(q, qr, StoredKeys(layer, (c, r) if mode == "serving" else None), None, 0.1,
+                                CausalMask(keys), w_uk=w_uk, w_uv=w_uv)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {mode} step {step}: {m}")
+        keys = torch.cat([keys, torch.ones(3, 1, dtype=torch.bool)], 1)
+    hidden = keys.clone()
+    hidden[1, 100] = False  # a real token masked out: not what the segments hold
+    q = torch.randn(3, h, 1, d_nope, generator=g)
+    assert not layer._reads_segments(q, CausalMask(hidden), None)

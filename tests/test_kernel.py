@@ -12,7 +12,6 @@ from dataclasses import replace
 
 from mla_quant.cache import LatentCacheLayer, cache_layer_factory
 from mla_quant.cache.bytes import load_quant_option
-from mla_quant.cache.triton import kernel_segments
 from mla_quant.kernels.latent_decode import latent_decode, latent_decode_reference
 from mla_quant.models.absorbed import cache_kwargs, quantized_cache
 
@@ -67,7 +66,7 @@ def test_kernel_matches_reference(name, heads):
     layer = filled_layer(dict(FORMATS[name]), d_c=96, d_r=16, batch=3, tokens=190, pads=(0, 9, 77))
     if name != "bf16 (plain layer)":
         assert layer.n_quantized > 0
-    segments = kernel_segments(layer)
+    segments = layer.segments()
     g = torch.Generator().manual_seed(1)
     q_latent = torch.randn(3, heads, 96, generator=g).to(DEVICE)
     q_rope = torch.randn(3, heads, 16, generator=g).to(DEVICE)
@@ -83,7 +82,7 @@ def test_kernel_with_128_heads_small_dims():
                          pads=(3,))
     g = torch.Generator().manual_seed(2)
     q_latent, q_rope = torch.randn(2, 128, 32, generator=g).to(DEVICE), torch.randn(2, 128, 8, generator=g).to(DEVICE)
-    segments = kernel_segments(layer)
+    segments = layer.segments()
     out = latent_decode(q_latent, q_rope, 0.2, segments, block_n=16, split_tokens=64)
     torch.testing.assert_close(out, dense_attention(layer, q_latent, q_rope, 0.2), rtol=1e-4, atol=1e-5)
 
@@ -92,11 +91,11 @@ def test_kernel_reads_the_stored_codes_in_place():
     """Flipping one stored code moves the kernel's output exactly as it moves the reference's."""
     layer = filled_layer({"content": {"group_size": 32}}, d_c=64, d_r=16, batch=1, tokens=160)
     q_latent, q_rope = torch.randn(1, 4, 64, device=DEVICE), torch.randn(1, 4, 16, device=DEVICE)
-    before = latent_decode(q_latent, q_rope, 0.2, kernel_segments(layer))
+    before = latent_decode(q_latent, q_rope, 0.2, layer.segments())
     codes = layer.store.pool["content/codes"]
     block = int(layer.store.block_table()[0, 0])
     codes[block, 3] ^= 0xFF  # every nibble of token 3's first bytes changes
-    segments = kernel_segments(layer)
+    segments = layer.segments()
     after = latent_decode(q_latent, q_rope, 0.2, segments)
     assert (after - before).abs().max() > 1e-4
     torch.testing.assert_close(after, latent_decode_reference(q_latent, q_rope, 0.2, segments), rtol=1e-4, atol=1e-5)
@@ -106,7 +105,7 @@ def test_bf16_activations():
     layer = filled_layer({"content": {"group_size": 32}}, d_c=64, d_r=16, batch=1, tokens=150, dtype=torch.bfloat16)
     q_latent = torch.randn(1, 4, 64, device=DEVICE, dtype=torch.bfloat16)
     q_rope = torch.randn(1, 4, 16, device=DEVICE, dtype=torch.bfloat16)
-    segments = kernel_segments(layer)
+    segments = layer.segments()
     out = latent_decode(q_latent, q_rope, 0.2, segments, dot="ieee")
     torch.testing.assert_close(out, latent_decode_reference(q_latent, q_rope, 0.2, segments), rtol=1e-3, atol=1e-4)
 
@@ -114,7 +113,7 @@ def test_bf16_activations():
 def test_bad_kernel_inputs_are_named_before_launch():
     layer = filled_layer({"content": {"group_size": 32}}, d_c=64, d_r=16, batch=2, tokens=150)
     q_latent, q_rope = torch.randn(2, 4, 64, device=DEVICE), torch.randn(2, 4, 16, device=DEVICE)
-    good = kernel_segments(layer)[0]
+    good = layer.segments()[0]
     cases = [
         (replace(good, block_table=good.block_table.long()), r"segments\[0\].block_table must be int32"),
         (replace(good, lengths=good.lengths[:1]), r"segments\[0\].lengths must be \(B,\)"),

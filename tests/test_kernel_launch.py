@@ -9,7 +9,6 @@ import torch
 
 from mla_quant.kernels.latent_decode import (MAX_SEGMENTS, Segment, latent_decode, latent_decode_reference,
                                              split_plan)
-from mla_quant.cache.triton import kernel_segments
 from test_kernel import DEVICE, FORMATS, dense_attention, filled_layer
 
 SHAPES = {1: (96, 16), 16: (96, 16), 128: (32, 8)}  # heads -> (d_c, d_r); 128 heads with small dims
@@ -30,7 +29,7 @@ def test_one_launch_matches_reference(name, heads, protected):
     elif protected != "none":
         pytest.skip("a bf16 cache protects nothing")
     layer = filled_layer(quant, d_c=d_c, d_r=d_r, batch=3, tokens=147, pads=(0, 13, 70), seed=heads)
-    segments = kernel_segments(layer)
+    segments = layer.segments()
     assert len(segments) == (1 if bf16 or protected == "none" else 3)
     g = torch.Generator().manual_seed(3)
     q_latent = torch.randn(3, heads, d_c, generator=g).to(DEVICE)
@@ -81,7 +80,7 @@ def test_bf16_products_on_gpu(heads):
     bfloat16 rounding of the float32 reference at DeepSeek's dims."""
     layer = filled_layer({"content": {"group_size": 64}}, d_c=512, d_r=64, batch=2, tokens=1500,
                          dtype=torch.bfloat16, pads=(0, 100))
-    segments = kernel_segments(layer)
+    segments = layer.segments()
     q_latent = torch.randn(2, heads, 512, device=DEVICE, dtype=torch.bfloat16)
     q_rope = torch.randn(2, heads, 64, device=DEVICE, dtype=torch.bfloat16)
     ref = latent_decode_reference(q_latent, q_rope, 576 ** -0.5, segments)
@@ -95,7 +94,7 @@ def test_bf16_products_rounding():
     """dot='bf16' rounds the operands to bfloat16 and accumulates in float32 (on the CPU interpreter emulated with
     float32 products of the rounded operands): within bfloat16 rounding of the exact result, and not equal to it."""
     layer = filled_layer({"content": {"group_size": 32}}, d_c=64, d_r=16, batch=2, tokens=150, pads=(0, 20))
-    segments = kernel_segments(layer)
+    segments = layer.segments()
     q_latent, q_rope = torch.randn(2, 16, 64, device=DEVICE), torch.randn(2, 16, 16, device=DEVICE)
     ref = latent_decode_reference(q_latent, q_rope, 0.2, segments)
     out = latent_decode(q_latent, q_rope, 0.2, segments, dot="bf16")

@@ -69,6 +69,9 @@ def test_word_layout_round_trip_and_field_rule(bits, lead, d, seed):
     assert words.dtype == torch.int32 and words.shape == (*lead, layout.words)
     assert layout.row_bytes == 4 * -(-d * bits // 32)
     assert torch.equal(layout.unpack(words), codes)
+    assert torch.equal(layout.unpack_float(words), codes.float())  # from the words' bytes
+    if lead:  # a strided slice of a batch of words
+        assert torch.equal(layout.unpack_float(words[..., ::2, :]), codes[..., ::2, :].float())
     # the documented rule, one field at a time: field k of word j holds channel k W + j (0 past d)
     w = words.reshape(-1, layout.words).long() & 0xFFFFFFFF
     flat = codes.reshape(-1, d).long()

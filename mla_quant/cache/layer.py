@@ -32,7 +32,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from mla_quant.cache.paged import PagedStore
-from mla_quant.kernels.attention import latent_attention
+from mla_quant.kernels.attention import DEFAULT_BLOCKS, CausalMask, latent_attention, segment_attention, visible
+from mla_quant.kernels.layout import PagedPath, Segment
 from mla_quant.quant.formats import PathFormat, check_finite
 from mla_quant.quant.quantizers import FP8_MAX
 
@@ -120,6 +121,7 @@ class LatentCacheLayer(LatentLayerContract):
         self.recent: dict[str, torch.Tensor] = {}  # path -> (B, R, d), R <= fmt.recent
         self.pending: dict[str, torch.Tensor] = {}  # path -> (B, P, d), P < token_block: a block not yet full
         self.n_sinks = self.n_recent = self.n_pending = None  # (B,) long
+        self._steady_state: bool | None = None  # `_steady`'s answer while the regions stay as they are
         self.tensor_scales: dict[str, torch.Tensor | None] = {p: None for p in PATHS}  # (B,) float32 per sequence
         # DeepSeek-V3.2's sparse-attention indexer keeps its own key cache next to the latent (B, S, d_index).
         self.indexer_keys: torch.Tensor | None = None
@@ -170,6 +172,7 @@ class LatentCacheLayer(LatentLayerContract):
 
     def append(self, content: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Store new tokens. content (B, T, d_c), rope (B, T, d_r), valid (B, T) bool: False marks padding."""
+        all_real = valid is None
         valid = self._count_slots(content, rope, valid)
         b, t = valid.shape
         if t == 0:
@@ -181,14 +184,15 @@ class LatentCacheLayer(LatentLayerContract):
             return
         self._set_tensor_scales(new, valid)
         window = self.recent["content"].shape[1]
-        if t == 1 and self._steady(window) and bool(valid.all()):
+        if t == 1 and self._steady(window) and (all_real or bool(valid.all())):
             # A decode step in the steady state (sinks and window full everywhere): the oldest window token of each
             # sequence leaves, quantized and stored; the window shifts by one. What the general path below does
             # then, without its per-token bookkeeping.
-            self._store(torch.arange(b, device=self.device), {p: self.recent[p][:, 0] for p in PATHS})
+            self._store(None, {p: self.recent[p][:, 0] for p in PATHS})
             for p in PATHS:
                 self.recent[p] = torch.cat([self.recent[p][:, 1:], new[p]], dim=1)
             return
+        self._steady_state = None  # the regions change below: known again at the next steady check
         # Each sequence's real tokens in order: [its recent window | its new tokens], then split into
         # [to sinks | leaving the window (quantized now) | the new recent window].
         held = torch.arange(window, device=self.device)[None, :] < self.n_recent[:, None]
@@ -226,23 +230,32 @@ class LatentCacheLayer(LatentLayerContract):
 
     def _steady(self, window: int) -> bool:
         """Every sequence has its sinks and a full recent window (of width `window` = quant.protected.recent), and
-        tokens leave the window straight into the store (no token blocks pending)."""
-        return (self.fast_append and self.token_block is None and window == self.fmt.recent > 0
-                and bool((self.n_recent == window).all()) and bool((self.n_sinks == self.fmt.n_sink).all()))
+        tokens leave the window straight into the store (no token blocks pending). Known on the host once checked,
+        until the regions change (a steady step keeps them as they are)."""
+        if not (self.fast_append and self.token_block is None and window == self.fmt.recent > 0):
+            return False
+        if self._steady_state is None:
+            self._steady_state = bool((self.n_recent == window).all()) and bool((self.n_sinks == self.fmt.n_sink).all())
+        return self._steady_state
 
-    def _store(self, rows: torch.Tensor, tokens: dict[str, torch.Tensor]) -> None:
-        """Encode tokens (N, d) per path, belonging to sequences `rows` (N,), and append them to the paged store."""
-        if rows.numel() == 0:
+    def _store(self, rows: torch.Tensor | None, tokens: dict[str, torch.Tensor]) -> None:
+        """Encode tokens (N, d) per path, belonging to sequences `rows` (N,), and append them to the paged store
+        (rows None: one token (B, d) per sequence)."""
+        if rows is not None and rows.numel() == 0:
             return
         parts = {}
         for p in PATHS:
             fmt = self.path_format(p)
-            scale = None if self.tensor_scales[p] is None else self.tensor_scales[p][rows]
+            scale = self.tensor_scales[p]
+            scale = None if scale is None else scale if rows is None else scale[rows]
             encoded = fmt.encode(tokens[p], scale)
             if fmt.quantized:
                 check_finite(encoded, f"{self.where}, quant.{p} ({fmt.describe()})")
             parts.update({f"{p}/{k}": v for k, v in encoded.items()})
-        self.store.append(rows, parts)
+        if rows is None:
+            self.store.append_each(parts)
+        else:
+            self.store.append(rows, parts)
 
     def _store_blocks(self, rows: torch.Tensor, tokens: dict[str, torch.Tensor]) -> None:
         """Tokens (N, d) leaving the window of sequences `rows` (N,) ascending join their sequence's pending tokens;
@@ -377,14 +390,73 @@ class LatentCacheLayer(LatentLayerContract):
         self.append(content, rope, valid)
         return StoredKeys(self, fresh)
 
-    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, **absorbed) -> torch.Tensor:
+    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, blocks=None, w_uk=None, w_uv=None
+               ) -> torch.Tensor:
         """Append this step's latents and attend over the whole cache. Returns o_latent (B, H, T, d_c).
-        `absorbed`: `latent_attention`'s blocks, w_uk, w_uv (with w_uk, q_latent is q_nope; with w_uv the result is
-        per-head values (B, H, T, d_v)). Attention reads the stored tensors through `StoredKeys`, one block of keys
-        decoded at a time: nothing decoded outlives the step."""
+        With w_uk (H, d_nope, d_c), q_latent is q_nope; with w_uv (H, d_v, d_c) the result is per-head values
+        (B, H, T, d_v); `blocks`: `latent_attention`'s block sizes. A decode step whose mask hides padding only, in
+        a format the decode kernel reads, attends over the stored segments (`segment_attention`: the store's codes
+        read in place, `blocks.key` tokens at a time); any other step reads the stored tensors through
+        `StoredKeys`, one block of keys decoded at a time. Nothing decoded outlives the step."""
+        if self._reads_segments(q_latent, mask, valid):
+            self.append(content, rope, valid)
+            self.backend_steps["decode", "torch"] += 1
+            blocks = DEFAULT_BLOCKS if blocks is None else blocks
+            keys = blocks.keys_per_block(1) if blocks.blocked else None  # the workspace of a one-query step
+            return self._decode_segments(q_latent, q_rope, scale, w_uk, w_uv,
+                                         lambda q, qr: segment_attention(q, qr, scale, self.segments(), keys))
         keys = self._step_keys(content, rope, valid)
         self.backend_steps[step_type(q_latent), "torch"] += 1
-        return latent_attention(q_latent, q_rope, keys, None, scale, mask, **absorbed)
+        return latent_attention(q_latent, q_rope, keys, None, scale, mask, blocks=blocks, w_uk=w_uk, w_uv=w_uv)
+
+    @staticmethod
+    def _decode_segments(q_latent, q_rope, scale, w_uk, w_uv, attend) -> torch.Tensor:
+        """A one-query step over segments: q_latent (formed from q_nope with w_uk), attend(q (B, H, d_c),
+        q_rope (B, H, d_r)) -> (B, H, d_c), then the per-head values with w_uv. Returns (B, H, 1, d)."""
+        q = (q_latent if w_uk is None else q_latent @ w_uk)[:, :, 0]  # (B, H, d_c)
+        out = attend(q, q_rope[:, :, 0]).to(q.dtype)[:, :, None]
+        return out if w_uv is None else out @ w_uv.transpose(-1, -2)
+
+    def _reads_segments(self, q_latent, mask, valid) -> bool:
+        """A decode step that the stored segments serve: one query token, every path in a format the decode kernel
+        reads (int at 2/4/8 bits, or unquantized), its mask hiding padding slots only, and in serving mode a recent
+        window for the step's fresh token."""
+        if q_latent.shape[2] != 1 or (self.fmt is not None and self.fmt.kernel_unsupported() is not None):
+            return False
+        if self.quantized and self.fmt.mode == "serving" and self.fmt.recent == 0:
+            return False
+        return self._hides_only_padding(mask, valid)
+
+    def _hides_only_padding(self, mask, valid) -> bool:
+        """True when the one query's mask hides padding slots and nothing else (segments hold no padding)."""
+        if mask is None:
+            return True
+        seen = mask.keys if isinstance(mask, CausalMask) else visible(mask[:, 0, -1, :])  # (B, S + 1)
+        slots = self.slot_valid if self.slot_valid is not None else seen.new_zeros(seen.shape[0], 0)
+        new = torch.ones_like(seen[:, -1:]) if valid is None else valid.bool()
+        expected = torch.cat([slots, new], dim=1)
+        return expected.shape == seen.shape and bool((seen == expected).all())
+
+    def segments(self) -> list[Segment]:
+        """The stored tokens as decode segments (what `segment_attention` and the Triton kernel read, tensors only):
+        the paged store (per path, views of its page pool: codes or values, scales, zeros; the block table, tokens
+        per sequence), then the sinks and the recent window as dense buffers. Only formats the kernel reads."""
+        store, segments = self.store, []
+        if store.num_blocks and int(store.lengths.max()) > 0:
+            paths = {}
+            for p in PATHS:
+                spec = self.path_format(p).kernel_spec(self._dim(p))
+                pool = {k.split("/", 1)[1]: v for k, v in store.pool.items() if k.startswith(p + "/")}  # page views
+                data = pool["values"] if spec["bits"] == 0 else pool["codes"]
+                paths[p] = PagedPath(data, pool.get("scales"), pool.get("zeros"), spec["bits"], spec["group"],
+                                     spec["symmetric"], spec["pow2"])
+            longest = max(len(t) for t in store.tables) * store.block_size  # host-side bound: no device sync
+            segments.append(Segment(paths["content"], paths["rope"], store.block_table(), store.lengths, longest))
+        if self.quantized:
+            for buffers, lengths in ((self.sinks, self.n_sinks), (self.recent, self.n_recent)):
+                if buffers["content"].shape[1]:
+                    segments.append(Segment.dense(buffers["content"], buffers["rope"], lengths))
+        return segments
 
     # ------------------------------------------------------------------ bytes
     def real_tokens(self) -> int:
@@ -429,6 +501,7 @@ class LatentCacheLayer(LatentLayerContract):
         k = min(-tokens_to_remove, self.length)
         if k == 0:
             return
+        self._steady_state = None
         drop = self.slot_valid[:, self.length - k :].sum(1)  # (B,) real tokens removed per sequence
         if self.quantized:
             from_recent = torch.minimum(drop, self.n_recent)
@@ -471,6 +544,7 @@ class LatentCacheLayer(LatentLayerContract):
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
+        self._steady_state = None
         self.slot_valid = fn(self.slot_valid).contiguous()
         self.store = self.store.rebuilt(fn)
         self.n_sinks, self.n_recent, self.n_pending = fn(self.n_sinks), fn(self.n_recent), fn(self.n_pending)

@@ -49,7 +49,10 @@ class PagedStore:
         self.pages: dict[str, torch.Tensor] = {}  # path -> (num_blocks, page_bytes) uint8
         self.tables: list[list[int]] = [[] for _ in range(batch)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)  # (B,) tokens per sequence
+        self._host_lengths = [0] * batch  # the same on the host (no device sync to decide on allocation)
         self._table: torch.Tensor | None = None
+        self._table_long: torch.Tensor | None = None  # the block table as int64, for indexing
+        self._declared: dict[str, Spec] = {}  # part -> its (shape, dtype), every declared part
         self._views: dict[str, torch.Tensor] = {}  # part -> its view of the current pages
         self.num_blocks = 0
 
@@ -57,6 +60,8 @@ class PagedStore:
     def declare(self, parts: dict[str, Spec]) -> None:
         """Lay out parts {name: (shape per token, dtype)}: each path's new parts join its page, all at once (a
         path that holds blocks takes no new part); a part declared before must keep its shape and dtype."""
+        if all(self._declared.get(name) == (tuple(shape), dtype) for name, (shape, dtype) in parts.items()):
+            return  # every part as declared before (each append's case)
         by_path: dict[str, dict[str, Spec]] = {}
         for name, (shape, dtype) in parts.items():
             by_path.setdefault(path_of(name), {})[name] = (tuple(int(n) for n in shape), dtype)
@@ -74,6 +79,7 @@ class PagedStore:
             self.layouts[path] = layout = PageLayout.of(self.block_size, {**old, **added})
             self.pages[path] = torch.zeros(self.num_blocks, layout.page_bytes, dtype=torch.uint8, device=self.device)
             self._views = {}
+            self._declared.update(layout.spec())
 
     def part(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The view (num_blocks, block_size, *shape) of part `name` into its path's pages (block stride: one page);
@@ -102,6 +108,17 @@ class PagedStore:
         if rows.numel():
             self.write(rows, self.reserve(rows), parts)
 
+    def append_each(self, parts: dict[str, torch.Tensor]) -> None:
+        """Append one token to every sequence: parts {name: (B, *)} (a decode step's; `append` with rows 0..B-1,
+        without counting the rows)."""
+        pos = self.lengths
+        self.lengths = pos + 1
+        if any(len(table) * self.block_size < n + 1 for table, n in zip(self.tables, self._host_lengths)):
+            self._allocate(self.lengths)
+        else:
+            self._host_lengths = [n + 1 for n in self._host_lengths]
+        self.write(None, pos, parts)
+
     def reserve(self, rows: torch.Tensor) -> torch.Tensor:
         """Make room for N new tokens of sequences rows (N,) ascending and count them in; their positions (N,) in
         their sequences. The caller writes them (`write`, or a kernel through `block_table()`)."""
@@ -114,15 +131,17 @@ class PagedStore:
         self.lengths = new_lengths
         return pos
 
-    def write(self, rows: torch.Tensor, pos: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
-        """Token pos[i] of sequence rows[i] takes parts {name: (N, *)} (its blocks reserved)."""
+    def write(self, rows: torch.Tensor | None, pos: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+        """Token pos[i] of sequence rows[i] takes parts {name: (N, *)} (its blocks reserved; rows None: pos (B,),
+        one token per sequence)."""
         self.declare({name: (tuple(x.shape[1:]), x.dtype) for name, x in parts.items()})
         blocks, offsets = self._locate(rows, pos)
         for name, x in parts.items():
             self.part(name)[blocks, offsets] = x
 
     def _allocate(self, new_lengths: torch.Tensor) -> None:
-        needed = ((new_lengths + self.block_size - 1) // self.block_size).tolist()
+        self._host_lengths = new_lengths.tolist()
+        needed = [-(-n // self.block_size) for n in self._host_lengths]
         extra = [max(0, need - len(table)) for need, table in zip(needed, self.tables)]
         total = sum(extra)
         if total == 0:
@@ -133,11 +152,12 @@ class PagedStore:
         for path, pages in self.pages.items():
             self.pages[path] = torch.cat([pages, pages.new_zeros(total, pages.shape[1])])
         self._views = {}
-        self._table = None
+        self._table = self._table_long = None
 
     def truncate(self, new_lengths: torch.Tensor) -> None:
         """Keep the first new_lengths[b] tokens of each sequence (blocks stay allocated for reuse)."""
         self.lengths = torch.minimum(self.lengths, new_lengths.to(self.lengths))
+        self._host_lengths = self.lengths.tolist()
 
     # ------------------------------------------------------------------ reading
     def block_table(self) -> torch.Tensor:
@@ -150,9 +170,14 @@ class PagedStore:
             self._table = table.to(self.device)
         return self._table
 
-    def _locate(self, rows: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset in block) of token `pos` of sequence `rows`, both (N,)."""
-        return self.block_table().long()[rows, pos // self.block_size], pos % self.block_size
+    def _locate(self, rows: torch.Tensor | None, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset in block) of token `pos` of sequence `rows`, both (N,) (rows None: pos (B,), one per
+        sequence)."""
+        if self._table_long is None:
+            self._table_long = self.block_table().long()
+        if rows is None:
+            return self._table_long.gather(1, (pos // self.block_size)[:, None])[:, 0], pos % self.block_size
+        return self._table_long[rows, pos // self.block_size], pos % self.block_size
 
     def gather(self, rows: torch.Tensor, pos: torch.Tensor, parts: list[str]) -> dict[str, torch.Tensor]:
         """Token pos[i] of sequence rows[i], both (N,): {part: (N, *)}."""
@@ -212,4 +237,4 @@ class PagedStore:
         self.pages = {k: v.to(device, non_blocking=True) for k, v in self.pages.items()}
         self._views = {}
         self.lengths = self.lengths.to(device)
-        self._table = None
+        self._table = self._table_long = None

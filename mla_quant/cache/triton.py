@@ -14,33 +14,11 @@ from __future__ import annotations
 import torch
 
 from mla_quant.cache.layer import PATHS, LatentCacheLayer, step_type
-from mla_quant.kernels.attention import CausalMask, visible
-from mla_quant.kernels.latent_decode import PagedPath, Segment, latent_decode
+from mla_quant.kernels.latent_decode import latent_decode
 from mla_quant.kernels.layout import WordLayout
 from mla_quant.kernels.quant_store import kernel_store_unsupported, quantize_append
 from mla_quant.quant.formats import check_finite
 from mla_quant.quant.quantizers import SCALE_DTYPES, ZERO_DTYPES
-
-
-def kernel_segments(layer: LatentCacheLayer) -> list[Segment]:
-    """The layer's stored tokens as kernel segments: the paged store, then the sinks and the recent window."""
-    store, segments = layer.store, []
-    if store.num_blocks and int(store.lengths.max()) > 0:
-        paths = {}
-        for p in PATHS:
-            fmt = layer.path_format(p)
-            spec = fmt.kernel_spec(layer._dim(p))
-            pool = {k.split("/", 1)[1]: v for k, v in store.pool.items() if k.startswith(p + "/")}  # page views
-            data = pool["values"] if spec["bits"] == 0 else pool["codes"]
-            paths[p] = PagedPath(data, pool.get("scales"), pool.get("zeros"), spec["bits"], spec["group"],
-                                 spec["symmetric"], spec["pow2"])
-        longest = max(len(t) for t in store.tables) * store.block_size  # host-side bound: no device sync
-        segments.append(Segment(paths["content"], paths["rope"], store.block_table(), store.lengths, longest))
-    if layer.quantized:
-        for buffers, lengths in ((layer.sinks, layer.n_sinks), (layer.recent, layer.n_recent)):
-            if buffers["content"].shape[1] and int(lengths.max()) > 0:
-                segments.append(Segment.dense(buffers["content"], buffers["rope"], lengths))
-    return segments
 
 
 class KernelDecode:
@@ -48,21 +26,22 @@ class KernelDecode:
     backend picks the kernel for the device of the step's tensors (`CacheFormat.step_backends`)."""
 
     def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, blocks=None, w_uk=None, w_uv=None):
-        fresh_needed = self.quantized and self.fmt.mode == "serving" and self.fmt.recent == 0
         chosen = self.fmt.step_backends(q_latent.device.type)[step_type(q_latent)]
-        if chosen != "triton" or fresh_needed or not self._hides_only_padding(mask, valid):
+        if chosen != "triton" or not self._reads_segments(q_latent, mask, valid):
             return super().attend(q_latent, q_rope, content, rope, scale, mask, valid, blocks=blocks, w_uk=w_uk,
                                   w_uv=w_uv)
         self.append(content, rope, valid)
-        q = (q_latent if w_uk is None else q_latent @ w_uk)[:, :, 0]  # (B, H, d_c)
-        out = latent_decode(q, q_rope[:, :, 0], scale, kernel_segments(self)).to(q.dtype)[:, :, None]
         self.backend_steps["decode", "triton"] += 1
-        return out if w_uv is None else out @ w_uv.transpose(-1, -2)
+        return self._decode_segments(q_latent, q_rope, scale, w_uk, w_uv,
+                                     lambda q, qr: latent_decode(q, qr, scale, self.segments()))
 
     def _store(self, rows, tokens):
         """New tokens into the paged store: where decode steps run the kernel, int paths are quantized and written
         into the pool by the Triton store kernel (bit-exact with the PyTorch encoder), float paths copied; formats
-        the store kernel does not encode (and every format on the torch path) go through the PyTorch encoder."""
+        the store kernel does not encode (and every format on the torch path) go through the PyTorch encoder.
+        rows None: one token per sequence."""
+        if rows is None:
+            rows = torch.arange(self.store.batch, device=self.device)
         if (rows.numel() == 0 or not self.quantized or self.fmt.step_backends(self.device.type)["decode"] != "triton"
                 or any(self._store_unsupported(p) for p in PATHS)):
             return super()._store(rows, tokens)
@@ -95,16 +74,6 @@ class KernelDecode:
         if fmt.quantizer != "rtn":  # the store kernel rounds to the group's min/max range: PyTorch encodes these
             return f"quantizer={fmt.quantizer}"
         return kernel_store_unsupported(fmt.bits, self._dim(path), fmt.group_size)
-
-    def _hides_only_padding(self, mask, valid) -> bool:
-        """True when the one query's mask hides padding slots and nothing else (the kernel never sees padding)."""
-        if mask is None:
-            return True
-        seen = mask.keys if isinstance(mask, CausalMask) else visible(mask[:, 0, -1, :])  # (B, S + 1)
-        slots = self.slot_valid if self.slot_valid is not None else seen.new_zeros(seen.shape[0], 0)
-        new = torch.ones_like(seen[:, -1:]) if valid is None else valid.bool()
-        expected = torch.cat([slots, new], dim=1)
-        return expected.shape == seen.shape and bool((seen == expected).all())
 
 
 class TritonLatentCacheLayer(KernelDecode, LatentCacheLayer):

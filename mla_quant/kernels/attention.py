@@ -23,6 +23,13 @@ d_c x (d_nope + d_v) up-projection. `AttentionBlocks.expand_from` sets the query
 
 Masks: None (causal, queries are the last T of the S slots), a `CausalMask`, or one of the (B, 1, T, S) tensors
 transformers hands attention modules (bool: True = attend; float: additive, as its eager attention adds it).
+
+A decode step (one query per sequence) over a cache's stored tensors runs `segment_attention`: the Triton kernel's
+arithmetic (mla_quant/kernels/latent_decode.py) in PyTorch, reading the paged store's codes in place through its
+block table, with no dequantized copy of the latent (the scales and zeros of an integer path apply per group after
+the products).
+
+    out = segment_attention(q_latent, q_rope, scale, segments)    # (B, H, d_c) float32; kernels/layout.py Segment
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from mla_quant.kernels.layout import PagedPath, Segment, WordLayout
 
 
 @dataclass(frozen=True)
@@ -372,3 +381,89 @@ def _online_blocks(ql, qr, keys, scale, limit: int, k_block: int, block_mask) ->
         acc = acc * alpha.view(b, h * tb, 1) + part.float()
         m = m_new
     return (acc / total.view(b, h * tb, 1)).view(b, h, tb, d_c).to(ql.dtype)
+
+
+
+# ------------------------------------------------------------------------------------------- decode over segments
+def _dequantized(p: PagedPath, read, d: int) -> torch.Tensor:
+    """One chunk of one path of a segment as float32 (B, n, d): a float path's values as stored, an integer path's
+    codes unpacked and dequantized in place, x = c s + z per group (a symmetric path's zero is -2^(b-1) s)."""
+    if p.bits == 0:
+        return read(p.data).float()
+    s = read(p.scales)
+    s = torch.exp2(s.float()) if p.pow2 else s.float()  # (B, n, G)
+    z = -float(1 << (p.bits - 1)) * s if p.symmetric else read(p.zeros).float()
+    b, n, g = s.shape
+    c = WordLayout(p.bits, d).unpack_float(read(p.data)).reshape(b, n, g, d // g)
+    return c.mul_(s[..., None]).add_(z[..., None]).view(b, n, d)
+
+
+def _chunks(seg: Segment, keys: int | None):
+    """(read, first) per chunk of a segment's tokens: read(t) -> the chunk's (B, n, *) rows of a pool tensor t, and
+    the index of its first token. Paged segments are read whole blocks at a time through the block table."""
+    n_tokens = seg.longest()
+    if seg.rows:  # dense buffers: block b is row b
+        step = n_tokens if keys is None else max(1, keys)
+        for k0 in range(0, n_tokens, step):
+            yield (lambda t, k0=k0: t[:, k0 : k0 + step]), k0
+        return
+    block = seg.content.data.shape[1]
+    n_blocks = -(-n_tokens // block)
+    per = n_blocks if keys is None else max(1, keys // block)
+    table = seg.block_table.long()
+    for b0 in range(0, n_blocks, per):
+        index = table[:, b0 : b0 + per]
+        yield (lambda t, index=index: t[index].flatten(1, 2)), b0 * block
+
+
+def _softmax_group(chunks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunks [(scores (B, H, n), valid (B, n), values (B, n, d_c))] under one softmax: their max (B, H, 1), the
+    sum of their exponentials (B, H, 1) and the unnormalised output (B, H, d_c)."""
+    s = torch.cat([c[0] for c in chunks], -1)
+    s = s + torch.where(torch.cat([c[1] for c in chunks], -1), 0.0, float("-inf"))[:, None]
+    m = s.amax(-1, keepdim=True)  # -inf where the group holds none of the sequence's tokens
+    p = torch.exp(s - torch.where(m == float("-inf"), 0.0, m))
+    out, k0 = 0, 0
+    for _, _, x in chunks:
+        out = out + p[..., k0 : k0 + x.shape[1]] @ x
+        k0 += x.shape[1]
+    return m, p.sum(-1, keepdim=True), out
+
+
+def segment_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments,
+                      keys_per_block: int | None = None) -> torch.Tensor:
+    """One query per sequence over the union of `segments`: q_latent (B, H, d_c), q_rope (B, H, d_r) ->
+    o_latent (B, H, d_c) float32, the arithmetic of `latent_decode_reference` (every token as stored, float32)
+    without its dequantized copy of the cache. Each segment is read `keys_per_block` tokens at a time (whole blocks
+    of a paged one; None: each segment at once) and decoded into a workspace of at most `keys_per_block` tokens:
+    the chunks that fit in it share one softmax, and the groups are merged by log-sum-exp weights (split-KV, as the
+    Triton kernel does). A sequence with no token at all attends to nothing (zeros)."""
+    q, qr = q_latent.float(), q_rope.float()
+    d_c, d_r = q.shape[-1], qr.shape[-1]
+    groups, chunks, held = [], [], 0
+    for seg in segments:
+        if seg.longest() == 0:
+            continue
+        lengths = seg.lengths.to(q.device)
+        for read, first in _chunks(seg, keys_per_block):
+            content, rope = _dequantized(seg.content, read, d_c), _dequantized(seg.rope, read, d_r)  # (B, n, d)
+            n = content.shape[1]
+            if keys_per_block is not None and chunks and held + n > keys_per_block:
+                groups.append(_softmax_group(chunks))
+                chunks, held = [], 0
+            valid = torch.arange(first, first + n, device=q.device)[None, :] < lengths[:, None]  # (B, n)
+            chunks.append(((q @ content.transpose(1, 2) + qr @ rope.transpose(1, 2)) * scale, valid, content))
+            held += n
+    if chunks:
+        groups.append(_softmax_group(chunks))
+    if not groups:
+        return q.new_zeros(q.shape)
+    if len(groups) == 1:
+        m, total, out = groups[0]
+    else:
+        maxes = torch.stack([g[0] for g in groups])  # (groups, B, H, 1)
+        m = maxes.amax(0)
+        weights = torch.exp(maxes - torch.where(m == float("-inf"), 0.0, m))
+        total = (torch.stack([g[1] for g in groups]) * weights).sum(0)
+        out = (torch.stack([g[2] for g in groups]) * weights).sum(0)
+    return torch.where(total > 0, out / total, 0.0)

@@ -37,57 +37,18 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from mla_quant.kernels.attention import reference_attention
-from mla_quant.kernels.layout import WordLayout
+from mla_quant.kernels.layout import PagedPath, Segment, WordLayout  # noqa: F401 (Segment: part of this API)
 
 KERNEL_BITS = (0, 2, 4, 8)  # 0 = float values
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_SEGMENTS = 3  # segments one stage-1 launch reads (the paged store, the sinks, the recent window)
 DOTS = ("auto", "ieee", "bf16")
-
-
-@dataclass
-class PagedPath:
-    """One path's stored tensors, each (num_blocks, block_size, *) with contiguous (block_size, *) dims and any block
-    stride (e.g. views of one page pool, `PageLayout`): `data` is int32 code words (.., WordLayout(bits, d).words) or
-    float values (.., d); `scales`/`zeros` (.., d / group) for codes."""
-
-    data: torch.Tensor
-    scales: torch.Tensor | None = None
-    zeros: torch.Tensor | None = None
-    bits: int = 0
-    group: int = 1
-    symmetric: bool = True
-    pow2: bool = False
-
-
-@dataclass
-class Segment:
-    """Tokens of every sequence: both paths' pools, one block table (B, max_blocks) int32, lengths (B,).
-    `max_len`: a host-side upper bound of the lengths (spares the launch a device sync); None reads the lengths."""
-
-    content: PagedPath
-    rope: PagedPath
-    block_table: torch.Tensor
-    lengths: torch.Tensor
-    max_len: int | None = None
-
-    @classmethod
-    def dense(cls, content: torch.Tensor, rope: torch.Tensor, lengths: torch.Tensor) -> "Segment":
-        """Float buffers (B, P, d) holding lengths[b] valid tokens in row b."""
-        table = torch.arange(content.shape[0], dtype=torch.int32, device=content.device)[:, None]
-        return cls(PagedPath(content), PagedPath(rope), table, lengths, max_len=int(content.shape[1]))
-
-    def longest(self) -> int:
-        if self.max_len is not None:
-            return self.max_len
-        return int(self.lengths.max()) if self.lengths.numel() else 0
 
 
 def require_triton(what: str = "quant.backend=triton", hint: str = "") -> None:

@@ -5,7 +5,8 @@
     python run.py experiment=bench_decode 'task.contexts=[1024,4096,16384]' device=cuda model.dtype=bfloat16
 
 For each context length: prefill a random prompt (every path), then time `task.decode_steps` single-token decode
-steps fed the same tokens. Paths: transformers (its own cache), the absorbed latent path over an unquantized cache,
+steps fed the same tokens; `task.repeats` rounds, the paths interleaved, each path's fastest round's median kept
+(memory is measured in the first round). Paths: transformers (its own cache), the absorbed latent path over an unquantized cache,
 and, when `quant` quantizes, the absorbed path over the configured cache format (named by the quant option). Reports decode tokens/s of both and their ratio, and the cache bytes per token per
 layer each one holds, measured from the cache tensors, and what each cache holds after the steps: its distinct tensor
 storages and the process's resident set grown since before the prefill (CPU), per token per layer and against a
@@ -90,6 +91,9 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     layers = dims["layers"]
     bf16_bytes = 2 * (dims["d_c"] + dims["d_r"])  # a BF16 cache's bytes per token per layer
 
+    repeats = task.repeats
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"task.repeats={repeats!r}: a number of timed rounds per path >= 1")
     rows, metrics = [], {}
     for ctx in tqdm(list(task.contexts), desc="bench_decode", unit="context"):
         prompt = torch.randint(3, reference.config.vocab_size, (task.batch_size, ctx),
@@ -99,9 +103,13 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                  "absorbed_latent": (absorbed, lambda: new_cache(absorbed))}
         if quantized:
             paths[f"absorbed_{prep.fmt.name}"] = (absorbed, lambda: new_cache(absorbed, factory))
-        for path, (model, make_cache) in paths.items():
-            seconds, n_bytes, held, cache = time_decode(model, prompt, task.decode_steps, task.warmup_steps,
-                                                        make_cache, device)
+        measured = {}  # path -> (seconds, bytes, held, cache) of its first round, seconds the fastest round's
+        for round_ in range(repeats):  # the paths interleaved, round by round (the machine's noise is additive)
+            for path, (model, make_cache) in paths.items():
+                got = time_decode(model, prompt, task.decode_steps, task.warmup_steps, make_cache, device)
+                measured[path] = got if round_ == 0 else (min(measured[path][0], got[0]), *measured[path][1:])
+        for path in paths:
+            seconds, n_bytes, held, cache = measured[path]
             tokens = task.batch_size * (ctx + task.warmup_steps + task.decode_steps) * layers
             per_path[path] = dict(
                 context=ctx, path=path, seconds_per_step=seconds,

@@ -33,7 +33,6 @@ from tqdm.auto import tqdm
 
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.cache.factory import cache_layer_factory
-from mla_quant.cache.triton import kernel_segments
 from mla_quant.kernels.latent_decode import (bytes_read, latent_decode, latent_decode_reference, launch_config,
                                              require_triton)
 from mla_quant.models.build import resolve_device
@@ -159,7 +158,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         for heads in task.heads:
             q = torch.randn(batch, heads, task.d_c, generator=g, device=device, dtype=dtype)
             qr = torch.randn(batch, heads, task.d_r, generator=g, device=device, dtype=dtype)
-            segs = {option: kernel_segments(layer) for option, layer in layers.items()}
+            segs = {option: layer.segments() for option, layer in layers.items()}
             for option, segments in segs.items():
                 if (heads, option) not in tuned:
                     tuned[heads, option] = _tune(task, fixed, option, q, qr, scale, segments, time_it)
