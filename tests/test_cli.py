@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
@@ -40,7 +42,7 @@ def test_unknown_experiment_lists_choices():
 
 
 def test_bench_decode_prints_ratios(tmp_path):
-    out = run_cli("experiment=bench_decode", "logger=none", "task.contexts=[64]", "task.decode_steps=2",
+    out = run_cli("experiment=bench_decode", "logger=none", "task.contexts=[64]", "task.decode_steps=2", "task.repeats=2",
                   "model.config.hidden_size=256", "model.config.num_attention_heads=4",
                   "model.config.num_key_value_heads=4", f"hydra.run.dir={tmp_path}")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -61,3 +63,15 @@ def test_multirun_through_the_submitit_launcher(tmp_path):
     assert len(records) == 2, list(tmp_path.iterdir())
     passed = [json.loads(r.read_text())["metrics"]["equivalence/all_passed"] for r in records]
     assert passed == [True, True]
+
+
+@pytest.mark.parametrize("experiment", ["bench_decode", "bench_calibration"])
+@pytest.mark.parametrize("bad", [0, "true"])
+def test_bench_repeats_are_refused_by_name(experiment, bad, tmp_path):
+    from conftest import compose
+
+    from mla_quant.stages import bench_calibration, bench_decode
+
+    stage = {"bench_decode": bench_decode, "bench_calibration": bench_calibration}[experiment]
+    with pytest.raises(ValueError, match=rf"task.repeats={'True' if bad == 'true' else bad}: a number"):
+        stage.run(compose([f"experiment={experiment}", f"task.repeats={bad}", "logger=none"]), tmp_path)

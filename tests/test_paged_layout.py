@@ -61,6 +61,30 @@ def test_pages_grow_and_keep_their_layout():
         store.part("content/scales", (2,), torch.float16)
 
 
+def test_one_token_per_sequence_appends_as_the_general_append():
+    """append_each (a decode step's one token per sequence, allocation from host-side lengths) stores what append
+    with rows 0..B-1 stores, across block boundaries and after a truncation."""
+    g = torch.Generator().manual_seed(1)
+    fmt = PathFormat("int", 4, 16, False, "fp16")
+    stores = [PagedStore(3, 4, DEVICE), PagedStore(3, 4, DEVICE)]
+    first = torch.tensor([0, 0, 0, 1, 2, 2, 2, 2, 2], device=DEVICE)  # uneven lengths: 3, 1, 5
+    x = torch.randn(9, 32, generator=g).to(DEVICE)
+    for store in stores:
+        store.append(first, {f"content/{k}": v for k, v in fmt.encode(x).items()})
+    for step in range(11):
+        if step == 6:
+            for store in stores:
+                store.truncate(torch.tensor([2, 9, 4], device=DEVICE))
+        parts = {f"content/{k}": v for k, v in fmt.encode(torch.randn(3, 32, generator=g).to(DEVICE)).items()}
+        stores[0].append_each(parts)
+        stores[1].append(torch.arange(3, device=DEVICE), parts)
+        (a, la), (b, lb) = stores[0].dense(), stores[1].dense()
+        assert torch.equal(la, lb) and stores[0].tables == stores[1].tables and stores[0]._host_lengths == la.tolist()
+        for k in a:
+            ok = torch.arange(a[k].shape[1], device=DEVICE)[None, :] < la[:, None]
+            assert torch.equal(a[k][ok], b[k][ok]), (step, k)
+
+
 def test_alignment_pads_are_held_not_used():
     layout = PageLayout.of(4, {"codes": ((3,), torch.int32), "scales": ((3,), torch.int8)})
     assert (layout.offset("scales"), layout.page_bytes, layout.token_bytes) == (48, 64, 15)  # 12 scale bytes + 4

@@ -79,6 +79,9 @@ def time_decode(model, prompt, steps: int, warmup: int, make_cache, device: str)
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
+    repeats = task.repeats
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"task.repeats={repeats!r}: a number of timed rounds per path >= 1")
     device = resolve_device(cfg.device)
     prep = prepare_model(cfg, tokenizer=False, absorbed=False, attn_implementation=task.reference_attention)
     reference = prep.model.to(device)
@@ -91,9 +94,6 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     layers = dims["layers"]
     bf16_bytes = 2 * (dims["d_c"] + dims["d_r"])  # a BF16 cache's bytes per token per layer
 
-    repeats = task.repeats
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"task.repeats={repeats!r}: a number of timed rounds per path >= 1")
     rows, metrics = [], {}
     for ctx in tqdm(list(task.contexts), desc="bench_decode", unit="context"):
         prompt = torch.randint(3, reference.config.vocab_size, (task.batch_size, ctx),
