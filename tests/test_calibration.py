@@ -187,13 +187,17 @@ def test_export_round_trip(tmp_path, model, transform):
 
 
 def test_idle_objective_and_calib_settings_are_refused():
-    res = _run("experiment=evaluate", "transform=quarot", "objective=cache_mse", "eval.limit=1")
+    from mla_quant.pipeline import refuse_idle_calibration
+
+    res = _run("experiment=evaluate", "transform=quarot", "objective=cache_mse", "eval.limit=1")  # as a user meets it
     assert res.returncode != 0 and "fits nothing, so objective settings would do nothing" in res.stderr
-    res = _run("experiment=evaluate", "transform=none", "calib.samples=3", "eval.limit=1")
-    assert res.returncode != 0 and "reads no calibration data" in res.stderr
-    res = _run("experiment=evaluate", "transform=quarot", "transform.fit.format=int2_joint", "eval.limit=1")
-    assert res.returncode != 0 and "does not read these transform.fit settings" in res.stderr
-    assert "transform.fit.format=int2_joint" in res.stderr
+    for overrides, message in (
+            (["transform=none", "calib.samples=3"], "reads no calibration data"),
+            (["transform=quarot", "transform.fit.format=int2_joint"],
+             r"\['transform.fit.format=int2_joint'\]: transform=quarot does not read these transform.fit settings")):
+        overrides = ["experiment=evaluate", *overrides, "eval.limit=1"]
+        with pytest.raises(ValueError, match=message):
+            refuse_idle_calibration(compose(overrides), overrides)
 
 
 def test_next_token_kl_objective_is_end_to_end():

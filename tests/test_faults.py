@@ -18,7 +18,8 @@ from mla_quant import pipeline
 from mla_quant.pipeline import Interrupted, StageResult
 from mla_quant.record import RunProgress, active_progress, progress, run_identity
 
-SENSITIVITY = ["experiment=sensitivity", "model=tiny_deepseek_v2", "task.seeds=2", "logger=none"]
+SENSITIVITY = ["experiment=sensitivity", "model=tiny_deepseek_v2", "task.seeds=2", "task.sweep_nmse=[0.005,0.02]",
+               "logger=none"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 

@@ -250,7 +250,8 @@ def test_greedy_decode_alone_equals_left_padded_batch(toy):
 # ---------------------------------------------------------------------------------------------- end to end
 def test_evaluate_runs_with_kivi(tmp_path):
     cmd = ["run.py", "experiment=evaluate", "quant=kivi_int2", "eval.limit=2", "eval.data.niah_lengths=[256]",
-           "eval.control_no_rope.enabled=false", "logger=none", f"hydra.run.dir={tmp_path}"]
+           "eval.tasks=[toy_niah_multikey_1]", "eval.control_no_rope.enabled=false", "logger=none",
+           f"hydra.run.dir={tmp_path}"]
     run = subprocess.run([sys.executable, *cmd], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     record = json.loads((tmp_path / "record.json").read_text())
