@@ -110,8 +110,13 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     rows, specs = [], []
     groups = int(task.rope_groups or 0)  # task.rope_groups: one layer and one group of RoPE pairs at a time
 
+    def spec_of(kw: dict) -> InjectionSpec:
+        """A job's injection (its `group` labels the rows; the pairs it names are the injection's)."""
+        return InjectionSpec(shape=task.noise, rope_layout=layout, quantizer=quantizers.get(kw["path"]),
+                             **{k: v for k, v in kw.items() if k != "group"})
+
     def inject(kind: str, group: int = -1, **kw):
-        spec = InjectionSpec(shape=task.noise, rope_layout=layout, quantizer=quantizers.get(kw["path"]), **kw)
+        spec = spec_of(kw)
         errors = output_errors(capture(model, ids, new_cache(model, injection_factory(spec))), clean)
         pair = kw.get("pair", -1)
         key = dict(kind=kind, path=kw["path"], nmse_target=kw["nmse"], seed=kw.get("seed", 0),
@@ -126,8 +131,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         """One injection, kept in the run's progress (an interruption keeps it, a rerun does not redo it)."""
         done = progress().unit(f"sensitivity/{kind}/{i}", lambda: inject(kind, **kw),
                                metrics=lambda _: {"sensitivity/injections_done": i + 1})
-        kw = {k: v for k, v in kw.items() if k != "group"}
-        spec = InjectionSpec(shape=task.noise, rope_layout=layout, quantizer=quantizers.get(kw["path"]), **kw)
+        spec = spec_of(kw)  # the finished injection's figures, fresh or read back from the progress
         spec.achieved = {int(k): v for k, v in done["achieved"].items()}
         spec.error_energy = {int(k): torch.tensor(v, dtype=torch.float64) for k, v in done["error_energy"].items()}
         rows.extend(done["rows"])
