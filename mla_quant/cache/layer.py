@@ -142,7 +142,7 @@ class LatentCacheLayer(LatentLayerContract):
     def n_quantized(self) -> int:
         """Tokens in the paged store of the longest sequence (per sequence: `store.lengths`); all real tokens
         when nothing is quantized."""
-        return int(self.store.lengths.max()) if self.store is not None and self.store.batch else 0
+        return self.store.longest if self.store is not None else 0
 
     def stored_parts(self, path: str) -> dict[str, torch.Tensor]:
         """The stored tensors of `path` per sequence, left-aligned: {part: (B, L, *)} (L = n_quantized)."""
@@ -442,7 +442,7 @@ class LatentCacheLayer(LatentLayerContract):
         the paged store (per path, views of its page pool: codes or values, scales, zeros; the block table, tokens
         per sequence), then the sinks and the recent window as dense buffers. Only formats the kernel reads."""
         store, segments = self.store, []
-        if store.num_blocks and int(store.lengths.max()) > 0:
+        if store.num_blocks and store.longest > 0:
             paths = {}
             for p in PATHS:
                 spec = self.path_format(p).kernel_spec(self._dim(p))

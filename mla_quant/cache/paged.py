@@ -160,6 +160,11 @@ class PagedStore:
         self._host_lengths = self.lengths.tolist()
 
     # ------------------------------------------------------------------ reading
+    @property
+    def longest(self) -> int:
+        """Tokens of the longest sequence, from the host-side lengths (no device sync)."""
+        return max(self._host_lengths, default=0)
+
     def block_table(self) -> torch.Tensor:
         """(B, max_blocks) int32; unused entries point at block 0 (never read past a sequence's length)."""
         if self._table is None:
@@ -192,7 +197,7 @@ class PagedStore:
     def dense(self, parts: list[str] | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Each sequence's tokens left-aligned: {part: (B, L_max, *)} (entries past a length are arbitrary), (B,)."""
         names = self.part_names() if parts is None else parts
-        longest = int(self.lengths.max()) if self.batch else 0
+        longest = self.longest
         if longest == 0 or not names:
             return {}, self.lengths
         n_blocks = (longest + self.block_size - 1) // self.block_size
