@@ -402,9 +402,13 @@ def test_segment_attention_equals_the_kernels_reference(name, keys, monkeypatch)
     if name != "bf16":
         assert layer.n_quantized > 0 and len(segments) >= 2
     held = []
-    real = attn_mod._dequantized
-    monkeypatch.setattr(attn_mod, "_dequantized", lambda p, read, d: held.append(real(p, read, d).shape[1]) or
-                        real(p, read, d))
+    real = attn_mod._Chunk.__init__
+
+    def chunk(self, p, read, d):
+        real(self, p, read, d)
+        held.append(self.x.shape[1])
+
+    monkeypatch.setattr(attn_mod._Chunk, "__init__", chunk)
     g = torch.Generator().manual_seed(1)
     for heads in (1, 5):
         q, qr = torch.randn(3, heads, d_c, generator=g), torch.randn(3, heads, d_r, generator=g)

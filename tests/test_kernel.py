@@ -160,6 +160,8 @@ def test_formats_the_kernel_cannot_read_are_named(option, override, match):
 
 
 def test_no_gpu_and_no_interpreter_is_a_clear_error(monkeypatch):
+    import mla_quant.cache.triton  # noqa: F401 - its kernels decorated under the interpreter, before the env changes
+
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = OmegaConf.merge(load_quant_option("int4_joint"), {"backend": "triton", "content": {"group_size": 32}})

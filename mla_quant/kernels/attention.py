@@ -34,6 +34,8 @@ the products).
 
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -385,17 +387,52 @@ def _online_blocks(ql, qr, keys, scale, limit: int, k_block: int, block_mask) ->
 
 
 # ------------------------------------------------------------------------------------------- decode over segments
-def _dequantized(p: PagedPath, read, d: int) -> torch.Tensor:
-    """One chunk of one path of a segment as float32 (B, n, d): a float path's values as stored, an integer path's
-    codes unpacked and dequantized in place, x = c s + z per group (a symmetric path's zero is -2^(b-1) s)."""
-    if p.bits == 0:
-        return read(p.data).float()
-    s = read(p.scales)
-    s = torch.exp2(s.float()) if p.pow2 else s.float()  # (B, n, G)
-    z = -float(1 << (p.bits - 1)) * s if p.symmetric else read(p.zeros).float()
-    b, n, g = s.shape
-    c = WordLayout(p.bits, d).unpack_float(read(p.data)).reshape(b, n, g, d // g)
-    return c.mul_(s[..., None]).add_(z[..., None]).view(b, n, d)
+class _Chunk:
+    """One chunk of one path of a segment, as stored. A float path's values (B, n, d). An integer path with one
+    group per token (the RoPE key's formats): its codes as floats in the words' byte order (`unpack_bytes`, no
+    transpose) with the scale and zero (B, n) applied to the products, q . x = s (q' . c) + z sum(q) with q' the
+    query's channels in that order. Several groups: the codes unpacked in channel order and dequantized in place,
+    x = c s + z per group. (A symmetric path's zero is -2^(b-1) s.)"""
+
+    def __init__(self, p: PagedPath, read, d: int):
+        self.order = None
+        if p.bits == 0:
+            self.x = read(p.data).float()
+            return
+        layout = WordLayout(p.bits, d)
+        s = read(p.scales)
+        s = torch.exp2(s.float()) if p.pow2 else s.float()  # (B, n, G)
+        z = -float(1 << (p.bits - 1)) * s if p.symmetric else read(p.zeros).float()
+        b, n, g = s.shape
+        if g == 1 and sys.byteorder == "little":
+            self.x, self.s, self.z = layout.unpack_bytes(read(p.data)), s[..., 0][:, None], z[..., 0][:, None]
+            self.order = _byte_order(p.bits, d, self.x.device)
+            return
+        c = layout.unpack_float(read(p.data)).reshape(b, n, g, d // g)
+        self.x = c.mul_(s[..., None]).add_(z[..., None]).view(b, n, d)
+
+    def scores(self, q: torch.Tensor) -> torch.Tensor:
+        """q (B, H, d) float32 -> q . x (B, H, n)."""
+        if self.order is None:
+            return q @ self.x.transpose(1, 2)
+        q_bytes = torch.nn.functional.pad(q, (0, 1))[..., self.order[0]]  # zero at padding positions
+        return (q_bytes @ self.x.transpose(1, 2)) * self.s + q.sum(-1, keepdim=True) * self.z
+
+    def values(self, p: torch.Tensor) -> torch.Tensor:
+        """p (B, H, n) float32 -> p @ x (B, H, d)."""
+        if self.order is None:
+            return p @ self.x
+        return ((p * self.s) @ self.x)[..., self.order[1]] + p @ self.z.transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _byte_order(bits: int, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the channel at each `unpack_bytes` position, padding -> d) (P W,), (each channel's position) (d,)."""
+    channels = WordLayout(bits, d).byte_channels(device)
+    real = channels < d
+    inverse = torch.empty(d, dtype=torch.long, device=device)
+    inverse[channels[real]] = torch.arange(channels.numel(), device=device)[real]
+    return channels.clamp(max=d), inverse
 
 
 def _chunks(seg: Segment, keys: int | None):
@@ -417,7 +454,7 @@ def _chunks(seg: Segment, keys: int | None):
 
 
 def _softmax_group(chunks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chunks [(scores (B, H, n), valid (B, n), values (B, n, d_c))] under one softmax: their max (B, H, 1), the
+    """Chunks [(scores (B, H, n), valid (B, n), the content `_Chunk`)] under one softmax: their max (B, H, 1), the
     sum of their exponentials (B, H, 1) and the unnormalised output (B, H, d_c)."""
     s = torch.cat([c[0] for c in chunks], -1)
     s = s + torch.where(torch.cat([c[1] for c in chunks], -1), 0.0, float("-inf"))[:, None]
@@ -425,8 +462,9 @@ def _softmax_group(chunks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     p = torch.exp(s - torch.where(m == float("-inf"), 0.0, m))
     out, k0 = 0, 0
     for _, _, x in chunks:
-        out = out + p[..., k0 : k0 + x.shape[1]] @ x
-        k0 += x.shape[1]
+        n = x.x.shape[1]
+        out = out + x.values(p[..., k0 : k0 + n])
+        k0 += n
     return m, p.sum(-1, keepdim=True), out
 
 
@@ -446,13 +484,13 @@ def segment_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float
             continue
         lengths = seg.lengths.to(q.device)
         for read, first in _chunks(seg, keys_per_block):
-            content, rope = _dequantized(seg.content, read, d_c), _dequantized(seg.rope, read, d_r)  # (B, n, d)
-            n = content.shape[1]
+            content, rope = _Chunk(seg.content, read, d_c), _Chunk(seg.rope, read, d_r)
+            n = content.x.shape[1]
             if keys_per_block is not None and chunks and held + n > keys_per_block:
                 groups.append(_softmax_group(chunks))
                 chunks, held = [], 0
             valid = torch.arange(first, first + n, device=q.device)[None, :] < lengths[:, None]  # (B, n)
-            chunks.append(((q @ content.transpose(1, 2) + qr @ rope.transpose(1, 2)) * scale, valid, content))
+            chunks.append(((content.scores(q) + rope.scores(qr)) * scale, valid, content))
             held += n
     if chunks:
         groups.append(_softmax_group(chunks))

@@ -100,6 +100,30 @@ class WordLayout:
             out[..., f, :].copy_(field if f == per_byte - 1 else field & mask)
         return out.view(*lead, -1)[..., : self.d]
 
+    def unpack_bytes(self, words: torch.Tensor) -> torch.Tensor:
+        """The codes as float32 in byte order, (..., P W): position (f, j, m) (F = 8 // bits fields per byte, W words,
+        4 bytes per word) holds field m F + f of word j, the code of channel (m F + f) W + j (`byte_channels`; padding
+        fields 0). Each field is one shift and mask of the words' uint8 view, written contiguously, with no
+        transpose: for a consumer that permutes its queries instead (one scale per token). Little-endian only."""
+        if sys.byteorder != "little":
+            raise RuntimeError("WordLayout.unpack_bytes reads int32 words as little-endian bytes")
+        self._check(words, "unpack_bytes")
+        lead, per_byte, mask = words.shape[:-1], 8 // self.bits, (1 << self.bits) - 1
+        by = words.contiguous().view(torch.uint8)  # (..., W * 4): byte m of word j at 4 j + m
+        out = torch.empty(*lead, per_byte, self.words * 4, dtype=torch.float32, device=words.device)
+        for f in range(per_byte):
+            field = by if f == 0 else by >> (f * self.bits)
+            out[..., f, :].copy_(field if f == per_byte - 1 else field & mask)
+        return out.view(*lead, -1)
+
+    def byte_channels(self, device=None) -> torch.Tensor:
+        """(P W,) int64: the channel each position of `unpack_bytes` holds (>= d: padding)."""
+        per_byte = 8 // self.bits
+        f = torch.arange(per_byte, device=device)[:, None, None]
+        j = torch.arange(self.words, device=device)[None, :, None]
+        m = torch.arange(4, device=device)[None, None, :]
+        return ((m * per_byte + f) * self.words + j).reshape(-1)
+
     def _check(self, words: torch.Tensor, caller: str) -> None:
         if words.dtype != torch.int32 or words.shape[-1] != self.words:
             raise ValueError(f"WordLayout(bits={self.bits}, d={self.d}).{caller}: int32 (..., {self.words}) "
