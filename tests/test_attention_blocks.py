@@ -401,12 +401,20 @@ def test_segment_attention_equals_the_kernels_reference(name, keys, monkeypatch)
     segments = layer.segments()
     if name != "bf16":
         assert layer.n_quantized > 0 and len(segments) >= 2
-    held = []
-    real = attn_mod._Chunk.__init__
+    held, kept = [], []  # tokens decoded per chunk; content tokens held under one softmax when a chunk is decoded
+    real, group = attn_mod._Chunk.__init__, attn_mod._softmax_group
 
     def chunk(self, p, read, d):
         real(self, p, read, d)
         held.append(self.x.shape[1])
+        if any(p is s.content for s in segments):
+            kept.append(self.x.shape[1])
+
+    def softmax_group(chunks):
+        kept.append(None)  # a group closed: its chunks are let go
+        return group(chunks)
+
+    monkeypatch.setattr(attn_mod, "_softmax_group", softmax_group)
 
     monkeypatch.setattr(attn_mod._Chunk, "__init__", chunk)
     g = torch.Generator().manual_seed(1)
@@ -416,6 +424,11 @@ def test_segment_attention_equals_the_kernels_reference(name, keys, monkeypatch)
         torch.testing.assert_close(got, latent_decode_reference(q, qr, 0.12, segments), rtol=1e-5, atol=1e-5)
     bound = max(keys or 0, layer.block_size) if keys else max(s.longest() for s in segments)
     assert max(held) <= bound, (held, bound)
+    if keys:  # the content tokens decoded and not yet let go never exceed the workspace
+        live = 0
+        for n in kept:
+            live = 0 if n is None else live + n
+            assert live <= bound, (kept, bound)
 
 
 def test_segment_attention_of_empty_sequences_is_zero():

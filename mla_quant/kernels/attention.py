@@ -436,13 +436,13 @@ def _byte_order(bits: int, d: int, device: torch.device) -> tuple[torch.Tensor, 
 
 
 def _chunks(seg: Segment, keys: int | None):
-    """(read, first) per chunk of a segment's tokens: read(t) -> the chunk's (B, n, *) rows of a pool tensor t, and
-    the index of its first token. Paged segments are read whole blocks at a time through the block table."""
+    """(read, first, n) per chunk of a segment's tokens: read(t) -> the chunk's (B, n, *) rows of a pool tensor t,
+    the index of its first token and n. Paged segments are read whole blocks at a time through the block table."""
     n_tokens = seg.longest()
     if seg.rows:  # dense buffers: block b is row b
         step = n_tokens if keys is None else max(1, keys)
         for k0 in range(0, n_tokens, step):
-            yield (lambda t, k0=k0: t[:, k0 : k0 + step]), k0
+            yield (lambda t, k0=k0: t[:, k0 : k0 + step]), k0, min(step, n_tokens - k0)
         return
     block = seg.content.data.shape[1]
     n_blocks = -(-n_tokens // block)
@@ -450,7 +450,7 @@ def _chunks(seg: Segment, keys: int | None):
     table = seg.block_table.long()
     for b0 in range(0, n_blocks, per):
         index = table[:, b0 : b0 + per]
-        yield (lambda t, index=index: t[index].flatten(1, 2)), b0 * block
+        yield (lambda t, index=index: t[index].flatten(1, 2)), b0 * block, index.shape[1] * block
 
 
 def _softmax_group(chunks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -483,12 +483,11 @@ def segment_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float
         if seg.longest() == 0:
             continue
         lengths = seg.lengths.to(q.device)
-        for read, first in _chunks(seg, keys_per_block):
-            content, rope = _Chunk(seg.content, read, d_c), _Chunk(seg.rope, read, d_r)
-            n = content.x.shape[1]
-            if keys_per_block is not None and chunks and held + n > keys_per_block:
+        for read, first, n in _chunks(seg, keys_per_block):
+            if keys_per_block is not None and chunks and held + n > keys_per_block:  # before this chunk is decoded
                 groups.append(_softmax_group(chunks))
                 chunks, held = [], 0
+            content, rope = _Chunk(seg.content, read, d_c), _Chunk(seg.rope, read, d_r)
             valid = torch.arange(first, first + n, device=q.device)[None, :] < lengths[:, None]  # (B, n)
             chunks.append(((content.scores(q) + rope.scores(qr)) * scale, valid, content))
             held += n
