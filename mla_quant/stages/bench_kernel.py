@@ -12,8 +12,9 @@ kernel is timed as the GPU runs it: one CUDA graph of the call, replayed after a
 the replay, the median of task.iters (on the CPU interpreter: wall time, meaningless). Reported per case:
 microseconds, the bytes one call reads measured from the stored tensors (`bytes_read`: every valid token's codes,
 scales, zeros or values, the block table, the queries), the bandwidth that implies and its share of
-task.peak_bandwidth, the speed-up vs our BF16 kernel on the same case, vs the PyTorch path (dequantize all,
-then attend; task.torch_reference), and vs FlashInfer's MLA paged decode over the same BF16 pools (task.flashinfer:
+task.peak_bandwidth, the speed-up vs our BF16 kernel on the same case, vs the PyTorch decode path (what
+quant.backend=torch runs: `segment_attention` over the same segments, a bounded chunk dequantized at a time;
+task.torch_reference), and vs FlashInfer's MLA paged decode over the same BF16 pools (task.flashinfer:
 `flashinfer.mla.BatchMLAPagedAttentionWrapper`, the external BF16 peer; where it cannot run, the record and the
 table say why, e.g. not installed). With task.tune, launch configurations are tried per head count and format on
 the first case, and the fastest is used throughout. bench_kernel.csv / .md / .png in the run dir.
@@ -33,6 +34,7 @@ from tqdm.auto import tqdm
 
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.cache.factory import cache_layer_factory
+from mla_quant.kernels.attention import DEFAULT_BLOCKS, segment_attention
 from mla_quant.kernels.latent_decode import (bytes_read, latent_decode, latent_decode_reference, launch_config,
                                              require_triton)
 from mla_quant.models.build import resolve_device
@@ -151,6 +153,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     fixed = {k: v for k, v in OmegaConf.to_container(task.launch or {}).items() if v is not None}
     tuned: dict[tuple[int, str], dict] = {}
     scale = (task.d_c + task.d_r) ** -0.5
+    torch_keys = DEFAULT_BLOCKS.keys_per_block(1)  # the torch backend's decode step reads this many tokens at a time
     rows, skipped = [], {}
     cases = _cases(task)
     for mode, ctx, batch in tqdm(cases, desc="bench_kernel", unit="case"):
@@ -170,7 +173,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                 row["GBps"] = row["bytes_read"] / kernel_s / 1e9
                 row["peak_share"] = row["bytes_read"] / kernel_s / task.peak_bandwidth
                 if task.torch_reference and batch * ctx <= task.torch_max_tokens:
-                    row["torch_us"] = time_torch(lambda: latent_decode_reference(q, qr, scale, segments),
+                    row["torch_us"] = time_torch(lambda: segment_attention(q, qr, scale, segments, torch_keys),
                                                  graph=False) * 1e6
                 ref = latent_decode_reference(q, qr, scale, segments)
                 row["max_rel_err"] = ((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
