@@ -92,13 +92,10 @@ class WordLayout:
         if sys.byteorder != "little":
             return self._codes(words, "unpack_float").float()
         self._check(words, "unpack_float")
-        lead, per_byte, mask = words.shape[:-1], 8 // self.bits, (1 << self.bits) - 1
+        lead = words.shape[:-1]
         by = words.contiguous().view(torch.uint8).view(*lead, self.words, 4).transpose(-1, -2).contiguous()
-        out = torch.empty(*lead, 4, per_byte, self.words, dtype=torch.float32, device=words.device)
-        for f in range(per_byte):  # out[..., m, f, j] = field m F + f of word j = channel (m F + f) W + j
-            field = by if f == 0 else by >> (f * self.bits)
-            out[..., f, :].copy_(field if f == per_byte - 1 else field & mask)
-        return out.view(*lead, -1)[..., : self.d]
+        # out[..., m, f, j] = field m F + f of word j = channel (m F + f) W + j
+        return self._fields(by).view(*lead, -1)[..., : self.d]
 
     def unpack_bytes(self, words: torch.Tensor) -> torch.Tensor:
         """The codes as float32 in byte order, (..., P W): position (f, j, m) (F = 8 // bits fields per byte, W words,
@@ -108,13 +105,18 @@ class WordLayout:
         if sys.byteorder != "little":
             raise RuntimeError("WordLayout.unpack_bytes reads int32 words as little-endian bytes")
         self._check(words, "unpack_bytes")
-        lead, per_byte, mask = words.shape[:-1], 8 // self.bits, (1 << self.bits) - 1
         by = words.contiguous().view(torch.uint8)  # (..., W * 4): byte m of word j at 4 j + m
-        out = torch.empty(*lead, per_byte, self.words * 4, dtype=torch.float32, device=words.device)
+        return self._fields(by).view(*words.shape[:-1], -1)
+
+    def _fields(self, by: torch.Tensor) -> torch.Tensor:
+        """Bytes (..., X) uint8 -> float32 (..., F, X): [..., f, x] = field f (bits [f b, (f + 1) b)) of byte x,
+        one shift and mask per field written straight into the float output."""
+        per_byte, mask = 8 // self.bits, (1 << self.bits) - 1
+        out = torch.empty(*by.shape[:-1], per_byte, by.shape[-1], dtype=torch.float32, device=by.device)
         for f in range(per_byte):
             field = by if f == 0 else by >> (f * self.bits)
-            out[..., f, :].copy_(field if f == per_byte - 1 else field & mask)
-        return out.view(*lead, -1)
+            out[..., f, :].copy_(field if f == per_byte - 1 else field & mask)  # the top field needs no mask
+        return out
 
     def byte_channels(self, device=None) -> torch.Tensor:
         """(P W,) int64: the channel each position of `unpack_bytes` holds (>= d: padding)."""
