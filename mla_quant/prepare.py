@@ -23,6 +23,7 @@ from torch import nn
 
 from mla_quant.cache import layer_factory
 from mla_quant.calibration import calibrated_transforms, check_transform, transformed_format, weights_sha256
+from mla_quant.calibration.codebooks import fitted_codebooks, uses_lloyd
 from mla_quant.calibration.data import calibration_ids, check_calib, resolve_source
 from mla_quant.calibration.options import check_layered_transform
 from mla_quant.eval.harness import ContextTooLong
@@ -102,8 +103,12 @@ def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True, calib
     from mla_quant.calibration import needs_data
 
     mixed = quant and is_mixed(cfg.get("quant"))
-    if needs_data(cfg.get("transform")) or calib_report or mixed:
+    lloyd = quant and quant_uses_lloyd(cfg.get("quant"))
+    if needs_data(cfg.get("transform")) or calib_report or mixed or lloyd:
         if cfg.get("calib") is None:
+            if lloyd:
+                raise ValueError(f"quant={cfg.quant.get('name')!r} has a quantizer=lloyd path: its codebooks are "
+                                 "fitted on calibration latents: add calib=<option>")
             if mixed:
                 raise ValueError(f"quant={cfg.quant.get('name')!r} measures each width's cache NMSE on calibration "
                                  "latents: add calib=<option>")
@@ -126,6 +131,18 @@ def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True, calib
     return transformed_format(cfg.get("transform"), cache_format(cfg.quant, dims["d_c"], dims["d_r"],
                                                                  context=dims["context"], num_layers=dims["layers"],
                                                                  rope_layout=rope_layout(cfg.model)))
+
+
+def quant_uses_lloyd(quant_cfg) -> bool:
+    """A quant config (before it is validated) with a quantizer=lloyd path, in its blocks, its layers or its
+    choices (quant=mixed)."""
+    if quant_cfg is None:
+        return False
+    cfg = _plain(quant_cfg)
+    blocks = [cfg.get(p) for p in ("content", "rope")]
+    blocks += [(entry or {}).get(p) for entry in (cfg.get("layers") or []) for p in ("content", "rope")]
+    blocks += [c for p in ("content", "rope") for c in ((cfg.get("choices") or {}).get(p) or [])]
+    return any(isinstance(b, Mapping) and b.get("quantizer") == "lloyd" for b in blocks)
 
 
 def check_context(key: str, value, dims: Mapping[str, int]) -> None:
@@ -160,7 +177,8 @@ class Prepared:
     fmt: CacheFormat | LayeredFormat | PeerFormat | None
     transform_metrics: dict | None = None  # transform name, calibration file, seconds, objective errors
     calib_report: list | None = None  # per layer and path: objective error without and with the transform
-    alloc_metrics: dict | None = None  # quant=mixed: the allocation's file, budget, bits per layer and path
+    # quant=mixed: the allocation's file, budget, bits per layer and path; quantizer=lloyd: the codebooks' file
+    alloc_metrics: dict | None = None
 
     def layer_factory(self):
         return None if self.fmt is None else layer_factory(self.fmt)
@@ -225,6 +243,9 @@ def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True
     alloc_metrics = None
     if spec is not None:
         fmt, alloc_metrics = allocate_formats(model, cfg, tok, spec, transform_metrics)
+    if uses_lloyd(fmt):  # quantizer=lloyd: each layer's codebook, fitted on the transformed model's latents
+        fmt, book_metrics = codebook_formats(model, cfg, tok, fmt, transform_metrics)
+        alloc_metrics = {**(alloc_metrics or {}), **book_metrics}
     measured = latent_dims(model) if absorbed else None
     if measured is not None and (measured["d_c"], measured["d_r"]) != (dims["d_c"], dims["d_r"]):
         raise RuntimeError(f"the loaded model has (d_c, d_r) = {(measured['d_c'], measured['d_r'])}, its config "
@@ -232,25 +253,43 @@ def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True
     return Prepared(model, tok if tokenizer else None, dims, fmt, transform_metrics, report, alloc_metrics)
 
 
-def allocate_formats(model, cfg: DictConfig, tokenizer, spec: MixedSpec, transform_metrics: dict | None):
-    """The per-layer formats of quant=mixed for the (transformed) model, measured on the absorbed view of it."""
-    from mla_quant.models.absorbed import absorbed_view
-
+def _calibration_inputs(model, cfg: DictConfig, tokenizer, transform_metrics: dict | None):
+    """The calibration ids and the identity (model, weights, transform, data) of what is measured on them."""
     source = resolve_source(cfg.calib, cfg.model.get("_target_"))
     vocab = model.config.get_text_config(decoder=True).vocab_size
     ids = calibration_ids(cfg.calib, source, tokenizer, vocab)
     identity = {"model": {k: v for k, v in _plain(cfg.model).items() if k not in ("device", "tokenizer", "resources")},
                 "weights": weights_sha256(model), "transform": (transform_metrics or {}).get("calib/file", "none"),
                 "calib": {**_plain(cfg.calib), "source": source}}
+    return ids, identity
+
+
+def allocate_formats(model, cfg: DictConfig, tokenizer, spec: MixedSpec, transform_metrics: dict | None):
+    """The per-layer formats of quant=mixed for the (transformed) model, measured on the absorbed view of it."""
+    from mla_quant.models.absorbed import absorbed_view
+
+    ids, identity = _calibration_inputs(model, cfg, tokenizer, transform_metrics)
     with absorbed_view(model, attention_blocks(cfg.get("attention"))) as view:
         return allocate(view, spec, ids, identity, int(cfg.calib.get("batch_size", 8)))
+
+
+def codebook_formats(model, cfg: DictConfig, tokenizer, fmt, transform_metrics: dict | None):
+    """The format of every layer with its lloyd codebooks, fitted on the absorbed view of the (transformed) model
+    over the calibration batch (or reused), stored beside the fitted transforms."""
+    from mla_quant.models.absorbed import absorbed_view
+
+    ids, identity = _calibration_inputs(model, cfg, tokenizer, transform_metrics)
+    cache_dir = (_plain(cfg.get("transform") or {}).get("fit") or {}).get("cache_dir", "outputs/calibration")
+    family = family_for_config(model.config).name
+    with absorbed_view(model, attention_blocks(cfg.get("attention"))) as view:
+        return fitted_codebooks(view, fmt, ids, identity, cache_dir, family, int(cfg.calib.get("batch_size", 8)))
 
 
 def needs_tokenizer(cfg: DictConfig, calib_report: bool = False) -> bool:
     """Calibration on text or the toy's documents needs the model's tokenizer."""
     from mla_quant.calibration import needs_data
 
-    if not (needs_data(cfg.get("transform")) or calib_report or is_mixed(cfg.get("quant"))) or \
-            cfg.model.get("tokenizer") is None:
+    if not (needs_data(cfg.get("transform")) or calib_report or is_mixed(cfg.get("quant"))
+            or quant_uses_lloyd(cfg.get("quant"))) or cfg.model.get("tokenizer") is None:
         return False
     return resolve_source(cfg.calib, cfg.model.get("_target_")) in ("toy", "text")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import compose
+from conftest import compose, with_codebooks
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.kernels import attention as attn_mod
 from mla_quant.kernels.attention import (UNBLOCKED, AttentionBlocks, CausalMask, latent_attention,
@@ -366,20 +366,24 @@ SEGMENT_FORMATS = {
                                   "rope": {"bits": 8}},
     "int4 g128 at d_c 512": {"content": {"group_size": 128}, "d_c": 512},
     "int4 no recent, serving": {"content": {"group_size": 48}, "protected": {"n_sink": 2, "recent": 0}},
+    "int2 g32 lloyd + int4 rope lloyd": {"option": "int2_content_int4_rope",
+                                         "content": {"group_size": 32, "quantizer": "lloyd"},
+                                         "rope": {"quantizer": "lloyd"}},
 }
 
 
 def segment_layer(spec: dict, b: int = 3, pads=(0, 9, 77), tokens: int = 190):
     """A cache layer after a left-padded prefill and single-token appends (sequences hold different numbers of sinks,
     stored and recent tokens), and its latents' dims."""
-    from mla_quant.cache import cache_layer_factory
+    from mla_quant.cache import layer_factory
+    from mla_quant.quant.formats import cache_format
 
     spec = dict(spec)
     d_c, d_r = spec.pop("d_c", 96), 16
     cfg = OmegaConf.merge(load_quant_option(spec.pop("option", "int4_joint")), spec)
-    layer = cache_layer_factory(cfg, d_c, d_r)()
     g = torch.Generator().manual_seed(0)
     c, r = torch.randn(b, tokens, d_c, generator=g), 3 * torch.randn(b, tokens, d_r, generator=g)
+    layer = layer_factory(with_codebooks(cache_format(cfg, d_c, d_r), c, r))()
     valid = torch.ones(b, tokens, dtype=torch.bool)
     for i, pad in enumerate(pads):
         valid[i, :pad] = False

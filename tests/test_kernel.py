@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import with_codebooks
 from omegaconf import OmegaConf
 
 from dataclasses import replace
@@ -22,11 +23,14 @@ def filled_layer(quant: dict, d_c: int, d_r: int, batch: int, tokens: int, dtype
                  pads: tuple[int, ...] = ()):
     """One cache layer after a prefill and single-token decode appends; sequence i left-padded by pads[i] slots,
     so sequences hold different numbers of sinks, quantized and recent tokens."""
+    from mla_quant.cache import layer_factory
+    from mla_quant.quant.formats import cache_format
+
     cfg = OmegaConf.merge(load_quant_option(quant.pop("option", "int4_joint")), quant)
-    layer = cache_layer_factory(cfg, d_c, d_r, context=4096)()
     g = torch.Generator().manual_seed(seed)
     c = torch.randn(batch, tokens, d_c, generator=g).to(DEVICE, dtype)
     r = (3 * torch.randn(batch, tokens, d_r, generator=g)).to(DEVICE, dtype)
+    layer = layer_factory(with_codebooks(cache_format(cfg, d_c, d_r, context=4096), c, r))()
     valid = torch.ones(batch, tokens, dtype=torch.bool, device=DEVICE)
     for i, pad in enumerate(pads):
         valid[i, :pad] = False
@@ -57,6 +61,10 @@ FORMATS = {
                                   "rope": {"bits": 8}},
     "int4 bf16 scales, no recent": {"content": {"group_size": 48, "scale_dtype": "bf16"},
                                     "protected": {"n_sink": 2, "recent": 0}},
+    # codebooks (quantizer=lloyd): a select over levels held in registers
+    "int2 g32 lloyd + int4 rope lloyd": {"option": "int2_content_int4_rope",
+                                         "content": {"group_size": 32, "quantizer": "lloyd"},
+                                         "rope": {"quantizer": "lloyd"}},
 }
 
 

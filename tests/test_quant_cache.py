@@ -437,3 +437,39 @@ def test_cache_stores_what_the_chosen_quantizer_reads_back(quantizer):
     bad = OmegaConf.merge(load_quant_option("fp8_ds_mla"), {"content": {"quantizer": quantizer}})
     with pytest.raises(ValueError, match=f"quant.content.quantizer='{quantizer}' .* format=fp8 takes quantizer=rtn"):
         cache_format(bad, 512, 64)
+
+
+def test_lloyd_cache_reads_its_codebook_and_counts_its_bytes():
+    """A lloyd path stores RTN's layout and reads levels[q] s + z: exactly fake_quantizer's values with the same
+    levels, closer to the latent than RTN; its bytes are RTN's plus the codebook (float32 levels per path, once per
+    layer), measured from the layer and equal to the formula. A lloyd format without fitted levels cannot build a
+    cache layer (it would have no fixed codebook to store codes against)."""
+    import dataclasses
+
+    from conftest import with_codebooks
+
+    from mla_quant.cache import layer_factory
+
+    g = torch.Generator().manual_seed(0)
+    c = torch.distributions.Laplace(0.0, 1.0).sample((2, 300, 96)) * torch.exp(torch.randn(96, generator=g))
+    r = torch.randn(2, 300, 16, generator=g) * 3
+    out = {}
+    for qz in ("rtn", "lloyd"):
+        cfg = quant_cfg("int2_joint", "quant.content.group_size=32", f"quant.content.quantizer={qz}",
+                        f"quant.rope.quantizer={qz}")
+        fmt = with_codebooks(cache_format(cfg, 96, 16, context=300), c, r)
+        layer = layer_factory(fmt)()
+        layer.append(c, r)
+        got_c, got_r = layer.read()
+        s = slice(fmt.n_sink, 300 - fmt.recent)
+        torch.testing.assert_close(got_c[:, s], fake_quantizer(fmt.content, 96)(c[:, s]), rtol=0, atol=0)
+        torch.testing.assert_close(got_r[:, s], fake_quantizer(fmt.rope, 16)(r[:, s]), rtol=0, atol=0)
+        assert layer.nbytes() == cache_bytes_per_token(fmt, 96, 16, 300, batch=2, act_bytes=4) * 600
+        out[qz] = (float((got_c[:, s] - c[:, s]).pow(2).sum()), layer.nbytes(), fmt)
+    assert out["lloyd"][0] < out["rtn"][0] * 0.8, out
+    assert out["lloyd"][1] - out["rtn"][1] == 4 * 4 * 2 == out["lloyd"][2].codebook_bytes()
+    bare = cache_format(quant_cfg("int2_joint", "quant.content.group_size=32", "quant.rope.quantizer=lloyd"), 96, 16)
+    with pytest.raises(ValueError, match=r"quant.rope: quantizer=lloyd stores codes against a codebook fitted on "
+                                         r"calibration latents, and this format has none"):
+        layer_factory(bare)()
+    assert dataclasses.replace(bare.rope, levels=None).codebook() is None

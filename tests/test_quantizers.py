@@ -244,7 +244,74 @@ def test_clip_has_a_symmetric_form_and_bad_quantizers_are_refused():
     got = group_quantize(x, 2, 16, True, "fp16", "clip")
     err = [float((group_dequantize(q.codes, q.scales, None, 2) - x).pow(2).sum()) for q in (ref, got)]
     assert got.zeros is None and err[1] < err[0]
-    with pytest.raises(ValueError, match=r"quantizer='gptq'; allowed: \['rtn', 'clip', 'hqq'\]"):
+    with pytest.raises(ValueError, match=r"quantizer='gptq'; allowed: \['rtn', 'clip', 'hqq', 'lloyd'\]"):
         group_quantize(x, 2, 16, False, "fp16", "gptq")
     with pytest.raises(ValueError, match="hqq optimizes each group's zero point: it needs symmetric=false"):
         group_quantize(x, 2, 16, True, "fp16", "hqq")
+
+
+@pytest.mark.parametrize("bits,group", [(2, 16), (2, None), (3, 8), (4, 16), (4, None)])
+def test_lloyd_levels_reconstruct_the_fitted_values_better_than_rtn(bits, group):
+    """fit_levels: 2^bits ascending levels in code units; the values they were fitted on, stored with them, are
+    reconstructed at least as well as with RTN (each fitting step descends from RTN's grid), clearly better on
+    heavy-tailed values; the codes, scales and zeros have RTN's layout, and fake_quantize reads back levels[q] s + z."""
+    from mla_quant.quant.quantizers import fit_levels, group_dequantize, group_quantize
+
+    g = torch.Generator().manual_seed(bits * 11 + (group or 0))
+    x = torch.distributions.Laplace(0.0, 1.0).sample((256, 48)) * torch.exp(torch.randn(48, generator=g))
+    levels = fit_levels(x, bits, group)
+    assert levels.shape == (2**bits,) and levels.dtype == torch.float32 and bool((levels[1:] > levels[:-1]).all())
+    ref = group_quantize(x, bits, group)
+    got = group_quantize(x, bits, group, quantizer="lloyd", levels=levels)
+    assert got.codes.dtype == torch.uint8 and int(got.codes.max()) < 2**bits
+    assert got.scales.shape == ref.scales.shape and got.zeros.shape == ref.zeros.shape
+    x_hat = group_dequantize(got.codes, got.scales, got.zeros, bits, levels=levels)
+    step = got.scales.float().repeat_interleave(group or 48, -1)
+    zero = got.zeros.float().repeat_interleave(group or 48, -1)
+    torch.testing.assert_close(x_hat, levels[got.codes.long()] * step + zero, rtol=0, atol=0)
+    assert torch.equal(fake_quantize(x, bits, group, quantizer="lloyd", levels=levels), x_hat)
+    err = float((x_hat - x).pow(2).sum())
+    rtn = float((group_dequantize(*ref, bits) - x).pow(2).sum())
+    assert err <= rtn
+    if bits == 2:
+        assert rtn / err > 1.5, (rtn, err)
+    # Without levels, fake_quantize fits them on the values it is given (a study's quantizer)
+    assert torch.equal(fake_quantize(x, bits, group, quantizer="lloyd"), x_hat)
+
+
+def test_lloyd_with_uniform_levels_is_the_clip_search():
+    """At RTN's levels 0 .. 2^b - 1 a lloyd path is clip's range search (the same candidates, nearest level =
+    rounding), so the codebook alone is what lloyd adds."""
+    from mla_quant.quant.quantizers import group_dequantize, group_quantize
+
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(3)) ** 3
+    uniform = torch.arange(4, dtype=torch.float32)
+    got = group_quantize(x, 2, 16, quantizer="lloyd", levels=uniform)
+    clip = group_quantize(x, 2, 16, quantizer="clip")
+    torch.testing.assert_close(group_dequantize(*got, 2, levels=uniform), group_dequantize(*clip, 2), rtol=0,
+                               atol=1e-6)
+
+
+def test_lloyd_refuses_what_it_cannot_take():
+    from mla_quant.quant.formats import PathFormat
+    from mla_quant.quant.quantizers import fit_levels, group_quantize
+
+    x = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="lloyd places levels inside each group's range: it needs symmetric=false"):
+        group_quantize(x, 2, 16, True, "fp16", "lloyd")
+    with pytest.raises(ValueError, match=r"quantizer=lloyd fits bits in \[2, 3, 4\]; got bits=8"):
+        fit_levels(x, 8)
+    with pytest.raises(ValueError, match=r"a codebook of 3 levels for bits=2; allowed: 4 levels"):
+        group_quantize(x, 2, 16, quantizer="lloyd", levels=torch.tensor([0.0, 1.0, 2.0]))
+    with pytest.raises(ValueError, match="not finite and strictly ascending"):
+        group_quantize(x, 2, 16, quantizer="lloyd", levels=torch.tensor([0.0, 2.0, 1.0, 3.0]))
+    with pytest.raises(ValueError, match="levels are the codebook of quantizer=lloyd; quantizer=rtn takes none"):
+        group_quantize(x, 2, 16, levels=torch.arange(4.0))
+    with pytest.raises(ValueError, match=r"quant.rope.quantizer=lloyd fits non-uniform levels at bits \[2, 3, 4\]"):
+        PathFormat.from_cfg({"format": "int", "bits": 8, "quantizer": "lloyd"}, "quant.rope")
+    with pytest.raises(ValueError, match="format=pairs .* takes rtn, clip or hqq"):
+        PathFormat.from_cfg({"bits": [4, 2], "quantizer": "lloyd"}, "quant.rope")
+    with pytest.raises(ValueError, match=r"quant.rope codebook: a codebook of 4 levels for bits=4; allowed: 16"):
+        PathFormat(format="int", bits=4, quantizer="lloyd", levels=(0.0, 1.0, 2.0, 3.0)).check(64, "quant.rope")
+    with pytest.raises(ValueError, match="unknown key"):  # levels are fitted, never configured
+        PathFormat.from_cfg({"format": "int", "bits": 2, "quantizer": "lloyd", "levels": [0, 1, 2, 3]})

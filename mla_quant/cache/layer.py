@@ -111,6 +111,12 @@ class LatentCacheLayer(LatentLayerContract):
         self.block_size = 64 if fmt is None else fmt.block_size
         self.token_block = None if fmt is None else fmt.token_block
         self.backend_steps: Counter = Counter()  # (step type, backend) -> attention steps run, over resets
+        if fmt is not None:
+            for p in PATHS:  # a lloyd path needs its fitted codebook before any token is stored
+                try:
+                    fmt.path(p).codebook(required=True)
+                except ValueError as err:
+                    raise ValueError(f"quant.{p}: {err}") from err
         self._clear()
 
     def _clear(self) -> None:
@@ -445,11 +451,14 @@ class LatentCacheLayer(LatentLayerContract):
         if store.num_blocks and store.longest > 0:
             paths = {}
             for p in PATHS:
-                spec = self.path_format(p).kernel_spec(self._dim(p))
+                fmt = self.path_format(p)
+                spec = fmt.kernel_spec(self._dim(p))
                 pool = {k.split("/", 1)[1]: v for k, v in store.pool.items() if k.startswith(p + "/")}  # page views
                 data = pool["values"] if spec["bits"] == 0 else pool["codes"]
+                levels = fmt.codebook(required=True)
                 paths[p] = PagedPath(data, pool.get("scales"), pool.get("zeros"), spec["bits"], spec["group"],
-                                     spec["symmetric"], spec["pow2"])
+                                     spec["symmetric"], spec["pow2"],
+                                     None if levels is None else levels.to(data.device))
             longest = max(len(t) for t in store.tables) * store.block_size  # host-side bound: no device sync
             segments.append(Segment(paths["content"], paths["rope"], store.block_table(), store.lengths, longest))
         if self.quantized:
@@ -476,18 +485,23 @@ class LatentCacheLayer(LatentLayerContract):
             total += (s.numel() if held else int((s > 0).sum())) * s.element_size()
         return total
 
+    def codebook_bytes(self) -> int:
+        """Bytes of the layer's lloyd codebooks (float32 levels per path, shared by every sequence)."""
+        books = [self.path_format(p).codebook() for p in PATHS] if self.quantized else []
+        return sum(t.numel() * t.element_size() for t in books if t is not None)
+
     def nbytes(self) -> int:
         """Bytes used by the real tokens, measured from the stored tensors: protected and pending tokens, codes,
-        scales, zeros, per-sequence tensor scales."""
+        scales, zeros, per-sequence tensor scales, and the layer's codebooks."""
         if not self.is_initialized:
             return 0
-        return self.store.used_bytes() + self._protected_bytes(held=False)
+        return self.store.used_bytes() + self._protected_bytes(held=False) + self.codebook_bytes()
 
     def held_bytes(self) -> int:
         """Bytes allocated: whole blocks of the paged store plus the protected and pending buffers."""
         if not self.is_initialized:
             return 0
-        return self.store.held_bytes() + self._protected_bytes(held=True)
+        return self.store.held_bytes() + self._protected_bytes(held=True) + self.codebook_bytes()
 
     # ------------------------------------------------------------------ transformers' CacheLayerMixin contract
     def crop(self, tokens_to_remove: int) -> None:

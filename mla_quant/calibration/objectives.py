@@ -25,7 +25,7 @@ from mla_quant.calibration.capture import LayerCapture
 from mla_quant.kernels.attention import causal_mask, fused_causal_attention, latent_attention
 from mla_quant.models.fp8 import compute_dtype, linear
 from mla_quant.quant.formats import PathFormat, fake_quantizer
-from mla_quant.quant.quantizers import fake_quantize
+from mla_quant.quant.quantizers import fake_quantize, fit_levels
 from mla_quant.transforms.fold import pair_index
 
 CONTENT_OBJECTIVES = ("attention_output", "cache_mse", "next_token_kl")  # the first is each path's default
@@ -45,9 +45,12 @@ def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Ten
         return lambda x: x + (exact(x.detach()) - x).detach()
     bits, group = int(fmt.bits), fmt.group_size or d
     fake_quantizer(fmt, d)  # validates the format against d
+    codebook = [fmt.codebook()]  # quantizer=lloyd without fitted levels: fitted on the first values quantized
 
     def exact(x: torch.Tensor) -> torch.Tensor:  # the cache's codes and stored scales, without bit packing
-        return fake_quantize(x, bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype, fmt.quantizer)
+        if fmt.quantizer == "lloyd" and codebook[0] is None:
+            codebook[0] = fit_levels(x, bits, fmt.group_size, fmt.scale_dtype)
+        return fake_quantize(x, bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype, fmt.quantizer, codebook[0])
 
     def approx(x: torch.Tensor) -> torch.Tensor:
         xg = x.reshape(*x.shape[:-1], d // group, group)

@@ -31,7 +31,8 @@ def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: 
     k = kinds(transform_cfg)
     objectives = {p: (_plain(objective_cfg).get(p) or {}).get("kind") or OBJECTIVES[p][0] for p in ("content", "rope")}
     opts = fit_options(transform_cfg, seed)
-    quant = {p: ste_quantizer(fmt.path(p), fmt.dim(p)) for p in ("content", "rope")}
+    # one quantizer per layer and path (a lloyd path's levels are fitted on its own layer's latents)
+    quant = lambda: {p: ste_quantizer(fmt.path(p), fmt.dim(p)) for p in ("content", "rope")}  # noqa: E731
     modules = attention_modules(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.requires_grad_(False)  # end-to-end objectives backpropagate through the model, never into its weights
@@ -66,18 +67,20 @@ def _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size
         if sweep is None:
             sweep = captures(model, ids, batch_size, start=i, query_tokens=query_tokens)
         cap = next(sweep)
+        quant_i = quant()
         start = time.perf_counter()
         content_kind = k["content"] if fmt.content.quantized else "none"
-        lt.rotation, lt.scale, c_err = fit_content(cap, content_kind, objectives["content"], quant["content"], opts, g)
+        lt.rotation, lt.scale, c_err = fit_content(cap, content_kind, objectives["content"], quant_i["content"], opts,
+                                                   g)
         c_sec = time.perf_counter() - start
         rope_kind = k["rope"] if fmt.rope.quantized else "none"
         start = time.perf_counter()
-        lt.angle, lt.pair_scale, r_err = fit_rope(cap, rope_kind, objectives["rope"], quant["rope"], opts)
+        lt.angle, lt.pair_scale, r_err = fit_rope(cap, rope_kind, objectives["rope"], quant_i["rope"], opts)
         r_sec = time.perf_counter() - start
         n = modules[i].qk_rope_head_dim // 2
         phi = torch.zeros(n) if lt.angle is None else lt.angle
         t = torch.ones(n) if lt.pair_scale is None else lt.pair_scale
-        bound = rope_output_bound(cap, phi.to(cap.k_rope.device), t.to(cap.k_rope.device), quant["rope"])
+        bound = rope_output_bound(cap, phi.to(cap.k_rope.device), t.to(cap.k_rope.device), quant_i["rope"])
         report.append({"layer": i, "path": "content", "kind": content_kind, "objective": objectives["content"],
                        "error_none": c_err["none"], "error": c_err["fitted"], "seconds": c_sec})
         report.append({"layer": i, "path": "rope", "kind": rope_kind, "objective": objectives["rope"],

@@ -392,7 +392,7 @@ class _Chunk:
     group per token (the RoPE key's formats): its codes as floats in the words' byte order (`unpack_bytes`, no
     transpose) with the scale and zero (B, n) applied to the products, q . x = s (q' . c) + z sum(q) with q' the
     query's channels in that order. Several groups: the codes unpacked in channel order and dequantized in place,
-    x = c s + z per group. (A symmetric path's zero is -2^(b-1) s.)"""
+    x = c s + z per group. (A symmetric path's zero is -2^(b-1) s.) A codebook (`levels`) reads c = levels[code]."""
 
     def __init__(self, p: PagedPath, read, d: int):
         self.order = None
@@ -405,10 +405,11 @@ class _Chunk:
         z = -float(1 << (p.bits - 1)) * s if p.symmetric else read(p.zeros).float()
         b, n, g = s.shape
         if g == 1 and sys.byteorder == "little":
-            self.x, self.s, self.z = layout.unpack_bytes(read(p.data)), s[..., 0][:, None], z[..., 0][:, None]
+            self.x = _levels(layout.unpack_bytes(read(p.data)), p)
+            self.s, self.z = s[..., 0][:, None], z[..., 0][:, None]
             self.order = _byte_order(p.bits, d, self.x.device)
             return
-        c = layout.unpack_float(read(p.data)).reshape(b, n, g, d // g)
+        c = _levels(layout.unpack_float(read(p.data)), p).reshape(b, n, g, d // g)
         self.x = c.mul_(s[..., None]).add_(z[..., None]).view(b, n, d)
 
     def scores(self, q: torch.Tensor) -> torch.Tensor:
@@ -423,6 +424,11 @@ class _Chunk:
         if self.order is None:
             return p @ self.x
         return ((p * self.s) @ self.x)[..., self.order[1]] + p @ self.z.transpose(1, 2)
+
+
+def _levels(codes: torch.Tensor, p: PagedPath) -> torch.Tensor:
+    """Float codes -> the codebook's levels at them (the codes themselves without a codebook)."""
+    return codes if p.levels is None else p.levels.to(torch.float32)[codes.long()]
 
 
 @functools.lru_cache(maxsize=None)

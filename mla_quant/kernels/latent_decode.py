@@ -25,7 +25,8 @@ splits shorter than a few tiles (`split_plan`).
 Per path: float values (bits=0) or int codes with bits 2, 4, 8 in int32 words chunked along channels
 (`WordLayout`, kernels/layout.py: a tile unpacks from one load of its words by a broadcast shift and mask, in channel
 order), with `group` values per scale (any divisor of d), symmetric (x = (q - 2^(b-1)) s) or asymmetric
-(x = q s + z), scales float or pow2 (int8 exponents). Stored tensors must be contiguous within a block (their
+(x = q s + z), scales float or pow2 (int8 exponents); with a codebook (`levels`, the lloyd quantizer) code q
+reads levels[q] in place of q. Stored tensors must be contiguous within a block (their
 (block_size, *) dims); their block stride is free, so a token's words, scales and zeros are read at
 block * stride(0) + slot * row size of each. Anything else is refused before launch, naming the argument and what is
 allowed. Products run in float32 (`dot="ieee"`) or with bfloat16 operands and float32 accumulation (`dot="bf16"`,
@@ -99,8 +100,14 @@ def _check_path(p: PagedPath, d: int, name: str, blocks: tuple[int, int], device
                              f"(or int8 with pow2=True)")
         if not p.symmetric and p.zeros.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name}.zeros: {p.zeros.dtype}; allowed: {[str(t) for t in FLOAT_DTYPES]}")
+        if p.levels is not None:
+            if p.levels.dtype != torch.float32 or tuple(p.levels.shape) != (1 << p.bits,) or \
+                    not p.levels.is_contiguous():
+                raise ValueError(f"{name}.levels: a codebook of {1 << p.bits} contiguous float32 levels expected for "
+                                 f"bits={p.bits}, got {p.levels.dtype} {tuple(p.levels.shape)}")
+            parts.append(("levels", p.levels))
     for part, t in parts:
-        if not rows_contiguous(t):
+        if part != "levels" and not rows_contiguous(t):
             raise ValueError(f"{name}.{part} must be contiguous in its (block_size, *) dims (any block stride "
                              f"stride(0)), got shape {tuple(t.shape)} strides {tuple(t.stride())}")
         if t.device != device:
@@ -151,6 +158,7 @@ def bytes_read(q_latent: torch.Tensor, q_rope: torch.Tensor, segments) -> int:
         tokens = int(seg.lengths.sum())
         blocks = -(-seg.lengths.long() // max(1, seg.content.data.shape[1]))
         total += tokens * per_token + int(blocks.sum()) * 4 + seg.lengths.numel() * seg.lengths.element_size()
+        total += sum(p.levels.numel() * 4 for p in (seg.content, seg.rope) if p.levels is not None)
     return total
 
 
@@ -165,7 +173,8 @@ def _gather_path(p: PagedPath, table: torch.Tensor, d: int) -> torch.Tensor:
 
     if p.bits == 0:
         return rows(p.data).float()
-    q = WordLayout(p.bits, d).unpack(rows(p.data)).float()
+    q = WordLayout(p.bits, d).unpack(rows(p.data))
+    q = q.float() if p.levels is None else p.levels.float()[q.long()]
     s = rows(p.scales)
     s = torch.exp2(s.float()) if p.pow2 else s.float()
     s = s.repeat_interleave(p.group, dim=-1)
@@ -213,15 +222,17 @@ def _layout(D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _dequant_tile(base, sc_base, z_base, blk, slot, ok_t, stride, sc_stride, z_stride, D: tl.constexpr,
+def _dequant_tile(base, sc_base, z_base, lv_base, blk, slot, ok_t, stride, sc_stride, z_stride, D: tl.constexpr,
                   BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SYM: tl.constexpr,
-                  POW2: tl.constexpr):
+                  POW2: tl.constexpr, CB: tl.constexpr):
     """[BLOCK_N, BLOCK_D] float32 tile of one path for the tokens in slots `slot` of blocks `blk` (int64), in the
     path's storage order (`_layout`). Each tensor has its own block stride (`stride`, `sc_stride`, `z_stride`: a page
     when they are views of one page pool) and contiguous rows, so a token's words start at blk * stride + slot * W, its
     scales at blk * sc_stride + slot * groups, its zeros at blk * z_stride + slot * groups.
     Codes: one load of the tile's int32 words, a broadcast shift and mask into (N, P, BLOCK_W) runs of channels, the
-    scale and zero applied per run where a run lies in one group (per value otherwise), flattened in place."""
+    scale and zero applied per run where a run lies in one group (per value otherwise), flattened in place.
+    CB: a codebook of 2^BITS levels at lv_base; code q reads levels[q] (a select over levels held in registers at
+    2 and 4 bits, a gather at 8)."""
     if BITS == 0:
         ch, ch_ok = _layout(D, BITS, BLOCK_D)
         x = tl.load(base + (blk * stride + slot * D)[:, None] + ch[None, :], mask=ok_t[:, None] & ch_ok[None, :],
@@ -235,7 +246,16 @@ def _dequant_tile(base, sc_base, z_base, blk, slot, ok_t, stride, sc_stride, z_s
         k = tl.arange(0, PW)
         words = tl.load(base + (blk * stride + slot * W)[:, None] + j[None, :], mask=ok_t[:, None] & (j < W)[None, :],
                         other=0)
-        q = ((words[:, None, :] >> (k * BITS)[None, :, None]) & ((1 << BITS) - 1)).to(tl.float32)  # [N, PW, BW]
+        qi = (words[:, None, :] >> (k * BITS)[None, :, None]) & ((1 << BITS) - 1)  # [N, PW, BW]
+        if CB:
+            if BITS <= 4:
+                q = tl.zeros(qi.shape, tl.float32)
+                for v in tl.static_range(1 << BITS):
+                    q = tl.where(qi == v, tl.load(lv_base + v), q)
+            else:
+                q = tl.load(lv_base + qi)
+        else:
+            q = qi.to(tl.float32)
         s_row = (blk * sc_stride + slot * groups)[:, None, None]  # [N, 1, 1] first scale of each token
         if GROUP % W == 0:  # each run of W channels lies in one group: one scale (and zero) per token and run
             g = ((k * W) // GROUP)[None, :, None]  # [1, PW, 1] group of each run
@@ -275,11 +295,12 @@ def _dot(a, b, MODE: tl.constexpr):
 def _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot, local_split, scale,
                    O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
                    C, C_SC, C_Z, R, R_SC, R_Z, C_ST, C_SC_ST, C_Z_ST, R_ST, R_SC_ST, R_Z_ST, TABLE, TABLE_W, LENS,
-                   BS, TPS,
+                   BS, TPS, C_LV, R_LV,
                    DC: tl.constexpr, DR: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
                    C_BITS: tl.constexpr, C_GROUP: tl.constexpr, C_SYM: tl.constexpr, C_POW2: tl.constexpr,
-                   R_BITS: tl.constexpr, R_GROUP: tl.constexpr, R_SYM: tl.constexpr, R_POW2: tl.constexpr):
+                   R_BITS: tl.constexpr, R_GROUP: tl.constexpr, R_SYM: tl.constexpr, R_POW2: tl.constexpr,
+                   C_CB: tl.constexpr, R_CB: tl.constexpr):
     """Attend the heads `h` of sequence b over one split of one segment; store its partial output and LSE. The
     queries are read, and the output written, in the storage order of the segment's paths (`_layout`)."""
     dc, dc_ok = _layout(DC, C_BITS, BLOCK_DC)
@@ -299,10 +320,10 @@ def _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_
         tok_ok = tok < end
         blk = tl.load(TABLE + b.to(tl.int64) * TABLE_W + tok // BS, mask=tok_ok, other=0).to(tl.int64)
         slot = (tok % BS).to(tl.int64)
-        c = _dequant_tile(C, C_SC, C_Z, blk, slot, tok_ok, C_ST, C_SC_ST, C_Z_ST, DC, BLOCK_DC, C_BITS, C_GROUP,
-                          C_SYM, C_POW2)
-        r = _dequant_tile(R, R_SC, R_Z, blk, slot, tok_ok, R_ST, R_SC_ST, R_Z_ST, DR, BLOCK_DR, R_BITS, R_GROUP,
-                          R_SYM, R_POW2)
+        c = _dequant_tile(C, C_SC, C_Z, C_LV, blk, slot, tok_ok, C_ST, C_SC_ST, C_Z_ST, DC, BLOCK_DC, C_BITS,
+                          C_GROUP, C_SYM, C_POW2, C_CB)
+        r = _dequant_tile(R, R_SC, R_Z, R_LV, blk, slot, tok_ok, R_ST, R_SC_ST, R_Z_ST, DR, BLOCK_DR, R_BITS,
+                          R_GROUP, R_SYM, R_POW2, R_CB)
         s = (_dot(q, tl.trans(c), DOT_MODE) + _dot(qr, tl.trans(r), DOT_MODE)) * scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -326,16 +347,22 @@ def _stage1_kernel(
     # segment 0, 1, 2: tensors (content data, scales, zeros; rope ...), their block strides, table, its width,
     # lengths, block size, tokens per split, splits
     C0, C0_SC, C0_Z, R0, R0_SC, R0_Z, S0_0, S0_1, S0_2, S0_3, S0_4, S0_5, T0, T0_W, L0, BS0, TPS0, NS0,
+    C0_LV, R0_LV,
     C1, C1_SC, C1_Z, R1, R1_SC, R1_Z, S1_0, S1_1, S1_2, S1_3, S1_4, S1_5, T1, T1_W, L1, BS1, TPS1, NS1,
+    C1_LV, R1_LV,
     C2, C2_SC, C2_Z, R2, R2_SC, R2_Z, S2_0, S2_1, S2_2, S2_3, S2_4, S2_5, T2, T2_W, L2, BS2, TPS2, NS2,
+    C2_LV, R2_LV,
     NSEG: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DC: tl.constexpr,
     BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
     F0_CB: tl.constexpr, F0_CG: tl.constexpr, F0_CS: tl.constexpr, F0_CP: tl.constexpr,
     F0_RB: tl.constexpr, F0_RG: tl.constexpr, F0_RS: tl.constexpr, F0_RP: tl.constexpr,
+    F0_CL: tl.constexpr, F0_RL: tl.constexpr,
     F1_CB: tl.constexpr, F1_CG: tl.constexpr, F1_CS: tl.constexpr, F1_CP: tl.constexpr,
     F1_RB: tl.constexpr, F1_RG: tl.constexpr, F1_RS: tl.constexpr, F1_RP: tl.constexpr,
+    F1_CL: tl.constexpr, F1_RL: tl.constexpr,
     F2_CB: tl.constexpr, F2_CG: tl.constexpr, F2_CS: tl.constexpr, F2_CP: tl.constexpr,
     F2_RB: tl.constexpr, F2_RG: tl.constexpr, F2_RS: tl.constexpr, F2_RP: tl.constexpr,
+    F2_CL: tl.constexpr, F2_RL: tl.constexpr,
 ):
     hb = tl.program_id(0)
     b = tl.program_id(1)
@@ -347,27 +374,27 @@ def _stage1_kernel(
         _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot, split, scale,
                        O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
                        C0, C0_SC, C0_Z, R0, R0_SC, R0_Z, S0_0, S0_1, S0_2, S0_3, S0_4, S0_5, T0, T0_W, L0, BS0, TPS0,
-                       DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
+                       C0_LV, R0_LV, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
                        DOT_MODE,
-                       F0_CB, F0_CG, F0_CS, F0_CP, F0_RB, F0_RG, F0_RS, F0_RP)
+                       F0_CB, F0_CG, F0_CS, F0_CP, F0_RB, F0_RG, F0_RS, F0_RP, F0_CL, F0_RL)
     if NSEG > 1:
         if (split >= NS0) & (split < NS0 + NS1):
             _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot, split - NS0,
                            scale,
                            O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
                            C1, C1_SC, C1_Z, R1, R1_SC, R1_Z, S1_0, S1_1, S1_2, S1_3, S1_4, S1_5, T1, T1_W, L1, BS1,
-                           TPS1, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
-                       DOT_MODE,
-                           F1_CB, F1_CG, F1_CS, F1_CP, F1_RB, F1_RG, F1_RS, F1_RP)
+                           TPS1, C1_LV, R1_LV, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
+                           DOT_MODE,
+                           F1_CB, F1_CG, F1_CS, F1_CP, F1_RB, F1_RG, F1_RS, F1_RP, F1_CL, F1_RL)
     if NSEG > 2:
         if split >= NS0 + NS1:
             _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot,
                            split - NS0 - NS1, scale,
                            O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
                            C2, C2_SC, C2_Z, R2, R2_SC, R2_Z, S2_0, S2_1, S2_2, S2_3, S2_4, S2_5, T2, T2_W, L2, BS2,
-                           TPS2, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
-                       DOT_MODE,
-                           F2_CB, F2_CG, F2_CS, F2_CP, F2_RB, F2_RG, F2_RS, F2_RP)
+                           TPS2, C2_LV, R2_LV, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
+                           DOT_MODE,
+                           F2_CB, F2_CG, F2_CS, F2_CP, F2_RB, F2_RG, F2_RS, F2_RP, F2_CL, F2_RL)
 
 
 @triton.jit
@@ -423,20 +450,22 @@ def _format_constexprs(seg: Segment, i: int) -> dict:
     out = {}
     for tag, p in (("C", seg.content), ("R", seg.rope)):
         out.update({f"F{i}_{tag}B": p.bits, f"F{i}_{tag}G": p.group if p.bits else 1,
-                    f"F{i}_{tag}S": bool(p.symmetric or p.bits == 0), f"F{i}_{tag}P": bool(p.pow2 and p.bits > 0)})
+                    f"F{i}_{tag}S": bool(p.symmetric or p.bits == 0), f"F{i}_{tag}P": bool(p.pow2 and p.bits > 0),
+                    f"F{i}_{tag}L": p.levels is not None and p.bits > 0})
     return out
 
 
 def _segment_args(seg: Segment | None, plan: tuple[int, int], dummy: torch.Tensor) -> list:
     if seg is None:
-        return [dummy] * 6 + [0] * 6 + [dummy, 1, dummy, 1, 1, 0]
+        return [dummy] * 6 + [0] * 6 + [dummy, 1, dummy, 1, 1, 0, dummy, dummy]
     tensors = []
     for p in (seg.content, seg.rope):
         tensors += [p.data, None if p.bits == 0 else p.scales, None if p.bits == 0 or p.symmetric else p.zeros]
     strides = [0 if t is None else t.stride(0) for t in tensors]  # each tensor's block stride (a page for views)
     lengths = seg.lengths if seg.lengths.dtype == torch.int32 else seg.lengths.to(torch.int32)
     return ([dummy if t is None else t for t in tensors] + strides
-            + [seg.block_table, seg.block_table.shape[1], lengths, int(seg.content.data.shape[1]), *plan])
+            + [seg.block_table, seg.block_table.shape[1], lengths, int(seg.content.data.shape[1]), *plan]
+            + [dummy if p.levels is None else p.levels for p in (seg.content, seg.rope)])
 
 
 def launch_config(heads: int, d_c: int, block_h: int | None = None, block_n: int | None = None,

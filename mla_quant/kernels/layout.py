@@ -219,7 +219,8 @@ def _aligned(n: int) -> int:
 class PagedPath:
     """One path's stored tensors, each (num_blocks, block_size, *) with contiguous (block_size, *) dims and any block
     stride (e.g. views of one page pool, `PageLayout`): `data` is int32 code words (.., WordLayout(bits, d).words) or
-    float values (.., d); `scales`/`zeros` (.., d / group) for codes."""
+    float values (.., d); `scales`/`zeros` (.., d / group) for codes. `levels`: a codebook (2^bits,) float32 (the
+    lloyd quantizer): code q reads levels[q] in place of q, x = levels[q] s + z."""
 
     data: torch.Tensor
     scales: torch.Tensor | None = None
@@ -228,6 +229,7 @@ class PagedPath:
     group: int = 1
     symmetric: bool = True
     pow2: bool = False
+    levels: torch.Tensor | None = None
 
 
 @dataclass

@@ -33,6 +33,7 @@ A `layers` list gives each cache layer its own paths (`LayeredFormat`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
@@ -51,7 +52,8 @@ ZERO_BYTES = {name: torch.empty(0, dtype=dt).element_size() for name, dt in quan
 TENSOR_SCALE_BYTES = 4  # one float32 per tensor-granularity path (or one shared by both paths), per sequence and layer
 TRITON_INT_BITS = WORD_BITS  # what the decode kernel unpacks: the int32 word layout (kernels/layout.py)
 PAIR_LAYOUTS = ("half", "interleaved")  # which channels of the RoPE key form a frequency pair (format=pairs)
-DERIVED_KEYS = ("pair_layout",)  # PathFormat fields set from the model, never from a config
+DERIVED_KEYS = ("pair_layout", "levels")  # PathFormat fields set from the model (or fitted on it), never from a config
+CODEBOOK_LEVEL_BYTES = 4  # quantizer=lloyd: each level of a layer's codebook is one float32
 
 
 def _plain(cfg) -> dict:
@@ -188,7 +190,7 @@ class IntCodec(Codec):
 
     def encode(self, fmt, x, tensor_scale):
         codes, scales, zeros = quantizers.group_quantize(x, fmt.bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype,
-                                                         fmt.quantizer)
+                                                         fmt.quantizer, fmt.codebook(required=True))
         parts = {"codes": self.pack_codes(fmt, codes), "scales": scales}
         if zeros is not None:
             parts["zeros"] = zeros
@@ -199,7 +201,13 @@ class IntCodec(Codec):
             codes = WordLayout(fmt.bits, d).unpack_float(parts["codes"])
         else:
             codes = self.unpack_codes(fmt, parts["codes"], d)
-        return quantizers.group_dequantize(codes, parts["scales"], parts.get("zeros"), fmt.bits, dtype)
+        return quantizers.group_dequantize(codes, parts["scales"], parts.get("zeros"), fmt.bits, dtype,
+                                           fmt.codebook(required=True))
+
+    def fake_quantize(self, fmt, x, tensor_scale):
+        if fmt.quantizer == "lloyd" and fmt.levels is None:  # a study's quantizer: levels fitted on the x it is given
+            return quantizers.fake_quantize(x, fmt.bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype, "lloyd")
+        return super().fake_quantize(fmt, x, tensor_scale)
 
     def kernel_unsupported(self, fmt, d):
         if fmt.bits not in TRITON_INT_BITS:
@@ -475,6 +483,12 @@ def check_finite(parts: Mapping[str, torch.Tensor], where: str) -> None:
                              f"path, or find where the model overflows")
 
 
+@functools.lru_cache(maxsize=256)
+def _levels_tensor(levels: tuple[float, ...]) -> torch.Tensor:
+    """A codebook's levels as one float32 CPU tensor per distinct codebook (read, never written)."""
+    return torch.tensor(levels, dtype=torch.float32)
+
+
 # ---------------------------------------------------------------------------------------------- path format
 @dataclass(frozen=True)
 class PathFormat:
@@ -487,8 +501,11 @@ class PathFormat:
     scale_dtype: str = "fp16"
     granularity: str = "group"
     token_block: int | None = None  # format=channel_block: tokens per block (one scale + zero per channel and block)
-    quantizer: str = "rtn"  # format=int: how each group's scale and zero are chosen (quantizers.QUANTIZERS)
+    quantizer: str = "rtn"  # format=int: how each group's codes are chosen (quantizers.QUANTIZERS)
     pair_layout: str = "half"  # format=pairs: the model's RoPE pair layout (set from the model, not a config key)
+    # quantizer=lloyd: this layer's codebook, 2^bits ascending levels in code units (fitted on calibration latents by
+    # the preparation step, mla_quant/quant/codebooks.py; not a config key)
+    levels: tuple[float, ...] | None = None
 
     @classmethod
     def from_cfg(cls, cfg, where: str = "quant.<path>") -> "PathFormat":
@@ -516,6 +533,18 @@ class PathFormat:
         self.codec.check(self, where)
         if self.format in ("int", "pairs"):
             quantizers.check_quantizer(self.quantizer, self.symmetric, f"{where}.quantizer")
+            if self.quantizer == "lloyd":
+                if self.format != "int":
+                    raise ValueError(f"{where}.quantizer=lloyd fits one codebook per path: format=pairs (a width per "
+                                     f"group of RoPE pairs) takes rtn, clip or hqq")
+                if self.bits not in quantizers.LLOYD_BITS:
+                    raise ValueError(f"{where}.quantizer=lloyd fits non-uniform levels at bits "
+                                     f"{list(quantizers.LLOYD_BITS)}; got bits={self.bits}")
+            if self.levels is not None:
+                if self.quantizer != "lloyd":
+                    raise ValueError(f"{where}: a codebook (levels) is for quantizer=lloyd; quantizer="
+                                     f"{self.quantizer} takes none")
+                quantizers.check_levels(self.levels, self.bits, f"{where} codebook")
         elif self.quantizer != "rtn":
             raise ValueError(f"{where}.quantizer={self.quantizer!r} chooses integer groups' ranges: it applies to "
                              f"format=int; format={self.format} takes quantizer=rtn")
@@ -536,6 +565,23 @@ class PathFormat:
     @property
     def quantized(self) -> bool:
         return self.format != "bf16"
+
+    def codebook(self, required: bool = False) -> torch.Tensor | None:
+        """quantizer=lloyd: the levels as a float32 tensor (None for other quantizers). required=True: a lloyd path
+        without fitted levels is refused (the cache stores codes against one fixed codebook)."""
+        if self.quantizer != "lloyd":
+            return None
+        if self.levels is None:
+            if required:
+                raise ValueError("quantizer=lloyd stores codes against a codebook fitted on calibration latents, and "
+                                 "this format has none: the preparation step fits it (prepare_model with calib=...), "
+                                 "or give the format its levels (fitted_codebooks)")
+            return None
+        return _levels_tensor(self.levels)
+
+    def codebook_bytes(self) -> int:
+        """Bytes of this path's codebook in one cache layer (constant, shared by every sequence): 0 unless lloyd."""
+        return CODEBOOK_LEVEL_BYTES * 2**self.bits if self.quantizer == "lloyd" else 0
 
     @property
     def tensor_scaled(self) -> bool:
@@ -604,6 +650,10 @@ class CacheFormat:
         tokens that left the recent window wait unquantized (both paths) until they fill a block."""
         blocks = {p.blocked for p in (self.content, self.rope)} - {None}
         return blocks.pop() if blocks else None
+
+    def codebook_bytes(self) -> int:
+        """Per layer constant bytes, shared by every sequence: the lloyd codebooks of both paths."""
+        return self.content.codebook_bytes() + self.rope.codebook_bytes()
 
     def tensor_scale_bytes(self) -> int:
         """Per sequence and layer constant bytes: float32 per-tensor fp8 scales (one if shared)."""
@@ -809,9 +859,10 @@ def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None, num_
 
 def cache_bytes_per_token(fmt: CacheFormat, d_c: int, d_r: int, context: int, batch: int = 1,
                           act_bytes: int = 2) -> float:
-    """Formula: bytes per token per layer of a cache holding `context` tokens per sequence, protected region
-    (n_sink + recent tokens, in the activation dtype) and per-sequence tensor scales included. With a token block
-    (channel_block), the tokens past the last whole block wait in the activation dtype too."""
+    """Formula: bytes per token per layer of a cache holding `context` tokens per sequence for `batch` sequences,
+    protected region (n_sink + recent tokens, in the activation dtype), per-sequence tensor scales and the layer's
+    codebooks (lloyd: shared by the batch) included. With a token block (channel_block), the tokens past the last
+    whole block wait in the activation dtype too."""
     if context <= 0:
         raise ValueError(f"context={context}: need at least one token")
     if not fmt.quantized:
@@ -821,7 +872,7 @@ def cache_bytes_per_token(fmt: CacheFormat, d_c: int, d_r: int, context: int, ba
         protected += (context - protected) % fmt.token_block  # the pending tokens of a block not yet full
     per_quantized = fmt.content.bytes_per_token(d_c, act_bytes) + fmt.rope.bytes_per_token(d_r, act_bytes)
     per_sequence = protected * (d_c + d_r) * act_bytes + (context - protected) * per_quantized
-    return (per_sequence + fmt.tensor_scale_bytes()) / context
+    return (per_sequence + fmt.tensor_scale_bytes() + fmt.codebook_bytes() / batch) / context
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -17,6 +17,8 @@ the second term is the zero's own dtype rounding and is 0 for symmetric groups.
 
     codes, scales, zeros = group_quantize(x, bits=4, group_size=128)      # (..., d) uint8, (..., d/128) fp16 x2
     x_hat = group_dequantize(codes, scales, zeros, bits=4)                  # float32
+    levels = fit_levels(x_calib, bits=2, group_size=64)                   # quantizer=lloyd: a codebook (4,)
+    codes, scales, zeros = group_quantize(x, 2, 64, quantizer="lloyd", levels=levels)   # x_hat = levels[q] s + z
     x_hat = fake_quantize(x, bits=4, group_size=128)                        # in x.dtype
     codes, scales = fp8_quantize(x, group_size=128, scale_dtype="fp32")    # FlashMLA tiles: (..., d) e4m3, (..., 4)
     x_hat = fp8_dequantize(codes, scales)
@@ -102,7 +104,11 @@ def _round_zero(z: torch.Tensor, scale_dtype: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- integer groups
-QUANTIZERS = ("rtn", "clip", "hqq")  # how a group's scale and zero are chosen; the stored layout is the same
+QUANTIZERS = ("rtn", "clip", "hqq", "lloyd")  # how a group's codes are chosen; the stored layout is the same
+LLOYD_BITS = (2, 3, 4)  # lloyd: non-uniform levels at these widths (a codebook of 2^bits levels per layer and path)
+LLOYD_ROUNDS = 3  # levels and per-group ranges fitted in turn
+LLOYD_ITERS = 40  # Lloyd iterations of `fit_levels` (each lowers the fitted values' squared error, or keeps it)
+LLOYD_MAX_VALUES = 1 << 21  # values `fit_levels` fits on (an even subsample of the groups beyond this)
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # clip: the group's range shrunk toward its middle, 1.0 .. 0.5
 HQQ_OPTIONS = {"lp_norm": 0.7, "beta": 10.0, "kappa": 1.01, "iters": 20}  # the published defaults
 
@@ -110,8 +116,21 @@ HQQ_OPTIONS = {"lp_norm": 0.7, "beta": 10.0, "kappa": 1.01, "iters": 20}  # the 
 def check_quantizer(quantizer: str, symmetric: bool = False, where: str = "quantizer") -> None:
     if quantizer not in QUANTIZERS:
         raise ValueError(f"{where}={quantizer!r}; allowed: {list(QUANTIZERS)}")
-    if quantizer == "hqq" and symmetric:
-        raise ValueError(f"{where}=hqq optimizes each group's zero point: it needs symmetric=false")
+    if quantizer in ("hqq", "lloyd") and symmetric:
+        why = "optimizes each group's zero point" if quantizer == "hqq" else "places levels inside each group's range"
+        raise ValueError(f"{where}={quantizer} {why}: it needs symmetric=false")
+
+
+def check_levels(levels, bits: int, where: str = "levels") -> torch.Tensor:
+    """A lloyd codebook: 2^bits finite, strictly ascending levels in code units (float32 tensor)."""
+    t = torch.as_tensor(levels, dtype=torch.float32)
+    n = 2**bits
+    if t.dim() != 1 or t.numel() != n:
+        raise ValueError(f"{where}: a codebook of {t.numel() if t.dim() == 1 else tuple(t.shape)} levels for "
+                         f"bits={bits}; allowed: {n} levels (2^bits)")
+    if not bool(torch.isfinite(t).all()) or not bool((t[1:] > t[:-1]).all()):
+        raise ValueError(f"{where}: levels {t.tolist()} are not finite and strictly ascending")
+    return t
 
 
 def group_quantize(
@@ -121,18 +140,25 @@ def group_quantize(
     symmetric: bool = False,
     scale_dtype: str = "fp16",
     quantizer: str = "rtn",
+    levels: torch.Tensor | None = None,
 ) -> Quantized:
     """x (..., d) -> codes (..., d) uint8 in [0, 2^bits), scales (..., n_groups), zeros (..., n_groups) or None.
 
     quantizer: `rtn` (the group's min/max range), `clip` (per group, the range shrunk toward its middle by the ratio
     of CLIP_RATIOS with the least squared reconstruction error, as AWQ's clipping search), `hqq` (half-quadratic
     optimisation of each group's zero point under an l_p<1 error, Badri & Shaji's HQQ with its published defaults,
-    keeping per group the best iterate by squared error). Every quantizer keeps a group at least as well
-    reconstructed as `rtn` (its range is one of the candidates) and stores the same codes, scales and zeros."""
+    keeping per group the best iterate by squared error). clip and hqq keep a group at least as well
+    reconstructed as `rtn` (its range is one of the candidates) and stores the same codes, scales and zeros.
+    `lloyd`: each code the nearest of 2^bits non-uniform `levels` (code units, ascending: x_hat = levels[q] s + z,
+    `fit_levels`; fitted on x itself when None), the range searched per group among clip's at those levels."""
     check_bits(bits)
     check_scale_dtype(scale_dtype)
     check_quantizer(quantizer, symmetric)
+    if levels is not None and quantizer != "lloyd":
+        raise ValueError(f"levels are the codebook of quantizer=lloyd; quantizer={quantizer} takes none")
     xg = _grouped(x.float(), group_size)  # (..., G, g)
+    if quantizer == "lloyd":
+        return _lloyd_encode(x, xg, bits, scale_dtype, levels)
     if quantizer != "rtn":
         return _searched(x, xg, bits, symmetric, scale_dtype, quantizer)
     q, scales, zeros = _encode_range(xg, *_rtn_range(xg, bits, symmetric), bits, symmetric, scale_dtype)
@@ -170,15 +196,7 @@ def _decoded(q, scales, zeros, bits):
 def _searched(x, xg, bits, symmetric, scale_dtype, quantizer) -> Quantized:
     """clip / hqq: RTN's range first, then (clip) the range shrunk toward the group's middle by each smaller ratio;
     per group the candidate with the least squared error; hqq then iterates on the zero point."""
-    ranges = [_rtn_range(xg, bits, symmetric)]
-    if quantizer == "clip":
-        if symmetric:
-            amax = xg.abs().amax(-1)
-            ranges += [(None, r * amax / (2 ** (bits - 1) - 1)) for r in CLIP_RATIOS[1:]]
-        else:
-            lo, hi = xg.amin(-1), xg.amax(-1)
-            mid, half = (hi + lo) / 2, (hi - lo) / 2
-            ranges += [(mid - r * half, 2 * r * half / (2**bits - 1)) for r in CLIP_RATIOS[1:]]
+    ranges = _clip_ranges(xg, bits, symmetric) if quantizer == "clip" else [_rtn_range(xg, bits, symmetric)]
     best = None
     for start, step in ranges:
         best = _keep_better(best, _encode_range(xg, start, step, bits, symmetric, scale_dtype), xg, bits)
@@ -222,16 +240,113 @@ def _hqq(xg, best, bits, scale_dtype):
     return best
 
 
+def _clip_ranges(xg, bits, symmetric):
+    """The candidate ranges of `clip` (and `lloyd`): RTN's, then shrunk toward the group's middle by each ratio."""
+    ranges = [_rtn_range(xg, bits, symmetric)]
+    if symmetric:
+        amax = xg.abs().amax(-1)
+        ranges += [(None, r * amax / (2 ** (bits - 1) - 1)) for r in CLIP_RATIOS[1:]]
+    else:
+        lo, hi = xg.amin(-1), xg.amax(-1)
+        mid, half = (hi + lo) / 2, (hi - lo) / 2
+        ranges += [(mid - r * half, 2 * r * half / (2**bits - 1)) for r in CLIP_RATIOS[1:]]
+    return ranges
+
+
+def _lloyd_search(xg, bits, scale_dtype, levels):
+    """Per group, the candidate range of `_clip_ranges` whose codes at `levels` (nearest level of each value in code
+    units u = (x - z) / s) reconstruct it best: -> (codes, stored scales, zeros, u of the chosen range)."""
+    edges = (levels[1:] + levels[:-1]) / 2
+    best = None
+    for start, step in _clip_ranges(xg, bits, False):
+        _, scales, zeros = _encode_range(xg[..., :0], start, step, bits, False, scale_dtype)  # the stored range only
+        s, z = load_scale(scales).unsqueeze(-1), zeros.float().unsqueeze(-1)
+        u = (xg - z) / s
+        q = torch.bucketize(u, edges)
+        err = (levels[q] * s + z - xg).pow(2).sum(-1)
+        if best is None:
+            best = [q, scales, zeros, u, err]
+            continue
+        better = err < best[4]
+        best = [torch.where(better.unsqueeze(-1), q, best[0]), torch.where(better, scales, best[1]),
+                torch.where(better, zeros, best[2]), torch.where(better.unsqueeze(-1), u, best[3]),
+                torch.minimum(err, best[4])]
+    return best[:4]
+
+
+def _lloyd_encode(x, xg, bits, scale_dtype, levels) -> Quantized:
+    if levels is None:
+        levels = _fit(xg, bits, scale_dtype)
+    levels = check_levels(levels, bits).to(xg.device)
+    q, scales, zeros, _ = _lloyd_search(xg, bits, scale_dtype, levels)
+    return Quantized(q.to(torch.uint8).reshape(x.shape), scales, zeros)
+
+
+def _lloyd(u: torch.Tensor, s: torch.Tensor, bits: int, levels: torch.Tensor) -> torch.Tensor:
+    """Weighted Lloyd-Max levels of values u in code units, weights s^2 (the squared error in the data's units is
+    s^2 (u - level)^2), from `levels`: alternately each value to its nearest level and each level to its values'
+    weighted mean. Each step lowers the weighted squared error or keeps it. An empty cell keeps its level."""
+    u, w = u.reshape(-1).double(), s.expand_as(u).reshape(-1).double().pow(2)
+    if u.numel() > LLOYD_MAX_VALUES:  # an even subsample, the same every time
+        idx = torch.linspace(0, u.numel() - 1, LLOYD_MAX_VALUES, device=u.device).long()
+        u, w = u[idx], w[idx]
+    n = levels.numel()
+    levels = levels.to(u.device, torch.float64)
+    for _ in range(LLOYD_ITERS):
+        cell = torch.bucketize(u, (levels[1:] + levels[:-1]) / 2)
+        mass = torch.zeros(n, dtype=torch.float64, device=u.device).index_add_(0, cell, w)
+        moment = torch.zeros(n, dtype=torch.float64, device=u.device).index_add_(0, cell, w * u)
+        new = torch.where(mass > 0, moment / mass.clamp_min(1e-300), levels)
+        if torch.equal(new, levels):
+            break
+        levels = new
+    levels = levels.float()
+    for i in range(1, n):  # strictly ascending in float32 (float rounding could merge two close means)
+        if levels[i] <= levels[i - 1]:
+            levels[i] = torch.nextafter(levels[i - 1], torch.tensor(float("inf"), device=levels.device))
+    return levels
+
+
+def _fit(xg, bits, scale_dtype) -> torch.Tensor:
+    """Levels and ranges fitted in turn (LLOYD_ROUNDS): Lloyd's levels at the groups' current ranges (RTN's at
+    first, from the uniform grid: RTN's levels), then each group's range searched at those levels. Neither step
+    raises the squared error of the fitted values (the current range is a candidate, and Lloyd's steps descend), so
+    the codebook reconstructs them at least as well as RTN."""
+    lo, step = _rtn_range(xg, bits, False)
+    _, scales, zeros = _encode_range(xg[..., :0], lo, step, bits, False, scale_dtype)
+    u = (xg - zeros.float().unsqueeze(-1)) / load_scale(scales).unsqueeze(-1)
+    levels = torch.arange(2**bits, dtype=torch.float32, device=xg.device)
+    for r in range(LLOYD_ROUNDS):
+        levels = _lloyd(u, load_scale(scales).unsqueeze(-1), bits, levels)
+        if r + 1 < LLOYD_ROUNDS:
+            _, scales, zeros, u = _lloyd_search(xg, bits, scale_dtype, levels)
+    return levels.cpu()
+
+
+def fit_levels(x: torch.Tensor, bits: int, group_size: int | None = None, scale_dtype: str = "fp16") -> torch.Tensor:
+    """The lloyd codebook of values x (..., d): 2^bits ascending levels in code units (float32, CPU) for groups of
+    `group_size` stored with a range searched per group (x_hat = levels[q] s + z), fitted by Lloyd's algorithm on
+    the groups' values (at most LLOYD_MAX_VALUES of them, evenly spaced) in turn with the ranges (`_fit`)."""
+    if bits not in LLOYD_BITS:
+        raise ValueError(f"quantizer=lloyd fits bits in {list(LLOYD_BITS)}; got bits={bits!r}")
+    check_scale_dtype(scale_dtype)
+    return _fit(_grouped(x.detach().float(), group_size), bits, scale_dtype)
+
+
 def group_dequantize(
     codes: torch.Tensor,
     scales: torch.Tensor,
     zeros: torch.Tensor | None,
     bits: int,
     dtype: torch.dtype = torch.float32,
+    levels: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """codes (..., d) uint8, scales/zeros (..., n_groups) -> x_hat (..., d) in `dtype`. zeros=None: symmetric."""
+    """codes (..., d) uint8, scales/zeros (..., n_groups) -> x_hat (..., d) in `dtype`. zeros=None: symmetric.
+    `levels` (2^bits,): a lloyd codebook, x_hat = levels[q] s + z (codes may also be float code values)."""
     check_bits(bits)
     d, g = codes.shape[-1], scales.shape[-1]
+    if levels is not None:
+        codes = levels.to(codes.device, torch.float32)[codes.long()]
     q = codes.float().reshape(*codes.shape[:-1], g, d // g)  # (..., G, g)
     s = load_scale(scales).unsqueeze(-1)
     # In place on the one new tensor: the same arithmetic, without a second large allocation (page faults dominate
@@ -250,17 +365,23 @@ def fake_quantize(
     symmetric: bool = False,
     scale_dtype: str = "fp16",
     quantizer: str = "rtn",
+    levels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quantize then dequantize, back in x.dtype. Values whose scales or zeros overflow the stored dtype (|x| beyond
-    fp16's 65504 with scale_dtype=fp16) are refused, as the cache refuses them, instead of reading back inf."""
-    codes, scales, zeros = group_quantize(x, bits, group_size, symmetric, scale_dtype, quantizer)
+    fp16's 65504 with scale_dtype=fp16) are refused, as the cache refuses them, instead of reading back inf.
+    quantizer=lloyd: with `levels`, that codebook; without, levels fitted on x itself (`fit_levels`)."""
+    if quantizer == "lloyd" and levels is None:
+        if bits not in LLOYD_BITS:
+            raise ValueError(f"quantizer=lloyd fits bits in {list(LLOYD_BITS)}; got bits={bits!r}")
+        levels = fit_levels(x, bits, group_size, scale_dtype)
+    codes, scales, zeros = group_quantize(x, bits, group_size, symmetric, scale_dtype, quantizer, levels)
     for name, t in (("scales", scales), ("zeros", zeros)):
         if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
             big = float(x.detach().abs().float().nan_to_num(posinf=float("inf")).max())
             raise ValueError(f"fake_quantize: the {name} overflow scale_dtype={scale_dtype} (max |x| = {big:.3g}"
                              f"{', or x is not finite' if not bool(torch.isfinite(x).all()) else ''}); use "
                              f"scale_dtype=fp32 (or bf16) for values this large")
-    return group_dequantize(codes, scales, zeros, bits, x.dtype)
+    return group_dequantize(codes, scales, zeros, bits, x.dtype, levels)
 
 
 def channel_block_quantize(x: torch.Tensor, bits: int, block: int, scale_dtype: str = "fp16") -> Quantized:

@@ -33,11 +33,13 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from mla_quant.cache.bytes import load_quant_option
-from mla_quant.cache.factory import cache_layer_factory
+from mla_quant.cache.factory import layer_factory
+from mla_quant.calibration.codebooks import fitted_on
 from mla_quant.kernels.attention import DEFAULT_BLOCKS, segment_attention
 from mla_quant.kernels.latent_decode import (bytes_read, latent_decode, latent_decode_reference, launch_config,
                                              require_triton)
 from mla_quant.models.build import resolve_device
+from mla_quant.quant.formats import cache_format
 from mla_quant.quant.peers import refuse_peer
 from mla_quant.record import write_text_atomic
 from mla_quant.stages import StageResult
@@ -100,9 +102,12 @@ def filled_layer(option: str, task, context: int, batch: int, device: str, dtype
     if quant.get("layers") is not None:
         raise ValueError(f"task.quant_overrides.layers: experiment=bench_kernel times one cache layer of one format; "
                          f"allowed: the path settings of quant={option} (no per-layer formats)")
-    layer = cache_layer_factory(quant, task.d_c, task.d_r, context=max(context + 1, 4096))()
-    layer.append(torch.randn(batch, context, task.d_c, generator=g, device=device, dtype=dtype),
-                 torch.randn(batch, context, task.d_r, generator=g, device=device, dtype=dtype))
+    content = torch.randn(batch, context, task.d_c, generator=g, device=device, dtype=dtype)
+    rope = torch.randn(batch, context, task.d_r, generator=g, device=device, dtype=dtype)
+    # a lloyd path's codebook fitted on the benchmark's own latents
+    layer = layer_factory(fitted_on(cache_format(quant, task.d_c, task.d_r, context=max(context + 1, 4096)),
+                                    content, rope))()
+    layer.append(content, rope)
     return layer
 
 

@@ -1,0 +1,172 @@
+"""`quantizer=lloyd`: a codebook per cache layer and path, fitted on the model's own cache latents.
+
+    if uses_lloyd(fmt):
+        fmt, metrics = fitted_codebooks(model, fmt, ids, identity, cache_dir)   # each layer's levels in its format
+    fmt = fitted_on(fmt, content, rope)     # one format, its levels fitted on given latents (benchmarks, tests)
+
+A lloyd path stores the same codes, scales and zeros as `rtn`, but a code q reads levels[q] (2^bits non-uniform
+levels in code units) instead of q. The levels of each (layer, path) are fitted by Lloyd's algorithm, in turn with each
+group's range (`mla_quant.quant.quantizers.fit_levels`), on that layer's latents over the calibration batch, after
+the configured transforms (which the model already carries), with every token counted (no protected region). The
+result is a `LayeredFormat` whose layer i carries its levels (`PathFormat.levels`), stored as JSON with its
+provenance beside the fitted transforms and reused when the same configuration asks again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from mla_quant.models.absorbed import cache_kwargs, new_cache
+from mla_quant.quant.formats import CacheFormat, LayeredFormat
+from mla_quant.quant.quantizers import LLOYD_MAX_VALUES, check_levels, fit_levels
+from mla_quant.record import config_sha256, write_json_atomic
+
+PATHS = ("content", "rope")
+CODEBOOK_VERSION = 1
+
+
+def _layers(fmt: CacheFormat | LayeredFormat) -> tuple[CacheFormat, ...]:
+    return fmt.layers if isinstance(fmt, LayeredFormat) else (fmt,)
+
+
+def uses_lloyd(fmt) -> bool:
+    """True when some path of some layer of `fmt` (a CacheFormat or LayeredFormat) is quantizer=lloyd."""
+    if not isinstance(fmt, (CacheFormat, LayeredFormat)):
+        return False
+    return any(f.path(p).quantized and f.path(p).quantizer == "lloyd" for f in _layers(fmt) for p in PATHS)
+
+
+def _per_layer(fmt, num_layers: int) -> list[CacheFormat]:
+    layers = list(_layers(fmt))
+    if len(layers) == 1:
+        return layers * num_layers
+    if len(layers) != num_layers:
+        raise ValueError(f"quant={fmt.name}: {len(layers)} layer formats for a model with {num_layers} cache layers")
+    return layers
+
+
+def _wanted(layers: list[CacheFormat]) -> list[tuple[int, str]]:
+    return [(i, p) for i, f in enumerate(layers) for p in PATHS
+            if f.path(p).quantized and f.path(p).quantizer == "lloyd"]
+
+
+@torch.no_grad()
+def capture_latents(model, ids: torch.Tensor, wanted: list[tuple[int, str]], dims: dict[str, int], batch: int = 8
+                    ) -> dict[tuple[int, str], torch.Tensor]:
+    """Each wanted (layer, path)'s cache latents over `ids` (float32, CPU, (N, d)), an even subsample of every
+    batch's tokens so that no path keeps more than about LLOYD_MAX_VALUES values."""
+    batches = math.ceil(ids.shape[0] / batch)
+    out: dict[tuple[int, str], list[torch.Tensor]] = {key: [] for key in wanted}
+    for start in tqdm(range(0, ids.shape[0], batch), desc="codebooks: latents", unit="batch"):
+        cache = new_cache(model)
+        model(ids[start:start + batch].to(model.device), use_cache=True, **cache_kwargs(cache))
+        for i, p in wanted:
+            x = dict(zip(PATHS, cache.layers[i].read()))[p].float().reshape(-1, dims[p])
+            keep = max(1, LLOYD_MAX_VALUES // dims[p] // batches)
+            if x.shape[0] > keep:
+                x = x[torch.linspace(0, x.shape[0] - 1, keep, device=x.device).long()]
+            out[i, p].append(x.cpu())
+    return {key: torch.cat(v) for key, v in out.items()}
+
+
+def codebook_path(fmt, identity: dict, cache_dir: str | Path, family: str) -> tuple[Path, str]:
+    layers = _layers(fmt)
+    payload = {"version": CODEBOOK_VERSION, "identity": identity,
+               # the paths' settings only (their codes' widths, groups and scale dtype): what the levels depend on
+               "formats": [[repr(dataclasses.replace(f.path(p), levels=None)) for p in PATHS] for f in layers]}
+    sha = config_sha256(payload)
+    return Path(cache_dir) / f"codebooks-{family}-{sha[:16]}.json", sha
+
+
+def _load(path: Path, sha: str, wanted: list[tuple[int, str]], layers: list[CacheFormat]) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        stored = json.loads(path.read_text())
+        if stored.get("config_sha256") != sha:
+            return None
+        levels = {(int(i), p): tuple(float(v) for v in lv) for i, p, lv in stored["levels"]}
+        if set(levels) != set(wanted):
+            return None
+        for (i, p), lv in levels.items():
+            check_levels(lv, layers[i].path(p).bits, f"{path}: layer {i} {p}")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        print(f"[codebooks] ignoring unusable {path}: {err}")
+        return None
+    return {**stored, "levels": levels}
+
+
+def fitted_on(fmt: CacheFormat, content: torch.Tensor, rope: torch.Tensor) -> CacheFormat:
+    """`fmt` (one format) with each lloyd path's levels fitted on the given latents (..., d) of that path: for a
+    cache filled with known values (benchmarks, tests), where no model's calibration batch applies."""
+    paths = {}
+    for p, x in (("content", content), ("rope", rope)):
+        pf = fmt.path(p)
+        if pf.quantized and pf.quantizer == "lloyd":
+            paths[p] = dataclasses.replace(pf, levels=tuple(fit_levels(x, pf.bits, pf.group_size,
+                                                                       pf.scale_dtype).tolist()))
+    return dataclasses.replace(fmt, **paths)
+
+
+def with_levels(fmt, levels: dict[tuple[int, str], tuple[float, ...]], num_layers: int, source: str) -> LayeredFormat:
+    """`fmt` with each layer's lloyd paths given their levels: one format per cache layer."""
+    layers = _per_layer(fmt, num_layers)
+    out = []
+    for i, f in enumerate(layers):
+        paths = {p: dataclasses.replace(f.path(p), levels=levels[i, p]) for p in PATHS if (i, p) in levels}
+        f = dataclasses.replace(f, name=f"{fmt.name}/layer{i}", **paths)
+        for p in paths:
+            f.path(p).check(f.dim(p), f"quant.{p} (layer {i})")
+        out.append(f)
+    return LayeredFormat(fmt.name, tuple(out), getattr(fmt, "source", source) if isinstance(fmt, LayeredFormat)
+                         else source)
+
+
+def fitted_codebooks(model, fmt, ids: torch.Tensor, identity: dict, cache_dir: str | Path, family: str,
+                     batch: int = 8) -> tuple[LayeredFormat, dict]:
+    """The codebooks of every lloyd path of `fmt` for `model` (transforms applied; the absorbed view), fitted on
+    its latents over `ids` or reused from `cache_dir`, and the record's metrics."""
+    num_layers = len(new_cache(model).layers)
+    layers = _per_layer(fmt, num_layers)
+    wanted = _wanted(layers)
+    path, sha = codebook_path(fmt, identity, cache_dir, family)
+    stored = _load(path, sha, wanted, layers)
+    reused = stored is not None
+    if reused:
+        print(f"[codebooks] reusing {path}")
+    else:
+        start = time.perf_counter()
+        dims = {"content": layers[0].d_c, "rope": layers[0].d_r}
+        latents = capture_latents(model, ids, wanted, dims, batch)
+        levels, nmse = {}, {}
+        for (i, p), x in tqdm(latents.items(), desc="codebooks: lloyd", unit="path"):
+            pf = layers[i].path(p)
+            lv = fit_levels(x, pf.bits, pf.group_size, pf.scale_dtype)
+            levels[i, p] = tuple(float(v) for v in lv)
+            energy = float(x.double().pow(2).sum())
+            fitted = dataclasses.replace(pf, levels=levels[i, p])
+            rtn = dataclasses.replace(pf, quantizer="rtn")
+            nmse[i, p] = {name: float((f.codec.fake_quantize(f, x, None).double() - x.double()).pow(2).sum())
+                          / max(energy, 1e-30) for name, f in (("lloyd", fitted), ("rtn", rtn))}
+        stored = {"version": CODEBOOK_VERSION, "config_sha256": sha, "identity": identity,
+                  "levels": [[i, p, list(lv)] for (i, p), lv in sorted(levels.items())],
+                  "nmse": [[i, p, v] for (i, p), v in sorted(nmse.items())],
+                  "tokens": {f"{i}/{p}": int(x.shape[0]) for (i, p), x in latents.items()},
+                  "seconds": time.perf_counter() - start, "torch": torch.__version__}
+        write_json_atomic(path, stored)
+        stored = {**stored, "levels": levels}
+        print(f"[codebooks] lloyd levels of {len(levels)} layer paths in {stored['seconds']:.1f} s -> {path}")
+    out = with_levels(fmt, stored["levels"], num_layers, str(path))
+    metrics = {"cache/codebooks": str(path), "cache/codebooks_reused": int(reused),
+               "cache/codebook_bytes_per_layer": float(sum(f.codebook_bytes() for f in out.layers) / num_layers)}
+    for i, p, v in stored.get("nmse", []):
+        metrics[f"cache/layer{i}/{p}/nmse_lloyd"] = float(v["lloyd"])
+        metrics[f"cache/layer{i}/{p}/nmse_rtn"] = float(v["rtn"])
+    return out, metrics
