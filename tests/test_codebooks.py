@@ -86,3 +86,16 @@ def test_lloyd_needs_calibration_data_and_an_asymmetric_int_path():
         validate(compose([*LLOYD, "quant.content.symmetric=true"]), dims)
     with pytest.raises(ValueError, match=r"quant.content.quantizer=lloyd fits non-uniform levels at bits \[2, 3, 4\]"):
         validate(compose([*LLOYD, "quant.content.bits=8"]), dims)
+
+
+def test_export_carries_each_layers_codebooks(tmp_path, monkeypatch):
+    """experiment=export: the checkpoint's cache description holds every layer's levels, the stored codebooks'."""
+    from mla_quant.stages import export
+
+    monkeypatch.chdir(tmp_path)
+    metrics = export.run(compose(["experiment=export", *LLOYD[:3], "calib.samples=4", "calib.seq_len=128"]),
+                         tmp_path).metrics
+    desc = json.loads((tmp_path / "checkpoint" / "mla_quant_cache.json").read_text())["cache"]
+    stored = json.loads(Path(metrics["cache/codebooks"]).read_text())
+    assert desc["allocation"] == metrics["cache/codebooks"] and len(desc["codebooks"]) == 4
+    assert [[i, p, desc["codebooks"][i][p]] for i in range(4) for p in ("content", "rope")] == stored["levels"]

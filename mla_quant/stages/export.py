@@ -31,9 +31,14 @@ def cache_description(prep) -> dict:
     if fmt is None:
         return {"format": "none"}
     if isinstance(fmt, LayeredFormat):  # a format per cache layer (quant.layers, or quant=mixed's allocation)
-        return {"format": fmt.name, "mode": fmt.mode, "layers": fmt.describe(),
-                "bytes_per_token_per_layer": fmt.bytes_per_token(2), "allocation": fmt.source,
-                "protected": {"n_sink": fmt.n_sink, "recent": fmt.recent}, "d_c": fmt.d_c, "d_r": fmt.d_r}
+        out = {"format": fmt.name, "mode": fmt.mode, "layers": fmt.describe(),
+               "bytes_per_token_per_layer": fmt.bytes_per_token(2), "allocation": fmt.source,
+               "protected": {"n_sink": fmt.n_sink, "recent": fmt.recent}, "d_c": fmt.d_c, "d_r": fmt.d_r}
+        books = [{p: list(f.path(p).levels) for p in ("content", "rope") if f.path(p).levels is not None}
+                 for f in fmt.layers]
+        if any(books):  # quantizer=lloyd: each layer's levels, x = levels[q] s + z
+            out["codebooks"] = books
+        return out
     return {"format": fmt.name, "mode": fmt.mode, "content": fmt.content.describe(), "rope": fmt.rope.describe(),
             "protected": {"n_sink": fmt.n_sink, "recent": fmt.recent}, "d_c": fmt.d_c, "d_r": fmt.d_r}
 
