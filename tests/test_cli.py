@@ -73,5 +73,5 @@ def test_bench_repeats_are_refused_by_name(experiment, bad, tmp_path):
     from mla_quant.stages import bench_calibration, bench_decode
 
     stage = {"bench_decode": bench_decode, "bench_calibration": bench_calibration}[experiment]
-    with pytest.raises(ValueError, match=rf"task.repeats={'True' if bad == 'true' else bad}: a number"):
+    with pytest.raises(ValueError, match=rf"task.repeats={'True' if bad == 'true' else bad}; allowed: a number"):
         stage.run(compose([f"experiment={experiment}", f"task.repeats={bad}", "logger=none"]), tmp_path)

@@ -17,6 +17,8 @@ import random
 
 import torch
 
+from mla_quant.checks import int_setting
+
 SOURCES = ("auto", "toy", "text", "random")
 EVAL_SPLITS = ("test", "validation")  # splits the evaluation reads; calibration must not
 AUTO_SOURCE = {"mla_quant.toy.model.load_toy_model": "toy", "mla_quant.models.build.pretrained_model": "text",
@@ -47,9 +49,9 @@ def check_calib(calib_cfg, source: str, min_seq_len: int = 16) -> None:
         raise ValueError(f"calib.split={split!r} is the evaluation split: calibrating on it would tune the transforms "
                          f"on the held-out data they are judged on; use split=train")
     q = calib_cfg.get("query_tokens")
-    if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 1):
-        raise ValueError(f"calib.query_tokens={q!r}: a positive number of query positions per sequence, or null for "
-                         "all of them")
+    if q is not None:
+        int_setting(q, "calib.query_tokens", allowed="a positive number of query positions per sequence, or null for "
+                                                     "all of them")
     if source == "text" and not calib_cfg.get("dataset"):
         raise ValueError("calib.source=text needs calib.dataset (e.g. wikitext with calib.subset=wikitext-2-raw-v1)")
 

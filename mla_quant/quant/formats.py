@@ -39,6 +39,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from mla_quant.checks import int_setting
 from mla_quant.kernels.layout import WORD_BITS, WordLayout
 from mla_quant.quant import packing, quantizers
 
@@ -401,10 +402,8 @@ class ChannelBlockCodec(Codec):
     def check(self, fmt, where):
         super().check(fmt, where)
         quantizers.check_scale_dtype(fmt.scale_dtype)
-        t = fmt.token_block
-        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-            raise ValueError(f"{where}.token_block={t!r}: format=channel_block needs the tokens per block; allowed: "
-                             f"a positive integer (KIVI uses 32)")
+        int_setting(fmt.token_block, f"{where}.token_block", why="format=channel_block needs the tokens per block",
+                    allowed="a positive integer (KIVI uses 32)")
         if fmt.group_size is not None:
             raise ValueError(f"{where}.group_size={fmt.group_size!r}: format=channel_block keeps one scale and zero "
                              f"per channel and token block; allowed: null")
@@ -778,9 +777,7 @@ def layered_format(cfg: dict, layers, d_c: int, d_r: int, context: int | None, n
 
 
 def _nonneg_int(value, where: str, least: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{where}={value!r}; allowed: an integer >= {least}")
-    return value
+    return int_setting(value, where, least)
 
 
 def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None, num_layers: int | None = None,

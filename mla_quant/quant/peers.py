@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
+from mla_quant.checks import int_setting
+
 # library -> (transformers layer class, its axis for groups of consecutive channels, bits it takes, pip package)
 LIBRARIES = {
     "quanto": ("QuantoQuantizedLayer", 0, (2, 4), "optimum-quanto", "optimum.quanto"),
@@ -102,18 +104,15 @@ def peer_format(quant_cfg, d_c: int, d_r: int) -> PeerFormat:
     if bits not in widths:
         raise ValueError(f"quant.peer.bits={bits!r}: transformers' {library} cache takes bits {list(widths)}")
     group = peer.get("group_size")
-    if isinstance(group, bool) or not isinstance(group, int) or group <= 0:
-        raise ValueError(f"quant.peer.group_size={group!r}; allowed: a positive integer dividing d_c={d_c} and "
-                         f"d_r={d_r}")
+    int_setting(group, "quant.peer.group_size", allowed=f"a positive integer dividing d_c={d_c} and d_r={d_r}")
     for path, d in (("d_c", d_c), ("d_r", d_r)):
         if d % group:
             both = [g for g in range(1, min(d_c, d_r) + 1) if d_c % g == 0 and d_r % g == 0]
             raise ValueError(f"quant.peer.group_size={group} does not divide {path}={d} (groups are consecutive "
                              f"channels of one token on each path); allowed: one of {both}")
     residual = peer.get("residual_length")
-    if isinstance(residual, bool) or not isinstance(residual, int) or residual < 1:
-        raise ValueError(f"quant.peer.residual_length={residual!r}; allowed: an integer >= 1 (tokens held "
-                         "unquantized before transformers requantizes the history)")
+    int_setting(residual, "quant.peer.residual_length",
+                allowed="an integer >= 1 (tokens held unquantized before transformers requantizes the history)")
     if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
         raise ValueError(f"quant={name} runs transformers' {library} cache, which needs the {package} package: "
                          f"pip install -e \".[peers]\" (or pip install {package})")

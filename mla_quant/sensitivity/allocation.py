@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mla_quant.cache.bytes import load_quant_option
+from mla_quant.checks import int_setting
 from mla_quant.models.absorbed import cache_kwargs, new_cache
 from mla_quant.quant.formats import (
     CODECS,
@@ -191,8 +192,7 @@ def mixed_spec(quant_cfg, d_c: int, d_r: int, num_layers: int, context: int | No
     refuse_idle_allocation(alloc)
     check_nmse_target(alloc["nmse"])
     for key in ("seeds", "sequences", "rope_groups"):
-        if isinstance(alloc[key], bool) or not isinstance(alloc[key], int) or alloc[key] < 1:
-            raise ValueError(f"quant.allocation.{key}={alloc[key]!r}; allowed: an integer >= 1")
+        int_setting(alloc[key], f"quant.allocation.{key}")
     for key in ("sensitivity", "file"):
         if alloc[key] is not None and not Path(alloc[key]).exists():
             raise ValueError(f"quant.allocation.{key}={alloc[key]!r}: no such file or folder")

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from mla_quant.checks import int_setting
 from mla_quant.serving.shape import ServingShape
 
 PARALLEL = ("tp", "dp_attention")
@@ -55,8 +56,7 @@ class Deployment:
     def __post_init__(self):
         if self.parallel not in PARALLEL:
             raise ValueError(f"task.parallel={self.parallel!r}; allowed: {list(PARALLEL)}")
-        if isinstance(self.num_gpus, bool) or not isinstance(self.num_gpus, int) or self.num_gpus < 1:
-            raise ValueError(f"task.num_gpus={self.num_gpus!r}: a positive integer")
+        int_setting(self.num_gpus, "task.num_gpus", allowed="a positive integer")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"task.gpu_memory_utilization={self.gpu_memory_utilization}: in (0, 1]")
         for name in ("flops_efficiency", "bandwidth_efficiency"):

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from mla_quant.calibration import fit_all  # noqa: E402
 from mla_quant.calibration.capture import CAPTURES, decoder_layers  # noqa: E402
 from mla_quant.cache.bytes import load_quant_option  # noqa: E402
+from mla_quant.checks import int_setting  # noqa: E402
 from mla_quant.models.absorbed import attention_modules  # noqa: E402
 from mla_quant.prepare import build_model  # noqa: E402
 from mla_quant.quant.formats import cache_format  # noqa: E402
@@ -47,8 +48,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         raise ValueError(f"task.layers={list(task.layers)}: positive layer counts")
     transform, objective = cfg.transform, cfg.objective
     repeats = task.repeats
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"task.repeats={repeats!r}: a number of measurements per mode >= 1")
+    int_setting(repeats, "task.repeats", allowed="a number of measurements per mode >= 1")
     rows, metrics = [], {}
     for n_layers in tqdm(layer_counts, desc="bench_calibration", unit="model"):
         model_cfg = task.model.copy()

@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from mla_quant.checks import int_setting
 from mla_quant.models.absorbed import absorb, attention_blocks, cache_kwargs, latent_dims, new_cache
 from mla_quant.memory import settled_resident_bytes, tensor_bytes
 from mla_quant.models.build import resolve_device
@@ -80,8 +81,7 @@ def time_decode(model, prompt, steps: int, warmup: int, make_cache, device: str)
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
     repeats = task.repeats
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"task.repeats={repeats!r}: a number of timed rounds per path >= 1")
+    int_setting(repeats, "task.repeats", allowed="a number of timed rounds per path >= 1")
     device = resolve_device(cfg.device)
     prep = prepare_model(cfg, tokenizer=False, absorbed=False, attn_implementation=task.reference_attention)
     reference = prep.model.to(device)

@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from mla_quant.cache.bytes import load_quant_option  # noqa: E402
+from mla_quant.checks import int_setting  # noqa: E402
 from mla_quant.prepare import model_config  # noqa: E402
 from mla_quant.quant.peers import refuse_peer  # noqa: E402
 from mla_quant.quant.formats import cache_bytes_per_token, cache_format  # noqa: E402
@@ -47,9 +48,7 @@ PAPER = Path(__file__).resolve().parents[2] / "analysis" / "paper_results.csv"
 
 
 def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r}: a positive integer")
-    return value
+    return int_setting(value, name, allowed="a positive integer")
 
 
 def trace(req, count: int | None = None, input_tokens: int | None = None) -> list[TraceRequest]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from mla_quant.checks import int_setting
 from mla_quant.prepare import build_model
 from mla_quant.record import write_json_atomic, write_text_atomic
 from mla_quant.stages import StageResult
@@ -47,10 +48,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
     if task.like not in task.shapes:
         raise ValueError(f"task.like={task.like!r}: no such shape; allowed: {sorted(task.shapes)}")
-    if isinstance(task.layers, bool) or not isinstance(task.layers, int) or task.layers < 1:
-        raise ValueError(f"task.layers={task.layers!r}: a positive integer")
-    if isinstance(task.gsm8k_problems, bool) or not isinstance(task.gsm8k_problems, int) or task.gsm8k_problems < 1:
-        raise ValueError(f"task.gsm8k_problems={task.gsm8k_problems!r}: a positive integer")
+    int_setting(task.layers, "task.layers", allowed="a positive integer")
+    int_setting(task.gsm8k_problems, "task.gsm8k_problems", allowed="a positive integer")
     if isinstance(task.shard_mb, bool) or not isinstance(task.shard_mb, (int, float)) or task.shard_mb <= 0:
         raise ValueError(f"task.shard_mb={task.shard_mb!r}: a positive size in MB")
     from mla_quant.toy.model import load_toy_tokenizer
