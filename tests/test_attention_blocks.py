@@ -366,6 +366,7 @@ SEGMENT_FORMATS = {
                                   "rope": {"bits": 8}},
     "int4 g128 at d_c 512": {"content": {"group_size": 128}, "d_c": 512},
     "int4 no recent, serving": {"content": {"group_size": 48}, "protected": {"n_sink": 2, "recent": 0}},
+    "int4 g32 + pairs rope [8, 3, 2, 16]": {"content": {"group_size": 32}, "rope": {"bits": [8, 3, 2, 16]}},
     "int2 g32 lloyd + int4 rope lloyd": {"option": "int2_content_int4_rope",
                                          "content": {"group_size": 32, "quantizer": "lloyd"},
                                          "rope": {"quantizer": "lloyd"}},

@@ -61,6 +61,8 @@ FORMATS = {
                                   "rope": {"bits": 8}},
     "int4 bf16 scales, no recent": {"content": {"group_size": 48, "scale_dtype": "bf16"},
                                     "protected": {"n_sink": 2, "recent": 0}},
+    # bits per group of RoPE pairs (format=pairs): the key's page read as bytes, 16 = values
+    "int4 g32 + pairs rope [8, 3, 2, 16]": {"content": {"group_size": 32}, "rope": {"bits": [8, 3, 2, 16]}},
     # codebooks (quantizer=lloyd): a select over levels held in registers
     "int2 g32 lloyd + int4 rope lloyd": {"option": "int2_content_int4_rope",
                                          "content": {"group_size": 32, "quantizer": "lloyd"},
@@ -155,6 +157,34 @@ def test_bad_kernel_inputs_are_named_before_launch():
         latent_decode(q_latent, q_rope, 0.2, [good], block_n=24)
     with pytest.raises(ValueError, match=r"segments is empty"):
         latent_decode(q_latent, q_rope, 0.2, [])
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("bits, symmetric, scale_dtype", [([4, 2], False, "fp16"), ([2, 16, 8, 3], True, "pow2"),
+                                                          ([3, 2, 4, 2, 8, 2, 2, 16], False, "bf16")])
+def test_kernel_reads_bits_per_group_of_rope_pairs(layout, bits, symmetric, scale_dtype):
+    """format=pairs in both RoPE layouts, widths 2/3/4/8/16 in any order, symmetric and pow2 scales: the kernel's
+    bytes-level read equals the reference (the codec's own decode) and the layer's own read."""
+    from mla_quant.cache import layer_factory
+    from mla_quant.quant.formats import cache_format
+
+    cfg = OmegaConf.merge(load_quant_option("int4_joint"), {"content": {"group_size": 32},
+                          "rope": {"bits": bits, "symmetric": symmetric, "scale_dtype": scale_dtype}})
+    layer = layer_factory(cache_format(cfg, 96, 32, rope_layout=layout))()
+    g = torch.Generator().manual_seed(len(bits))
+    c, r = torch.randn(3, 190, 96, generator=g).to(DEVICE), (3 * torch.randn(3, 190, 32, generator=g)).to(DEVICE)
+    valid = torch.ones(3, 190, dtype=torch.bool, device=DEVICE)
+    valid[1, :9], valid[2, :77] = False, False
+    layer.append(c[:, :126], r[:, :126], valid[:, :126])
+    for i in range(126, 190):
+        layer.append(c[:, i : i + 1], r[:, i : i + 1], valid[:, i : i + 1])
+    segments = layer.segments()
+    assert segments[0].rope.pairs is not None and layer.n_quantized > 0
+    q, qr = torch.randn(3, 4, 96, generator=g).to(DEVICE), torch.randn(3, 4, 32, generator=g).to(DEVICE)
+    out = latent_decode(q, qr, 0.1, segments, block_n=16, split_tokens=48)
+    ref = latent_decode_reference(q, qr, 0.1, segments)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ref, dense_attention(layer, q, qr, 0.1), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("option, override, match", [

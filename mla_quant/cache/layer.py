@@ -454,6 +454,9 @@ class LatentCacheLayer(LatentLayerContract):
                 fmt = self.path_format(p)
                 spec = fmt.kernel_spec(self._dim(p))
                 pool = {k.split("/", 1)[1]: v for k, v in store.pool.items() if k.startswith(p + "/")}  # page views
+                if fmt.format == "pairs":  # parts of several widths: the kernel reads the whole page
+                    paths[p] = self._pairs_path(p, fmt, pool)
+                    continue
                 data = pool["values"] if spec["bits"] == 0 else pool["codes"]
                 levels = fmt.codebook(required=True)
                 paths[p] = PagedPath(data, pool.get("scales"), pool.get("zeros"), spec["bits"], spec["group"],
@@ -466,6 +469,15 @@ class LatentCacheLayer(LatentLayerContract):
                 if buffers["content"].shape[1]:
                     segments.append(Segment.dense(buffers["content"], buffers["rope"], lengths))
         return segments
+
+    def _pairs_path(self, path: str, fmt: PathFormat, pool: dict[str, torch.Tensor]) -> PagedPath:
+        """A format=pairs path as a decode segment reads it: its page pool, the page's description, its views."""
+        layout, d = self.store.layouts[path], self._dim(path)
+        spec = layout.spec()
+        desc = fmt.codec.kernel_pairs(fmt, d, lambda part: layout.offset(f"{path}/{part}"),
+                                      lambda part: spec[f"{path}/{part}"][1])
+        return PagedPath(self.store.pages[path], pairs=desc, parts=pool,
+                         decode=lambda parts: fmt.decode(parts, d, torch.float32))
 
     # ------------------------------------------------------------------ bytes
     def real_tokens(self) -> int:

@@ -392,10 +392,14 @@ class _Chunk:
     group per token (the RoPE key's formats): its codes as floats in the words' byte order (`unpack_bytes`, no
     transpose) with the scale and zero (B, n) applied to the products, q . x = s (q' . c) + z sum(q) with q' the
     query's channels in that order. Several groups: the codes unpacked in channel order and dequantized in place,
-    x = c s + z per group. (A symmetric path's zero is -2^(b-1) s.) A codebook (`levels`) reads c = levels[code]."""
+    x = c s + z per group. (A symmetric path's zero is -2^(b-1) s.) A codebook (`levels`) reads c = levels[code].
+    A path of parts of several widths (format=pairs) is decoded by its codec."""
 
     def __init__(self, p: PagedPath, read, d: int):
         self.order = None
+        if p.decode is not None:  # parts of several widths (format=pairs): decoded by its codec
+            self.x = p.decode({k: read(v) for k, v in p.parts.items()})
+            return
         if p.bits == 0:
             self.x = read(p.data).float()
             return

@@ -66,6 +66,14 @@ def rows_contiguous(t: torch.Tensor) -> bool:
 
 
 def _check_path(p: PagedPath, d: int, name: str, blocks: tuple[int, int], device: torch.device) -> None:
+    if p.pairs is not None:  # a page pool of parts of several widths, described by `pairs`
+        if p.data.dtype != torch.uint8 or p.data.dim() != 2 or p.data.shape[0] != blocks[0] or \
+                p.data.stride(1) != 1:
+            raise ValueError(f"{name}.data: a page pool (num_blocks={blocks[0]}, page bytes) uint8 expected with "
+                             f"pairs, got {p.data.dtype} {tuple(p.data.shape)}")
+        if p.data.device != device:
+            raise ValueError(f"{name}.data is on {p.data.device}; the queries are on {device}")
+        return
     if p.bits not in KERNEL_BITS:
         raise ValueError(f"{name}.bits={p.bits}; allowed: {list(KERNEL_BITS)} (0 = float values)")
     if p.data.dim() != 3 or tuple(p.data.shape[:2]) != blocks:
@@ -133,6 +141,8 @@ def check_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, segments) -> None
     d_r = q_rope.shape[-1]
     for i, seg in enumerate(segments):
         blocks = tuple(seg.content.data.shape[:2])
+        if seg.content.pairs is not None:
+            raise ValueError(f"segments[{i}].content: a path of several widths (pairs) is the RoPE key's only")
         _check_path(seg.content, d_c, f"segments[{i}].content", blocks, q_latent.device)
         _check_path(seg.rope, d_r, f"segments[{i}].rope", blocks, q_latent.device)
         table = seg.block_table
@@ -153,6 +163,9 @@ def bytes_read(q_latent: torch.Tensor, q_rope: torch.Tensor, segments) -> int:
     for seg in segments:
         per_token = 0
         for p in (seg.content, seg.rope):
+            if p.parts is not None:
+                per_token += sum(t[0, 0].numel() * t.element_size() for t in p.parts.values())
+                continue
             stored = [p.data] + ([] if p.bits == 0 else [p.scales] + ([] if p.symmetric else [p.zeros]))
             per_token += sum(t[0, 0].numel() * t.element_size() for t in stored)
         tokens = int(seg.lengths.sum())
@@ -171,6 +184,8 @@ def _gather_path(p: PagedPath, table: torch.Tensor, d: int) -> torch.Tensor:
         x = t[idx]  # (B, max_blocks, block_size, *)
         return x.reshape(x.shape[0], -1, *t.shape[2:])
 
+    if p.decode is not None:  # parts of several widths (format=pairs): its codec
+        return p.decode({k: rows(v) for k, v in p.parts.items()}).float()
     if p.bits == 0:
         return rows(p.data).float()
     q = WordLayout(p.bits, d).unpack(rows(p.data))
@@ -279,6 +294,73 @@ def _dequant_tile(base, sc_base, z_base, lv_base, blk, slot, ok_t, stride, sc_st
 
 
 @triton.jit
+def _typed(p, KIND: tl.constexpr):
+    """A byte pointer (block) as a pointer to the dtype of DTYPE_KINDS code KIND (fp16, bf16, fp32, int8)."""
+    if KIND == 0:
+        out = p.to(tl.pointer_type(tl.float16))
+    elif KIND == 1:
+        out = p.to(tl.pointer_type(tl.bfloat16))
+    elif KIND == 2:
+        out = p.to(tl.pointer_type(tl.float32))
+    else:
+        out = p.to(tl.pointer_type(tl.int8))
+    return out
+
+
+@triton.jit
+def _pairs_tile(page_base, blk, slot, ok_t, page_stride, D: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] float32 tile, in channel order, of a RoPE key stored with bits per group of frequency pairs
+    (format=pairs) for the tokens in slots `slot` of blocks `blk`: every part of a block lies in its page at the
+    byte offsets of DESC = (1, interleaved, pairs per group, symmetric, groups). Channel c belongs to pair
+    i = c mod D/2 (rotate-half order) or c // 2 (interleaved), so to group i // per at position
+    j = 2 (i mod per) + (second channel of its pair); a group is (bits, row bytes, data offset, scales offset, zeros
+    offset, data kind, scale kind, zero kind): its codes an LSB-first byte stream (code j at bits [j b, (j + 1) b)),
+    one scale (and zero) per token; 16 bits: its values."""
+    INTERLEAVED: tl.constexpr = DESC[1]
+    PER: tl.constexpr = DESC[2]
+    SYM: tl.constexpr = DESC[3]
+    GROUPS: tl.constexpr = DESC[4]
+    HALF: tl.constexpr = D // 2
+    c = tl.arange(0, BLOCK_D)
+    c_ok = c < D
+    if INTERLEAVED:
+        i = c // 2
+        second = c % 2
+    else:
+        i = c % HALF
+        second = (c >= HALF).to(tl.int32)
+    grp = i // PER
+    j = 2 * (i % PER) + second
+    page = page_base + blk * page_stride  # [BLOCK_N] byte pointers: each token's page
+    x = tl.zeros([blk.shape[0], BLOCK_D], tl.float32)
+    for g in tl.static_range(len(GROUPS)):
+        BITS: tl.constexpr = GROUPS[g][0]
+        ROW: tl.constexpr = GROUPS[g][1]
+        m = ok_t[:, None] & (c_ok & (grp == g))[None, :]
+        if BITS == 16:
+            v = tl.load(_typed(page + GROUPS[g][2], GROUPS[g][5])[:, None] + (slot * (2 * PER))[:, None] + j[None, :],
+                        mask=m, other=0.0).to(tl.float32)
+        else:
+            at = (j * BITS) // 8
+            byte = page[:, None] + GROUPS[g][2] + (slot * ROW)[:, None] + at[None, :]
+            lo = tl.load(byte, mask=m, other=0).to(tl.int32)
+            hi = tl.load(byte + 1, mask=m & (at + 1 < ROW)[None, :], other=0).to(tl.int32)
+            q = (((lo | (hi << 8)) >> ((j * BITS) % 8)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+            s = tl.load(_typed(page + GROUPS[g][3], GROUPS[g][6]) + slot, mask=ok_t, other=0)
+            if GROUPS[g][6] == 3:
+                s = tl.exp2(s.to(tl.float32))
+            else:
+                s = s.to(tl.float32)
+            if SYM:
+                v = (q - (1 << (BITS - 1))) * s[:, None]
+            else:
+                z = tl.load(_typed(page + GROUPS[g][4], GROUPS[g][7]) + slot, mask=ok_t, other=0).to(tl.float32)
+                v = q * s[:, None] + z[:, None]
+        x = tl.where(m, v, x)
+    return x
+
+
+@triton.jit
 def _dot(a, b, MODE: tl.constexpr):
     """a @ b in float32: exact float32 products (MODE=0), bfloat16 operands on tensor cores (1), or bfloat16-rounded
     operands multiplied in float32 (2: the same numbers, for Triton's CPU interpreter, whose bfloat16 dot is wrong)."""
@@ -300,7 +382,7 @@ def _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_
                    BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
                    C_BITS: tl.constexpr, C_GROUP: tl.constexpr, C_SYM: tl.constexpr, C_POW2: tl.constexpr,
                    R_BITS: tl.constexpr, R_GROUP: tl.constexpr, R_SYM: tl.constexpr, R_POW2: tl.constexpr,
-                   C_CB: tl.constexpr, R_CB: tl.constexpr):
+                   C_CB: tl.constexpr, R_CB: tl.constexpr, R_PAIRS: tl.constexpr):
     """Attend the heads `h` of sequence b over one split of one segment; store its partial output and LSE. The
     queries are read, and the output written, in the storage order of the segment's paths (`_layout`)."""
     dc, dc_ok = _layout(DC, C_BITS, BLOCK_DC)
@@ -322,8 +404,11 @@ def _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_
         slot = (tok % BS).to(tl.int64)
         c = _dequant_tile(C, C_SC, C_Z, C_LV, blk, slot, tok_ok, C_ST, C_SC_ST, C_Z_ST, DC, BLOCK_DC, C_BITS,
                           C_GROUP, C_SYM, C_POW2, C_CB)
-        r = _dequant_tile(R, R_SC, R_Z, R_LV, blk, slot, tok_ok, R_ST, R_SC_ST, R_Z_ST, DR, BLOCK_DR, R_BITS,
-                          R_GROUP, R_SYM, R_POW2, R_CB)
+        if R_PAIRS[0] == 1:  # bits per group of RoPE pairs: the tile from the path's pages, in channel order
+            r = _pairs_tile(R, blk, slot, tok_ok, R_ST, DR, BLOCK_DR, R_PAIRS)
+        else:
+            r = _dequant_tile(R, R_SC, R_Z, R_LV, blk, slot, tok_ok, R_ST, R_SC_ST, R_Z_ST, DR, BLOCK_DR, R_BITS,
+                              R_GROUP, R_SYM, R_POW2, R_CB)
         s = (_dot(q, tl.trans(c), DOT_MODE) + _dot(qr, tl.trans(r), DOT_MODE)) * scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -356,13 +441,13 @@ def _stage1_kernel(
     BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
     F0_CB: tl.constexpr, F0_CG: tl.constexpr, F0_CS: tl.constexpr, F0_CP: tl.constexpr,
     F0_RB: tl.constexpr, F0_RG: tl.constexpr, F0_RS: tl.constexpr, F0_RP: tl.constexpr,
-    F0_CL: tl.constexpr, F0_RL: tl.constexpr,
+    F0_CL: tl.constexpr, F0_RL: tl.constexpr, F0_RQ: tl.constexpr,
     F1_CB: tl.constexpr, F1_CG: tl.constexpr, F1_CS: tl.constexpr, F1_CP: tl.constexpr,
     F1_RB: tl.constexpr, F1_RG: tl.constexpr, F1_RS: tl.constexpr, F1_RP: tl.constexpr,
-    F1_CL: tl.constexpr, F1_RL: tl.constexpr,
+    F1_CL: tl.constexpr, F1_RL: tl.constexpr, F1_RQ: tl.constexpr,
     F2_CB: tl.constexpr, F2_CG: tl.constexpr, F2_CS: tl.constexpr, F2_CP: tl.constexpr,
     F2_RB: tl.constexpr, F2_RG: tl.constexpr, F2_RS: tl.constexpr, F2_RP: tl.constexpr,
-    F2_CL: tl.constexpr, F2_RL: tl.constexpr,
+    F2_CL: tl.constexpr, F2_RL: tl.constexpr, F2_RQ: tl.constexpr,
 ):
     hb = tl.program_id(0)
     b = tl.program_id(1)
@@ -376,7 +461,7 @@ def _stage1_kernel(
                        C0, C0_SC, C0_Z, R0, R0_SC, R0_Z, S0_0, S0_1, S0_2, S0_3, S0_4, S0_5, T0, T0_W, L0, BS0, TPS0,
                        C0_LV, R0_LV, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
                        DOT_MODE,
-                       F0_CB, F0_CG, F0_CS, F0_CP, F0_RB, F0_RG, F0_RS, F0_RP, F0_CL, F0_RL)
+                       F0_CB, F0_CG, F0_CS, F0_CP, F0_RB, F0_RG, F0_RS, F0_RP, F0_CL, F0_RL, F0_RQ)
     if NSEG > 1:
         if (split >= NS0) & (split < NS0 + NS1):
             _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot, split - NS0,
@@ -385,7 +470,8 @@ def _stage1_kernel(
                            C1, C1_SC, C1_Z, R1, R1_SC, R1_Z, S1_0, S1_1, S1_2, S1_3, S1_4, S1_5, T1, T1_W, L1, BS1,
                            TPS1, C1_LV, R1_LV, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
                            DOT_MODE,
-                           F1_CB, F1_CG, F1_CS, F1_CP, F1_RB, F1_RG, F1_RS, F1_RP, F1_CL, F1_RL)
+                           F1_CB, F1_CG, F1_CS, F1_CP, F1_RB, F1_RG, F1_RS, F1_RP, F1_CL, F1_RL,
+                           F1_RQ)
     if NSEG > 2:
         if split >= NS0 + NS1:
             _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot,
@@ -394,7 +480,8 @@ def _stage1_kernel(
                            C2, C2_SC, C2_Z, R2, R2_SC, R2_Z, S2_0, S2_1, S2_2, S2_3, S2_4, S2_5, T2, T2_W, L2, BS2,
                            TPS2, C2_LV, R2_LV, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
                            DOT_MODE,
-                           F2_CB, F2_CG, F2_CS, F2_CP, F2_RB, F2_RG, F2_RS, F2_RP, F2_CL, F2_RL)
+                           F2_CB, F2_CG, F2_CS, F2_CP, F2_RB, F2_RG, F2_RS, F2_RP, F2_CL, F2_RL,
+                           F2_RQ)
 
 
 @triton.jit
@@ -452,6 +539,7 @@ def _format_constexprs(seg: Segment, i: int) -> dict:
         out.update({f"F{i}_{tag}B": p.bits, f"F{i}_{tag}G": p.group if p.bits else 1,
                     f"F{i}_{tag}S": bool(p.symmetric or p.bits == 0), f"F{i}_{tag}P": bool(p.pow2 and p.bits > 0),
                     f"F{i}_{tag}L": p.levels is not None and p.bits > 0})
+    out[f"F{i}_RQ"] = seg.rope.pairs if seg.rope.pairs is not None else (0,)
     return out
 
 

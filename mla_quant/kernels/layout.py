@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -220,7 +221,10 @@ class PagedPath:
     """One path's stored tensors, each (num_blocks, block_size, *) with contiguous (block_size, *) dims and any block
     stride (e.g. views of one page pool, `PageLayout`): `data` is int32 code words (.., WordLayout(bits, d).words) or
     float values (.., d); `scales`/`zeros` (.., d / group) for codes. `levels`: a codebook (2^bits,) float32 (the
-    lloyd quantizer): code q reads levels[q] in place of q, x = levels[q] s + z."""
+    lloyd quantizer): code q reads levels[q] in place of q, x = levels[q] s + z.
+    A path stored in parts of several widths (the RoPE key with bits per group of frequency pairs): `data` is its
+    page pool (num_blocks, page bytes) uint8, `pairs` the kernel's static description of a page (the codec's
+    `kernel_pairs`), `parts` its parts' page views and `decode` their rows -> values (..., d)."""
 
     data: torch.Tensor
     scales: torch.Tensor | None = None
@@ -230,6 +234,9 @@ class PagedPath:
     symmetric: bool = True
     pow2: bool = False
     levels: torch.Tensor | None = None
+    pairs: tuple | None = None
+    parts: dict[str, torch.Tensor] | None = None
+    decode: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
 
 
 @dataclass

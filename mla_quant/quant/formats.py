@@ -52,6 +52,8 @@ SCALE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "pow2": 1}
 ZERO_BYTES = {name: torch.empty(0, dtype=dt).element_size() for name, dt in quantizers.ZERO_DTYPES.items()}
 TENSOR_SCALE_BYTES = 4  # one float32 per tensor-granularity path (or one shared by both paths), per sequence and layer
 TRITON_INT_BITS = WORD_BITS  # what the decode kernel unpacks: the int32 word layout (kernels/layout.py)
+# dtype codes of the decode kernel's typed reads from a page of bytes (format=pairs)
+DTYPE_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.int8: 3}
 PAIR_LAYOUTS = ("half", "interleaved")  # which channels of the RoPE key form a frequency pair (format=pairs)
 DERIVED_KEYS = ("pair_layout", "levels")  # PathFormat fields set from the model (or fitted on it), never from a config
 CODEBOOK_LEVEL_BYTES = 4  # quantizer=lloyd: each level of a layer's codebook is one float32
@@ -379,7 +381,28 @@ class PairsCodec(Codec):
         return out
 
     def kernel_unsupported(self, fmt, d):
-        return "format=pairs (bits per group of RoPE pairs; the kernel reads one width per path)"
+        return None
+
+    def kernel_spec(self, fmt, d):
+        # the kernel reads the path's whole page (`kernel_pairs`); its tile is in channel order, as float values'
+        return dict(bits=0, group=1, symmetric=True, pow2=False)
+
+    def kernel_pairs(self, fmt, d: int, offset: Callable[[str], int], dtype_of: Callable[[str], torch.dtype]
+                     ) -> tuple:
+        """The decode kernel's static description of a page of this path (kernels/latent_decode.py `_pairs_tile`):
+        (1, interleaved, pairs per group, symmetric, groups), each group (bits, row bytes, data offset, scales
+        offset, zeros offset, data kind, scale kind, zero kind) with byte offsets in the page (`offset(part)`,
+        parts named as the codec's: g0/codes, g0/scales, ...) and kinds `DTYPE_KINDS[dtype_of(part)]`."""
+        groups = []
+        for g, (bits, channels) in enumerate(self._groups(fmt, d)):
+            if bits == 16:
+                dt = dtype_of(f"g{g}/values")
+                groups.append((16, len(channels) * dt.itemsize, offset(f"g{g}/values"), 0, 0, DTYPE_KINDS[dt], 0, 0))
+                continue
+            zero = (0, 0) if fmt.symmetric else (offset(f"g{g}/zeros"), DTYPE_KINDS[dtype_of(f"g{g}/zeros")])
+            groups.append((bits, packing.packed_dim(len(channels), bits), offset(f"g{g}/codes"),
+                           offset(f"g{g}/scales"), zero[0], 0, DTYPE_KINDS[dtype_of(f"g{g}/scales")], zero[1]))
+        return (1, int(fmt.pair_layout == "interleaved"), d // 2 // len(fmt.bits), int(fmt.symmetric), tuple(groups))
 
     def describe(self, fmt):
         return (f"pairs int{'/'.join(str(b) for b in fmt.bits)} over {len(fmt.bits)} groups of pairs "
@@ -849,8 +872,9 @@ def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None, num_
     if backend == "triton":
         why = fmt.kernel_unsupported()
         if why is not None:
-            raise ValueError(f"quant={fmt.name}: {why}: quant.backend=triton cannot read it (it reads bf16 paths, or "
-                             f"int with bits {list(TRITON_INT_BITS)}); use quant.backend=torch for this format")
+            raise ValueError(f"quant={fmt.name}: {why}: quant.backend=triton cannot read it (it reads bf16 paths, "
+                             f"int with bits {list(TRITON_INT_BITS)}, or widths per group of RoPE pairs); use "
+                             f"quant.backend=torch for this format")
     return fmt
 
 
