@@ -9,8 +9,9 @@ steps fed the same tokens; `task.repeats` rounds, the paths interleaved, each pa
 (memory is measured in the first round). Paths: transformers (its own cache), the absorbed latent path over an unquantized cache,
 and, when `quant` quantizes, the absorbed path over the configured cache format (named by the quant option). Reports decode tokens/s of both and their ratio, and the cache bytes per token per
 layer each one holds, measured from the cache tensors, and what each cache holds after the steps: its distinct tensor
-storages and the process's resident set grown since before the prefill (CPU), per token per layer and against a
-BF16 cache of those tokens (2 (d_c + d_r) bytes). transformers 5.24 also caches only the latent, but re-expands
+storages, the process's resident set grown since before the prefill, and what the resident set shrinks by when the
+cache is let go (CPU: the cache's own resident memory), per token per layer and against a BF16 cache of those tokens
+(2 (d_c + d_r) bytes). transformers 5.24 also caches only the latent, but re-expands
 per-head K and V from the whole cached latent at every step: that transient is reported too (values per token per
 layer materialised per step). One tidy row per (context, path) goes to bench_decode.csv.
 """
@@ -51,12 +52,14 @@ def cache_bytes(cache) -> int:
 
 
 @torch.no_grad()
-def time_decode(model, prompt, steps: int, warmup: int, make_cache, device: str) -> tuple[float, int, dict, object]:
+def time_decode(model, prompt, steps: int, warmup: int, make_cache, device: str) -> tuple[float, int, dict, dict]:
     """Median seconds per decode step after prefilling `prompt` into a new cache (`make_cache()`), the cache bytes
-    after prefill, and what the cache holds after the steps: {"tensor_bytes": its distinct tensor storages,
+    after prefill, what the cache holds after the steps: {"tensor_bytes": its distinct tensor storages,
     "resident_bytes": the process's resident set grown since before the prefill (CPU; freed memory handed back
     first, and one short run through a cache of the same kind before, so what a first call sets up once is not
-    counted as the cache's)}, and the cache."""
+    counted as the cache's), "released_bytes": what the resident set shrinks by when the cache is let go (CPU: the
+    cache's own resident memory, without what the run's other allocations left behind)}, and the backend of each
+    step type the cache ran (empty for transformers' cache)."""
     model(prompt[:, :16], use_cache=True, **cache_kwargs(make_cache()))
     before = settled_resident_bytes() if device == "cpu" else None
     cache = make_cache()
@@ -73,9 +76,14 @@ def time_decode(model, prompt, steps: int, warmup: int, make_cache, device: str)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     del feed
-    held = {"tensor_bytes": tensor_bytes(cache),
-            "resident_bytes": None if before is None else settled_resident_bytes() - before}
-    return statistics.median(times), n_bytes, held, cache
+    held = {"tensor_bytes": tensor_bytes(cache), "resident_bytes": None, "released_bytes": None}
+    backends = cache.backends_run() if hasattr(cache, "backends_run") else {}
+    if before is not None:
+        with_cache = settled_resident_bytes()
+        held["resident_bytes"] = with_cache - before
+        del cache
+        held["released_bytes"] = with_cache - settled_resident_bytes()
+    return statistics.median(times), n_bytes, held, backends
 
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
@@ -103,13 +111,13 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                  "absorbed_latent": (absorbed, lambda: new_cache(absorbed))}
         if quantized:
             paths[f"absorbed_{prep.fmt.name}"] = (absorbed, lambda: new_cache(absorbed, factory))
-        measured = {}  # path -> (seconds, bytes, held, cache) of its first round, seconds the fastest round's
+        measured = {}  # path -> (seconds, bytes, held, backends) of its first round, seconds the fastest round's
         for round_ in range(repeats):  # the paths interleaved, round by round (the machine's noise is additive)
             for path, (model, make_cache) in paths.items():
                 got = time_decode(model, prompt, task.decode_steps, task.warmup_steps, make_cache, device)
                 measured[path] = got if round_ == 0 else (min(measured[path][0], got[0]), *measured[path][1:])
         for path in paths:
-            seconds, n_bytes, held, cache = measured[path]
+            seconds, n_bytes, held, backends = measured[path]
             tokens = task.batch_size * (ctx + task.warmup_steps + task.decode_steps) * layers
             per_path[path] = dict(
                 context=ctx, path=path, seconds_per_step=seconds,
@@ -117,11 +125,10 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                 cache_bytes_per_token_per_layer=n_bytes / (task.batch_size * ctx * layers),
                 materialised_values_per_token_per_layer=expanded_values if path == "transformers" else 0,
                 tensor_bytes_per_token_per_layer=held["tensor_bytes"] / tokens,
-                resident_bytes_per_token_per_layer=(None if held["resident_bytes"] is None
-                                                    else held["resident_bytes"] / tokens),
+                **{f"{key}_per_token_per_layer": None if held[key] is None else held[key] / tokens
+                   for key in ("resident_bytes", "released_bytes")},
             )
-            if hasattr(cache, "backends_run"):  # which backend ran each step type of this path
-                per_path[path].update({f"backend_{step}": b for step, b in cache.backends_run().items()})
+            per_path[path].update({f"backend_{step}": b for step, b in backends.items()})  # each step type's
             rows.append(per_path[path])
         speedup = per_path["absorbed_latent"]["tokens_per_s"] / per_path["transformers"]["tokens_per_s"]
         byte_ratio = (per_path["absorbed_latent"]["cache_bytes_per_token_per_layer"]
@@ -130,7 +137,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
             metrics[f"bench/decode/ctx{ctx}/{path}/tokens_per_s"] = row["tokens_per_s"]
             metrics.update({f"bench/decode/ctx{ctx}/{path}/backend/{key[8:]}": value for key, value in row.items()
                             if key.startswith("backend_")})
-            for key in ("cache_bytes", "tensor_bytes", "resident_bytes"):
+            for key in ("cache_bytes", "tensor_bytes", "resident_bytes", "released_bytes"):
                 if row[f"{key}_per_token_per_layer"] is not None:
                     metrics[f"bench/decode/ctx{ctx}/{path}/{key}_per_token_per_layer"] = row[
                         f"{key}_per_token_per_layer"]
@@ -141,7 +148,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                 q["tokens_per_s"] / per_path["absorbed_latent"]["tokens_per_s"])
             metrics[f"bench/decode/ctx{ctx}/cache_bytes_ratio_{prep.fmt.name}_vs_absorbed"] = (
                 q["cache_bytes_per_token_per_layer"] / per_path["absorbed_latent"]["cache_bytes_per_token_per_layer"])
-            for key in ("tensor_bytes", "resident_bytes"):  # what it holds against a BF16 cache of those tokens
+            for key in ("tensor_bytes", "resident_bytes", "released_bytes"):  # against a BF16 cache of those tokens
                 if q[f"{key}_per_token_per_layer"] is not None:
                     metrics[f"bench/decode/ctx{ctx}/{key}_ratio_{prep.fmt.name}_vs_bf16"] = (
                         q[f"{key}_per_token_per_layer"] / bf16_bytes)
@@ -156,12 +163,15 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     for ctx in task.contexts:
         if quantized:
             resident = metrics.get(f"bench/decode/ctx{ctx}/resident_bytes_ratio_{prep.fmt.name}_vs_bf16")
+            released = metrics.get(f"bench/decode/ctx{ctx}/released_bytes_ratio_{prep.fmt.name}_vs_bf16")
             print(f"context {ctx}: {prep.fmt.name} cache: decode speed "
                   f"{metrics[f'bench/decode/ctx{ctx}/speed_{prep.fmt.name}_vs_absorbed']:.2f}x the unquantized "
                   f"absorbed path, cache bytes ratio "
                   f"{metrics[f'bench/decode/ctx{ctx}/cache_bytes_ratio_{prep.fmt.name}_vs_absorbed']:.3f}; it holds "
                   f"{metrics[f'bench/decode/ctx{ctx}/tensor_bytes_ratio_{prep.fmt.name}_vs_bf16']:.3f}x a BF16 cache's "
-                  "bytes in tensors" + ("" if resident is None else f", {resident:.3f}x in the process's resident set"))
+                  "bytes in tensors" + ("" if resident is None else
+                                        f", {resident:.3f}x in the process's resident set grown since before the "
+                                        f"prefill, {released:.3f}x handed back when the cache is let go"))
         print(f"context {ctx}: absorbed latent decode {metrics[f'bench/decode/ctx{ctx}/speedup_absorbed_vs_transformers']:.2f}x "
               f"the transformers tokens/s; cache bytes ratio "
               f"{metrics[f'bench/decode/ctx{ctx}/cache_bytes_ratio_absorbed_vs_transformers']:.3f}")
