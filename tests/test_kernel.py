@@ -241,6 +241,31 @@ def test_backend_auto_on_the_cpu_decodes_in_torch(monkeypatch):
         assert dict(layer.backend_steps) == {("prefill", "torch"): 1, ("decode", expected): 1}, backend
 
 
+@pytest.mark.parametrize("rope", [{"quantizer": "lloyd"}, {"bits": [8, 2, 4, 16]}])
+def test_triton_layer_decodes_codebooks_and_pair_widths_as_torch_does(rope):
+    """quant.backend=triton with a lloyd codebook (stored in PyTorch, read by the kernel) or widths per group of
+    RoPE pairs: decode steps through the kernel equal the PyTorch layer's over the same stored tokens."""
+    from mla_quant.cache import layer_factory
+    from mla_quant.cache.triton import TritonLatentCacheLayer
+    from mla_quant.quant.formats import cache_format
+
+    g = torch.Generator().manual_seed(4)
+    c, r = torch.randn(2, 150, 96, generator=g).to(DEVICE), (3 * torch.randn(2, 150, 16, generator=g)).to(DEVICE)
+    q = torch.randn(2, 4, 1, 96, generator=g).to(DEVICE), torch.randn(2, 4, 1, 16, generator=g).to(DEVICE)
+    outs = {}
+    for backend in ("torch", "triton"):
+        cfg = OmegaConf.merge(load_quant_option("int2_content_int4_rope"), {
+            "backend": backend, "protected": {"n_sink": 2, "recent": 16},
+            "content": {"group_size": 32, "quantizer": "lloyd"}, "rope": rope})
+        layer = layer_factory(with_codebooks(cache_format(cfg, 96, 16), c, r))()
+        assert isinstance(layer, TritonLatentCacheLayer) == (backend == "triton")
+        layer.append(c[:, :140], r[:, :140])
+        outs[backend] = [layer.attend(*q, c[:, i : i + 1], r[:, i : i + 1], 0.1, None) for i in range(140, 143)]
+        assert layer.backend_steps[("decode", backend)] == 3
+    for got, want in zip(outs["triton"], outs["torch"]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match=r"quant.backend='cuda' is unknown; allowed: \['auto', 'torch', 'triton'\]"):
         cache_layer_factory(OmegaConf.merge(load_quant_option("int4_joint"), {"backend": "cuda"}), 96, 16)
