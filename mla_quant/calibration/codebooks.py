@@ -80,7 +80,7 @@ def codebook_path(fmt, identity: dict, cache_dir: str | Path, family: str) -> tu
     layers = _layers(fmt)
     payload = {"version": CODEBOOK_VERSION, "identity": identity,
                # the paths' settings only (their codes' widths, groups and scale dtype): what the levels depend on
-               "formats": [[repr(dataclasses.replace(f.path(p), levels=None)) for p in PATHS] for f in layers]}
+               "formats": [[repr(f.path(p)) for p in PATHS] for f in layers]}  # (a repr leaves the levels out)
     sha = config_sha256(payload)
     return Path(cache_dir) / f"codebooks-{family}-{sha[:16]}.json", sha
 

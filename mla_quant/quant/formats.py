@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -527,7 +527,8 @@ class PathFormat:
     pair_layout: str = "half"  # format=pairs: the model's RoPE pair layout (set from the model, not a config key)
     # quantizer=lloyd: this layer's codebook, 2^bits ascending levels in code units (fitted on calibration latents by
     # the preparation step, mla_quant/quant/codebooks.py; not a config key)
-    levels: tuple[float, ...] | None = None
+    levels: tuple[float, ...] | None = field(default=None, repr=False)  # (so a format's repr, which identifies
+    # the fitted transforms, is the configured format's)
 
     @classmethod
     def from_cfg(cls, cfg, where: str = "quant.<path>") -> "PathFormat":
