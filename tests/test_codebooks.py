@@ -30,6 +30,7 @@ def test_codebooks_are_fitted_per_layer_stored_and_reused(tmp_path, monkeypatch)
     for i in range(4):
         for p in ("content", "rope"):
             assert m[f"cache/layer{i}/{p}/nmse_lloyd"] < 0.8 * m[f"cache/layer{i}/{p}/nmse_rtn"]
+            assert m[f"cache/layer{i}/{p}/nmse_lloyd"] <= m[f"cache/layer{i}/{p}/nmse_clip"] * (1 + 1e-6)
     stored = json.loads(Path(m["cache/codebooks"]).read_text())
     assert Path(m["cache/codebooks"]).parent == Path("outputs/calibration")
     assert stored["identity"]["weights"] and stored["identity"]["calib"]["samples"] == 8

@@ -29,7 +29,7 @@ from mla_quant.quant.quantizers import LLOYD_MAX_VALUES, check_levels, fit_level
 from mla_quant.record import config_sha256, write_json_atomic
 
 PATHS = ("content", "rope")
-CODEBOOK_VERSION = 1
+CODEBOOK_VERSION = 2  # 2: the fit starts from clip's ranges
 
 
 def _layers(fmt: CacheFormat | LayeredFormat) -> tuple[CacheFormat, ...]:
@@ -152,9 +152,9 @@ def fitted_codebooks(model, fmt, ids: torch.Tensor, identity: dict, cache_dir: s
             levels[i, p] = tuple(float(v) for v in lv)
             energy = float(x.double().pow(2).sum())
             fitted = dataclasses.replace(pf, levels=levels[i, p])
-            rtn = dataclasses.replace(pf, quantizer="rtn")
+            others = [(q, dataclasses.replace(pf, quantizer=q)) for q in ("clip", "rtn")]
             nmse[i, p] = {name: float((f.codec.fake_quantize(f, x, None).double() - x.double()).pow(2).sum())
-                          / max(energy, 1e-30) for name, f in (("lloyd", fitted), ("rtn", rtn))}
+                          / max(energy, 1e-30) for name, f in [("lloyd", fitted), *others]}
         stored = {"version": CODEBOOK_VERSION, "config_sha256": sha, "identity": identity,
                   "levels": [[i, p, list(lv)] for (i, p), lv in sorted(levels.items())],
                   "nmse": [[i, p, v] for (i, p), v in sorted(nmse.items())],
@@ -168,5 +168,6 @@ def fitted_codebooks(model, fmt, ids: torch.Tensor, identity: dict, cache_dir: s
                "cache/codebook_bytes_per_layer": float(sum(f.codebook_bytes() for f in out.layers) / num_layers)}
     for i, p, v in stored.get("nmse", []):
         metrics[f"cache/layer{i}/{p}/nmse_lloyd"] = float(v["lloyd"])
+        metrics[f"cache/layer{i}/{p}/nmse_clip"] = float(v["clip"])
         metrics[f"cache/layer{i}/{p}/nmse_rtn"] = float(v["rtn"])
     return out, metrics

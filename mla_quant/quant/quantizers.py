@@ -308,18 +308,16 @@ def _lloyd(u: torch.Tensor, s: torch.Tensor, bits: int, levels: torch.Tensor) ->
 
 
 def _fit(xg, bits, scale_dtype) -> torch.Tensor:
-    """Levels and ranges fitted in turn (LLOYD_ROUNDS): Lloyd's levels at the groups' current ranges (RTN's at
-    first, from the uniform grid: RTN's levels), then each group's range searched at those levels. Neither step
-    raises the squared error of the fitted values (the current range is a candidate, and Lloyd's steps descend), so
-    the codebook reconstructs them at least as well as RTN."""
-    lo, step = _rtn_range(xg, bits, False)
-    _, scales, zeros = _encode_range(xg[..., :0], lo, step, bits, False, scale_dtype)
-    u = (xg - zeros.float().unsqueeze(-1)) / load_scale(scales).unsqueeze(-1)
+    """Levels and ranges fitted in turn: each group's range searched at RTN's levels 0 .. 2^bits - 1 first (that is
+    `clip`), then LLOYD_ROUNDS times Lloyd's levels at the groups' current ranges and the ranges searched again at
+    those levels. No step raises the squared error of the fitted values (the current range is always a candidate, and
+    Lloyd's steps descend), so the codebook reconstructs them at least as well as clip, and clip as well as RTN."""
     levels = torch.arange(2**bits, dtype=torch.float32, device=xg.device)
+    _, scales, _, u = _lloyd_search(xg, bits, scale_dtype, levels)
     for r in range(LLOYD_ROUNDS):
         levels = _lloyd(u, load_scale(scales).unsqueeze(-1), bits, levels)
         if r + 1 < LLOYD_ROUNDS:
-            _, scales, zeros, u = _lloyd_search(xg, bits, scale_dtype, levels)
+            _, scales, _, u = _lloyd_search(xg, bits, scale_dtype, levels)
     return levels.cpu()
 
 
