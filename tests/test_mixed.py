@@ -193,6 +193,8 @@ def test_the_option_quantizer_applies_to_every_quantized_choice():
                                 r"quant.choices.content"),
     (["quant.protected.recent=3000"], r"covers the whole context of 2048 tokens"),
     (["quant.backend=triton"], r"quant.choices.content\[2\]=.*'bits': 3.*quant.backend=triton cannot read it"),
+    (["quant.content.quantizer=lloyd"], r"quant.choices.content\[5\].quantizer=lloyd fits non-uniform levels at bits "
+                                        r"\[2, 3, 4\]; got bits=8"),  # the choice it cannot take is named
     # settings the run would not read, changed from their defaults
     (["quant.allocation.seed=3"], r"quant.allocation.seed=3 would do nothing: quant.allocation.seed draws the weights "
                                   r"of by=random; this run has by=sensitivity; drop it"),

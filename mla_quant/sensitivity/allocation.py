@@ -176,8 +176,9 @@ def mixed_spec(quant_cfg, d_c: int, d_r: int, num_layers: int, context: int | No
         if fixed:
             raise ValueError(f"quant.{path}.{fixed[0]}: quant={name} stores every path as format int at the widths "
                              f"of quant.choices.{path} (16 = unquantized); allowed: the block's other keys")
-    # the base paths' other settings (as format int, what every quantized choice stores) and the protected region
-    cache_format({**base, **{p: {**_plain(base.get(p) or {}), "format": "int", "bits": 8} for p in PATHS}},
+    # the base paths' other settings (as format int at 4 bits, a width every integer quantizer takes; each choice
+    # is checked below) and the protected region
+    cache_format({**base, **{p: {**_plain(base.get(p) or {}), "format": "int", "bits": 4} for p in PATHS}},
                  d_c, d_r, context)
     choices = _plain(cfg.get("choices") or {})
     if set(choices) != set(PATHS):
