@@ -458,10 +458,8 @@ class LatentCacheLayer(LatentLayerContract):
                     paths[p] = self._pairs_path(p, fmt, pool)
                     continue
                 data = pool["values"] if spec["bits"] == 0 else pool["codes"]
-                levels = fmt.codebook(required=True)
                 paths[p] = PagedPath(data, pool.get("scales"), pool.get("zeros"), spec["bits"], spec["group"],
-                                     spec["symmetric"], spec["pow2"],
-                                     None if levels is None else levels.to(data.device))
+                                     spec["symmetric"], spec["pow2"], fmt.codebook(required=True, device=data.device))
             longest = max(len(t) for t in store.tables) * store.block_size  # host-side bound: no device sync
             segments.append(Segment(paths["content"], paths["rope"], store.block_table(), store.lengths, longest))
         if self.quantized:

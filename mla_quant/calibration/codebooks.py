@@ -40,7 +40,7 @@ def uses_lloyd(fmt) -> bool:
     """True when some path of some layer of `fmt` (a CacheFormat or LayeredFormat) is quantizer=lloyd."""
     if not isinstance(fmt, (CacheFormat, LayeredFormat)):
         return False
-    return any(f.path(p).quantized and f.path(p).quantizer == "lloyd" for f in _layers(fmt) for p in PATHS)
+    return any(f.path(p).quantizer == "lloyd" for f in _layers(fmt) for p in PATHS)  # (lloyd: format int only)
 
 
 def _per_layer(fmt, num_layers: int) -> list[CacheFormat]:
@@ -53,8 +53,7 @@ def _per_layer(fmt, num_layers: int) -> list[CacheFormat]:
 
 
 def _wanted(layers: list[CacheFormat]) -> list[tuple[int, str]]:
-    return [(i, p) for i, f in enumerate(layers) for p in PATHS
-            if f.path(p).quantized and f.path(p).quantizer == "lloyd"]
+    return [(i, p) for i, f in enumerate(layers) for p in PATHS if f.path(p).quantizer == "lloyd"]
 
 
 @torch.no_grad()
@@ -109,7 +108,7 @@ def fitted_on(fmt: CacheFormat, content: torch.Tensor, rope: torch.Tensor) -> Ca
     paths = {}
     for p, x in (("content", content), ("rope", rope)):
         pf = fmt.path(p)
-        if pf.quantized and pf.quantizer == "lloyd":
+        if pf.quantizer == "lloyd":
             paths[p] = dataclasses.replace(pf, levels=tuple(fit_levels(x, pf.bits, pf.group_size,
                                                                        pf.scale_dtype).tolist()))
     return dataclasses.replace(fmt, **paths)

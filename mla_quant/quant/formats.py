@@ -193,7 +193,7 @@ class IntCodec(Codec):
 
     def encode(self, fmt, x, tensor_scale):
         codes, scales, zeros = quantizers.group_quantize(x, fmt.bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype,
-                                                         fmt.quantizer, fmt.codebook(required=True))
+                                                         fmt.quantizer, fmt.codebook(required=True, device=x.device))
         parts = {"codes": self.pack_codes(fmt, codes), "scales": scales}
         if zeros is not None:
             parts["zeros"] = zeros
@@ -205,7 +205,7 @@ class IntCodec(Codec):
         else:
             codes = self.unpack_codes(fmt, parts["codes"], d)
         return quantizers.group_dequantize(codes, parts["scales"], parts.get("zeros"), fmt.bits, dtype,
-                                           fmt.codebook(required=True))
+                                           fmt.codebook(required=True, device=codes.device))
 
     def fake_quantize(self, fmt, x, tensor_scale):
         if fmt.quantizer == "lloyd" and fmt.levels is None:  # a study's quantizer: levels fitted on the x it is given
@@ -506,9 +506,10 @@ def check_finite(parts: Mapping[str, torch.Tensor], where: str) -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def _levels_tensor(levels: tuple[float, ...]) -> torch.Tensor:
-    """A codebook's levels as one float32 CPU tensor per distinct codebook (read, never written)."""
-    return torch.tensor(levels, dtype=torch.float32)
+def _levels_tensor(levels: tuple[float, ...], device: str) -> torch.Tensor:
+    """A codebook's levels as one float32 tensor per distinct codebook and device (read, never written), so a decode
+    step does not copy them to its device again."""
+    return torch.tensor(levels, dtype=torch.float32, device=device)
 
 
 # ---------------------------------------------------------------------------------------------- path format
@@ -526,7 +527,7 @@ class PathFormat:
     quantizer: str = "rtn"  # format=int: how each group's codes are chosen (quantizers.QUANTIZERS)
     pair_layout: str = "half"  # format=pairs: the model's RoPE pair layout (set from the model, not a config key)
     # quantizer=lloyd: this layer's codebook, 2^bits ascending levels in code units (fitted on calibration latents by
-    # the preparation step, mla_quant/quant/codebooks.py; not a config key)
+    # the preparation step, mla_quant/calibration/codebooks.py; not a config key)
     levels: tuple[float, ...] | None = field(default=None, repr=False)  # (so a format's repr, which identifies
     # the fitted transforms, is the configured format's)
 
@@ -589,9 +590,9 @@ class PathFormat:
     def quantized(self) -> bool:
         return self.format != "bf16"
 
-    def codebook(self, required: bool = False) -> torch.Tensor | None:
-        """quantizer=lloyd: the levels as a float32 tensor (None for other quantizers). required=True: a lloyd path
-        without fitted levels is refused (the cache stores codes against one fixed codebook)."""
+    def codebook(self, required: bool = False, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """quantizer=lloyd: the levels as a float32 tensor on `device` (None for other quantizers). required=True: a
+        lloyd path without fitted levels is refused (the cache stores codes against one fixed codebook)."""
         if self.quantizer != "lloyd":
             return None
         if self.levels is None:
@@ -600,7 +601,7 @@ class PathFormat:
                                  "this format has none: the preparation step fits it (prepare_model with calib=...), "
                                  "or give the format its levels (fitted_codebooks)")
             return None
-        return _levels_tensor(self.levels)
+        return _levels_tensor(self.levels, str(torch.device(device)))
 
     def codebook_bytes(self) -> int:
         """Bytes of this path's codebook in one cache layer (constant, shared by every sequence): 0 unless lloyd."""

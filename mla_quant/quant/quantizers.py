@@ -158,6 +158,7 @@ def group_quantize(
         raise ValueError(f"levels are the codebook of quantizer=lloyd; quantizer={quantizer} takes none")
     xg = _grouped(x.float(), group_size)  # (..., G, g)
     if quantizer == "lloyd":
+        levels = fit_levels(x, bits, group_size, scale_dtype) if levels is None else levels
         return _lloyd_encode(x, xg, bits, scale_dtype, levels)
     if quantizer != "rtn":
         return _searched(x, xg, bits, symmetric, scale_dtype, quantizer)
@@ -275,8 +276,6 @@ def _lloyd_search(xg, bits, scale_dtype, levels):
 
 
 def _lloyd_encode(x, xg, bits, scale_dtype, levels) -> Quantized:
-    if levels is None:
-        levels = _fit(xg, bits, scale_dtype)
     levels = check_levels(levels, bits).to(xg.device)
     q, scales, zeros, _ = _lloyd_search(xg, bits, scale_dtype, levels)
     return Quantized(q.to(torch.uint8).reshape(x.shape), scales, zeros)
@@ -368,9 +367,7 @@ def fake_quantize(
     """Quantize then dequantize, back in x.dtype. Values whose scales or zeros overflow the stored dtype (|x| beyond
     fp16's 65504 with scale_dtype=fp16) are refused, as the cache refuses them, instead of reading back inf.
     quantizer=lloyd: with `levels`, that codebook; without, levels fitted on x itself (`fit_levels`)."""
-    if quantizer == "lloyd" and levels is None:
-        if bits not in LLOYD_BITS:
-            raise ValueError(f"quantizer=lloyd fits bits in {list(LLOYD_BITS)}; got bits={bits!r}")
+    if quantizer == "lloyd" and levels is None:  # fitted once here, read by the encode and the decode
         levels = fit_levels(x, bits, group_size, scale_dtype)
     codes, scales, zeros = group_quantize(x, bits, group_size, symmetric, scale_dtype, quantizer, levels)
     for name, t in (("scales", scales), ("zeros", zeros)):
