@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mla_quant.models.absorbed import cache_kwargs, new_cache
+from mla_quant.models.absorbed import cached_latents, num_cache_layers
 from mla_quant.quant.formats import CacheFormat, LayeredFormat
 from mla_quant.quant.quantizers import LLOYD_MAX_VALUES, check_levels, fit_levels
 from mla_quant.record import config_sha256, write_json_atomic
@@ -56,18 +56,15 @@ def _wanted(layers: list[CacheFormat]) -> list[tuple[int, str]]:
     return [(i, p) for i, f in enumerate(layers) for p in PATHS if f.path(p).quantizer == "lloyd"]
 
 
-@torch.no_grad()
 def capture_latents(model, ids: torch.Tensor, wanted: list[tuple[int, str]], dims: dict[str, int], batch: int = 8
                     ) -> dict[tuple[int, str], torch.Tensor]:
     """Each wanted (layer, path)'s cache latents over `ids` (float32, CPU, (N, d)), an even subsample of every
     batch's tokens so that no path keeps more than about LLOYD_MAX_VALUES values."""
     batches = math.ceil(ids.shape[0] / batch)
     out: dict[tuple[int, str], list[torch.Tensor]] = {key: [] for key in wanted}
-    for start in tqdm(range(0, ids.shape[0], batch), desc="codebooks: latents", unit="batch"):
-        cache = new_cache(model)
-        model(ids[start:start + batch].to(model.device), use_cache=True, **cache_kwargs(cache))
+    for layers in cached_latents(model, ids, batch, desc="codebooks: latents"):
         for i, p in wanted:
-            x = dict(zip(PATHS, cache.layers[i].read()))[p].float().reshape(-1, dims[p])
+            x = dict(zip(PATHS, layers[i]))[p].float().reshape(-1, dims[p])
             keep = max(1, LLOYD_MAX_VALUES // dims[p] // batches)
             if x.shape[0] > keep:
                 x = x[torch.linspace(0, x.shape[0] - 1, keep, device=x.device).long()]
@@ -132,7 +129,7 @@ def fitted_codebooks(model, fmt, ids: torch.Tensor, identity: dict, cache_dir: s
                      batch: int = 8) -> tuple[LayeredFormat, dict]:
     """The codebooks of every lloyd path of `fmt` for `model` (transforms applied; the absorbed view), fitted on
     its latents over `ids` or reused from `cache_dir`, and the record's metrics."""
-    num_layers = len(new_cache(model).layers)
+    num_layers = num_cache_layers(model)
     layers = _per_layer(fmt, num_layers)
     wanted = _wanted(layers)
     path, sha = codebook_path(fmt, identity, cache_dir, family)

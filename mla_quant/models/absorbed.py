@@ -207,6 +207,18 @@ def cache_kwargs(cache) -> dict:
     return {CACHE_KEYWORD: cache}
 
 
+@torch.no_grad()
+def cached_latents(model: nn.Module, ids: torch.Tensor, batch: int = 8, desc: str = "cache latents"):
+    """For each batch of `batch` sequences of `ids`, one forward of `model` (absorbed) into an unquantized cache:
+    yields each cache layer's latents [(content (B, T, d_c), rope (B, T, d_r)), ...]."""
+    from tqdm.auto import tqdm
+
+    for start in tqdm(range(0, ids.shape[0], batch), desc=desc, unit="batch"):
+        cache = new_cache(model)
+        model(ids[start:start + batch].to(model.device), use_cache=True, **cache_kwargs(cache))
+        yield [layer.read() for layer in cache.layers]
+
+
 def latent_dims(model: nn.Module) -> dict[str, int]:
     """d_c, d_r and the number of MLA (cache) layers of a model."""
     modules = attention_modules(model)

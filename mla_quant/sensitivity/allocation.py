@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.checks import int_setting
-from mla_quant.models.absorbed import cache_kwargs, new_cache
+from mla_quant.models.absorbed import cached_latents, new_cache
 from mla_quant.quant.formats import (
     CODECS,
     MIXED_KEYS,
@@ -263,11 +263,9 @@ def measure_nmse(model, ids: torch.Tensor, spec: MixedSpec, batch: int = 8) -> d
             fmt = spec.unit_format(p, g, k)
             d = spec.dim(p) if g is None else len(spec.channels(g))
             quantize[p, g, k] = fake_quantizer(fmt, d, path=p)
-    for start in tqdm(range(0, ids.shape[0], batch), desc="allocation: cache NMSE", unit="batch"):
-        cache = new_cache(model)
-        model(ids[start:start + batch].to(model.device), use_cache=True, **cache_kwargs(cache))
-        for i, layer in enumerate(cache.layers):
-            latents = {p: x.float() for p, x in zip(PATHS, layer.read())}
+    for layers in cached_latents(model, ids, batch, desc="allocation: cache NMSE"):
+        for i, read in enumerate(layers):
+            latents = {p: x.float() for p, x in zip(PATHS, read)}
             for p, x in latents.items():
                 energy[i, p] = energy.get((i, p), 0.0) + x.double().pow(2).sum().item()
             for (p, g, k), fq in quantize.items():
