@@ -38,10 +38,3 @@ def cfg_of():
 def options(group: str) -> list[str]:
     """Every option of a config group (file stems in conf/<group>/)."""
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-
-
-def with_codebooks(fmt, c, r):
-    """A format whose lloyd paths get levels fitted on the latents c, r they will store."""
-    from mla_quant.calibration.codebooks import fitted_on
-
-    return fitted_on(fmt, c, r)

@@ -10,8 +10,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import compose, with_codebooks
+from conftest import compose
 from mla_quant.cache.bytes import load_quant_option
+from mla_quant.calibration.codebooks import fitted_on
 from mla_quant.kernels import attention as attn_mod
 from mla_quant.kernels.attention import (UNBLOCKED, AttentionBlocks, CausalMask, latent_attention,
                                          reference_attention)
@@ -384,7 +385,7 @@ def segment_layer(spec: dict, b: int = 3, pads=(0, 9, 77), tokens: int = 190):
     cfg = OmegaConf.merge(load_quant_option(spec.pop("option", "int4_joint")), spec)
     g = torch.Generator().manual_seed(0)
     c, r = torch.randn(b, tokens, d_c, generator=g), 3 * torch.randn(b, tokens, d_r, generator=g)
-    layer = layer_factory(with_codebooks(cache_format(cfg, d_c, d_r), c, r))()
+    layer = layer_factory(fitted_on(cache_format(cfg, d_c, d_r), c, r))()
     valid = torch.ones(b, tokens, dtype=torch.bool)
     for i, pad in enumerate(pads):
         valid[i, :pad] = False

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import with_codebooks
 from omegaconf import OmegaConf
 
 from dataclasses import replace
 
 from mla_quant.cache import LatentCacheLayer, cache_layer_factory
 from mla_quant.cache.bytes import load_quant_option
+from mla_quant.calibration.codebooks import fitted_on
 from mla_quant.kernels.latent_decode import latent_decode, latent_decode_reference
 from mla_quant.models.absorbed import cache_kwargs, quantized_cache
 
@@ -30,7 +30,7 @@ def filled_layer(quant: dict, d_c: int, d_r: int, batch: int, tokens: int, dtype
     g = torch.Generator().manual_seed(seed)
     c = torch.randn(batch, tokens, d_c, generator=g).to(DEVICE, dtype)
     r = (3 * torch.randn(batch, tokens, d_r, generator=g)).to(DEVICE, dtype)
-    layer = layer_factory(with_codebooks(cache_format(cfg, d_c, d_r, context=4096), c, r))()
+    layer = layer_factory(fitted_on(cache_format(cfg, d_c, d_r, context=4096), c, r))()
     valid = torch.ones(batch, tokens, dtype=torch.bool, device=DEVICE)
     for i, pad in enumerate(pads):
         valid[i, :pad] = False
@@ -257,7 +257,7 @@ def test_triton_layer_decodes_codebooks_and_pair_widths_as_torch_does(rope):
         cfg = OmegaConf.merge(load_quant_option("int2_content_int4_rope"), {
             "backend": backend, "protected": {"n_sink": 2, "recent": 16},
             "content": {"group_size": 32, "quantizer": "lloyd"}, "rope": rope})
-        layer = layer_factory(with_codebooks(cache_format(cfg, 96, 16), c, r))()
+        layer = layer_factory(fitted_on(cache_format(cfg, 96, 16), c, r))()
         assert isinstance(layer, TritonLatentCacheLayer) == (backend == "triton")
         layer.append(c[:, :140], r[:, :140])
         outs[backend] = [layer.attend(*q, c[:, i : i + 1], r[:, i : i + 1], 0.1, None) for i in range(140, 143)]

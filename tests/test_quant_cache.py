@@ -446,7 +446,7 @@ def test_lloyd_cache_reads_its_codebook_and_counts_its_bytes():
     cache layer (it would have no fixed codebook to store codes against)."""
     import dataclasses
 
-    from conftest import with_codebooks
+    from mla_quant.calibration.codebooks import fitted_on
 
     from mla_quant.cache import layer_factory
 
@@ -457,7 +457,7 @@ def test_lloyd_cache_reads_its_codebook_and_counts_its_bytes():
     for qz in ("rtn", "lloyd"):
         cfg = quant_cfg("int2_joint", "quant.content.group_size=32", f"quant.content.quantizer={qz}",
                         f"quant.rope.quantizer={qz}")
-        fmt = with_codebooks(cache_format(cfg, 96, 16, context=300), c, r)
+        fmt = fitted_on(cache_format(cfg, 96, 16, context=300), c, r)
         layer = layer_factory(fmt)()
         layer.append(c, r)
         got_c, got_r = layer.read()
