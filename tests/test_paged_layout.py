@@ -61,9 +61,10 @@ def test_pages_grow_and_keep_their_layout():
         store.part("content/scales", (2,), torch.float16)
 
 
-def test_one_token_per_sequence_appends_as_the_general_append():
-    """append_each (a decode step's one token per sequence, allocation from host-side lengths) stores what append
-    with rows 0..B-1 stores, across block boundaries and after a truncation."""
+def test_tokens_written_ahead_read_as_the_general_append_once_counted_in():
+    """reserve_ahead + write + advance (a steady decode's tokens written before they are counted in) stores what
+    append with rows 0..B-1 stores, one token per sequence a step, across block boundaries and after a truncation; the
+    tokens written ahead stay out of every read until counted in."""
     g = torch.Generator().manual_seed(1)
     fmt = PathFormat("int", 4, 16, False, "fp16")
     stores = [PagedStore(3, 4, DEVICE), PagedStore(3, 4, DEVICE)]
@@ -71,18 +72,29 @@ def test_one_token_per_sequence_appends_as_the_general_append():
     x = torch.randn(9, 32, generator=g).to(DEVICE)
     for store in stores:
         store.append(first, {f"content/{k}": v for k, v in fmt.encode(x).items()})
+    ahead = []
     for step in range(11):
         if step == 6:
             for store in stores:
                 store.truncate(torch.tensor([2, 9, 4], device=DEVICE))
-        parts = {f"content/{k}": v for k, v in fmt.encode(torch.randn(3, 32, generator=g).to(DEVICE)).items()}
-        stores[0].append_each(parts)
-        stores[1].append(torch.arange(3, device=DEVICE), parts)
+            ahead = []  # what was written ahead is dropped with the truncation
+        if not ahead:
+            k = 3 if step < 6 else 5
+            tokens = fmt.encode(torch.randn(3 * k, 32, generator=g).to(DEVICE))
+            rows, pos = stores[0].reserve_ahead(k)
+            stores[0].write(rows, pos, {f"content/{n}": v for n, v in tokens.items()})
+            ahead = [{f"content/{n}": v.view(3, k, *v.shape[1:])[:, j] for n, v in tokens.items()} for j in range(k)]
+            before = stores[0].dense()
+            assert torch.equal(before[1], stores[1].dense()[1])  # not counted in
+        stores[0].advance()
+        stores[1].append(torch.arange(3, device=DEVICE), ahead.pop(0))
         (a, la), (b, lb) = stores[0].dense(), stores[1].dense()
-        assert torch.equal(la, lb) and stores[0].tables == stores[1].tables and stores[0]._host_lengths == la.tolist()
+        assert torch.equal(la, lb) and stores[0]._host_lengths == la.tolist()
         for k in a:
             ok = torch.arange(a[k].shape[1], device=DEVICE)[None, :] < la[:, None]
             assert torch.equal(a[k][ok], b[k][ok]), (step, k)
+    with pytest.raises(RuntimeError, match="no token reserved"):
+        PagedStore(1, 4, DEVICE).advance()
 
 
 def test_alignment_pads_are_held_not_used():

@@ -27,6 +27,7 @@ protected region, the appending step included. "serving": the step that appends 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -124,10 +125,11 @@ class LatentCacheLayer(LatentLayerContract):
         self.slot_valid: torch.Tensor | None = None  # (B, S) bool
         self.store: PagedStore | None = None
         self.sinks: dict[str, torch.Tensor] = {}  # path -> (B, n_sink, d)
-        self.recent: dict[str, torch.Tensor] = {}  # path -> (B, R, d), R <= fmt.recent
+        self.recent: dict[str, torch.Tensor] = {}  # path -> (B, R, d), R <= fmt.recent (steady state: a ring)
         self.pending: dict[str, torch.Tensor] = {}  # path -> (B, P, d), P < token_block: a block not yet full
         self.n_sinks = self.n_recent = self.n_pending = None  # (B,) long
         self._steady_state: bool | None = None  # `_steady`'s answer while the regions stay as they are
+        self._stage: _Stage | None = None  # the steady state's ring head and tokens written ahead
         self.tensor_scales: dict[str, torch.Tensor | None] = {p: None for p in PATHS}  # (B,) float32 per sequence
         # DeepSeek-V3.2's sparse-attention indexer keeps its own key cache next to the latent (B, S, d_index).
         self.indexer_keys: torch.Tensor | None = None
@@ -191,14 +193,9 @@ class LatentCacheLayer(LatentLayerContract):
         self._set_tensor_scales(new, valid)
         window = self.recent["content"].shape[1]
         if t == 1 and self._steady(window) and (all_real or bool(valid.all())):
-            # A decode step in the steady state (sinks and window full everywhere): the oldest window token of each
-            # sequence leaves, quantized and stored; the window shifts by one. What the general path below does
-            # then, without its per-token bookkeeping.
-            self._store(None, {p: self.recent[p][:, 0] for p in PATHS})
-            for p in PATHS:
-                self.recent[p] = torch.cat([self.recent[p][:, 1:], new[p]], dim=1)
+            self._steady_step(new, window)
             return
-        self._steady_state = None  # the regions change below: known again at the next steady check
+        self._regions_change()
         # Each sequence's real tokens in order: [its recent window | its new tokens], then split into
         # [to sinks | leaving the window (quantized now) | the new recent window].
         held = torch.arange(window, device=self.device)[None, :] < self.n_recent[:, None]
@@ -233,6 +230,55 @@ class LatentCacheLayer(LatentLayerContract):
         self.n_recent = keep
 
     fast_append = True  # the steady-state decode step below (False: always the general path; tests compare both)
+    stage_tokens = 16  # steady state: at most this many window tokens quantized together before they leave it
+
+    def _regions_change(self) -> None:
+        """The sinks, window or store are about to change otherwise than by a steady step: the window back in order
+        (from the ring of the steady state), and forget what holds only while the regions stay as they are (the
+        steady check, the ring's head; tokens written ahead stay uncounted, and are written over)."""
+        if self._stage is not None and self._stage.head:
+            for p in PATHS:
+                self.recent[p] = torch.roll(self.recent[p], -self._stage.head, dims=1)
+        self._steady_state = None
+        self._stage = None
+
+    def _window(self, path: str) -> torch.Tensor:
+        """The recent window of `path` in order, oldest first (B, R, d) (a copy while the steady state's ring has
+        moved)."""
+        if self._stage is None or not self._stage.head:
+            return self.recent[path]
+        return torch.roll(self.recent[path], -self._stage.head, dims=1)
+
+    def _steady_step(self, new: dict[str, torch.Tensor], window: int) -> None:
+        """A decode step in the steady state (sinks and window full everywhere): the oldest window token of each
+        sequence leaves into the store, the new token (B, 1, d) per path takes its slot; what the general path
+        does then, without its per-token bookkeeping. The window is a ring (a decode step's attention over it does
+        not depend on the order of its tokens, each key carrying its position): the new token is written in place
+        over the leaving one, and `_Stage.head` marks the oldest. Up to `stage_tokens` of the next tokens to leave
+        are quantized together and written into the pages ahead of time, not counted in
+        (`PagedStore.reserve_ahead`), so a step counts one written token in (`advance`) and writes the new token:
+        no window rebuilt and no encode per step. The same codes as one token at a time (each token's groups are
+        its own)."""
+        stage = self._stage
+        if stage is None or stage.ahead == 0:
+            stage = self._restage(window)
+        self.store.advance()
+        for p in PATHS:
+            self.recent[p][:, stage.head] = new[p][:, 0]
+        stage.head = (stage.head + 1) % window
+        stage.ahead -= 1
+
+    def _restage(self, window: int) -> "_Stage":
+        """Encode the window's oldest tokens (as many as `stage_tokens`, the window and every sequence's last
+        block hold, so the store still holds at most one partly filled block per sequence) and write them past each
+        sequence's stored tokens."""
+        k = min(self.stage_tokens, window, self.store.room())
+        head = 0 if self._stage is None else self._stage.head
+        slots = torch.arange(head, head + k, device=self.device) % window
+        rows, pos = self.store.reserve_ahead(k)
+        self._write(rows, pos, {p: self.recent[p][:, slots].reshape(-1, self._dim(p)) for p in PATHS})
+        self._stage = _Stage(head=head, ahead=k)
+        return self._stage
 
     def _steady(self, window: int) -> bool:
         """Every sequence has its sinks and a full recent window (of width `window` = quant.protected.recent), and
@@ -244,24 +290,22 @@ class LatentCacheLayer(LatentLayerContract):
             self._steady_state = bool((self.n_recent == window).all()) and bool((self.n_sinks == self.fmt.n_sink).all())
         return self._steady_state
 
-    def _store(self, rows: torch.Tensor | None, tokens: dict[str, torch.Tensor]) -> None:
-        """Encode tokens (N, d) per path, belonging to sequences `rows` (N,), and append them to the paged store
-        (rows None: one token (B, d) per sequence)."""
-        if rows is not None and rows.numel() == 0:
-            return
+    def _store(self, rows: torch.Tensor, tokens: dict[str, torch.Tensor]) -> None:
+        """Append tokens (N, d) per path, belonging to sequences `rows` (N,) ascending, to the paged store."""
+        if rows.numel():
+            self._write(rows, self.store.reserve(rows), tokens)
+
+    def _write(self, rows: torch.Tensor, pos: torch.Tensor, tokens: dict[str, torch.Tensor]) -> None:
+        """Encode tokens (N, d) per path and write token i at position pos[i] of sequence rows[i] (reserved)."""
         parts = {}
         for p in PATHS:
             fmt = self.path_format(p)
             scale = self.tensor_scales[p]
-            scale = None if scale is None else scale if rows is None else scale[rows]
-            encoded = fmt.encode(tokens[p], scale)
+            encoded = fmt.encode(tokens[p], None if scale is None else scale[rows])
             if fmt.quantized:
                 check_finite(encoded, f"{self.where}, quant.{p} ({fmt.describe()})")
             parts.update({f"{p}/{k}": v for k, v in encoded.items()})
-        if rows is None:
-            self.store.append_each(parts)
-        else:
-            self.store.append(rows, parts)
+        self.store.write(rows, pos, parts)
 
     def _store_blocks(self, rows: torch.Tensor, tokens: dict[str, torch.Tensor]) -> None:
         """Tokens (N, d) leaving the window of sequences `rows` (N,) ascending join their sequence's pending tokens;
@@ -346,7 +390,7 @@ class LatentCacheLayer(LatentLayerContract):
             stored = decoded[p]
             if self.quantized:
                 pieces[p] = [(self.sinks[p], self.n_sinks), (stored, n_store), (self.pending[p], self.n_pending),
-                             (self.recent[p], self.n_recent)]
+                             (self._window(p), self.n_recent)]
             else:
                 pieces[p] = [(stored, n_store)]
         lengths = sum(n for _, n in pieces["content"])
@@ -460,7 +504,7 @@ class LatentCacheLayer(LatentLayerContract):
                 data = pool["values"] if spec["bits"] == 0 else pool["codes"]
                 paths[p] = PagedPath(data, pool.get("scales"), pool.get("zeros"), spec["bits"], spec["group"],
                                      spec["symmetric"], spec["pow2"], fmt.codebook(required=True, device=data.device))
-            longest = max(len(t) for t in store.tables) * store.block_size  # host-side bound: no device sync
+            longest = -(-store.longest // store.block_size) * store.block_size  # host-side bound: no device sync
             segments.append(Segment(paths["content"], paths["rope"], store.block_table(), store.lengths, longest))
         if self.quantized:
             for buffers, lengths in ((self.sinks, self.n_sinks), (self.recent, self.n_recent)):
@@ -525,7 +569,7 @@ class LatentCacheLayer(LatentLayerContract):
         k = min(-tokens_to_remove, self.length)
         if k == 0:
             return
-        self._steady_state = None
+        self._regions_change()
         drop = self.slot_valid[:, self.length - k :].sum(1)  # (B,) real tokens removed per sequence
         if self.quantized:
             from_recent = torch.minimum(drop, self.n_recent)
@@ -568,7 +612,7 @@ class LatentCacheLayer(LatentLayerContract):
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
-        self._steady_state = None
+        self._regions_change()
         self.slot_valid = fn(self.slot_valid).contiguous()
         self.store = self.store.rebuilt(fn)
         self.n_sinks, self.n_recent, self.n_pending = fn(self.n_sinks), fn(self.n_recent), fn(self.n_pending)
@@ -597,6 +641,7 @@ class LatentCacheLayer(LatentLayerContract):
         if not self.is_initialized:
             return
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        self._regions_change()
         self.store.to(device)
         self.slot_valid, self.n_sinks, self.n_recent = move(self.slot_valid), move(self.n_sinks), move(self.n_recent)
         self.n_pending = move(self.n_pending)
@@ -621,6 +666,15 @@ class LatentCacheLayer(LatentLayerContract):
         else:
             self.indexer_keys = torch.cat([self.indexer_keys, indexer_key_states], dim=1)
         return self.indexer_keys
+
+
+@dataclass
+class _Stage:
+    """The steady state's ring: the slot of the window's oldest token (`head`), and how many of the oldest tokens are
+    written into the pages ahead, not yet counted in (`ahead`)."""
+
+    head: int
+    ahead: int
 
 
 class StoredKeys:
@@ -648,7 +702,7 @@ class StoredKeys:
         if layer.quantized:
             dense = [(layer.sinks, torch.zeros_like(first), layer.n_sinks),
                      (layer.pending, first + self.n_store, layer.n_pending),
-                     (layer.recent, first + self.n_store + layer.n_pending, layer.n_recent)]
+                     ({p: layer._window(p) for p in PATHS}, first + self.n_store + layer.n_pending, layer.n_recent)]
         self.dense = [(buf, start, n) for buf, start, n in dense if buf["content"].shape[1]]
         self._whole: dict[str, torch.Tensor] | None = None  # channel_block: the store decoded once per step
 

@@ -14,6 +14,8 @@ block table, since they describe the same tokens.
     store.gather(rows, pos, ["content/values"])      # token pos[i] of sequence rows[i]: {"content/values": (N, d)}
     store.gather_grid(pos, ["content/values"])       # token pos[b, j] of sequence b: {"content/values": (B, J, d)}
     store.block_table(), store.lengths               # what a kernel reads: (B, max_blocks) int32, (B,) int32
+    rows, pos = store.reserve_ahead(k)               # room for k more tokens per sequence, not yet counted in
+    store.write(rows, pos, parts); store.advance()   # written ahead, then counted in one token per sequence a step
     store.declare({"rope/codes": ((W,), torch.int32), "rope/scales": ((G,), torch.float16)})  # a path's page
     store.part("rope/scales")                        # its view (num_blocks, block_size, G), stride(0) = page
 
@@ -108,16 +110,21 @@ class PagedStore:
         if rows.numel():
             self.write(rows, self.reserve(rows), parts)
 
-    def append_each(self, parts: dict[str, torch.Tensor]) -> None:
-        """Append one token to every sequence: parts {name: (B, *)} (a decode step's; `append` with rows 0..B-1,
-        without counting the rows)."""
-        pos = self.lengths
-        self.lengths = pos + 1
+    def reserve_ahead(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for k tokens per sequence past its last, allocated but not counted in (`advance` counts them in, one
+        per sequence at a time): their (rows, positions), both (B k,), sequence by sequence. What is written there
+        stays out of every read until counted in; a later `append` overwrites it."""
+        self._ensure_blocks([n + k for n in self._host_lengths])
+        pos = self.lengths[:, None] + torch.arange(k, device=self.device)[None, :]  # (B, k)
+        rows = torch.arange(self.batch, device=self.device).repeat_interleave(k)
+        return rows, pos.reshape(-1)
+
+    def advance(self) -> None:
+        """Count in one more token of every sequence, already written past its last (`reserve_ahead`)."""
         if any(len(table) * self.block_size < n + 1 for table, n in zip(self.tables, self._host_lengths)):
-            self._allocate(self.lengths)
-        else:
-            self._host_lengths = [n + 1 for n in self._host_lengths]
-        self.write(None, pos, parts)
+            raise RuntimeError("PagedStore.advance: a sequence has no token reserved past its last")
+        self.lengths = self.lengths + 1
+        self._host_lengths = [n + 1 for n in self._host_lengths]
 
     def reserve(self, rows: torch.Tensor) -> torch.Tensor:
         """Make room for N new tokens of sequences rows (N,) ascending and count them in; their positions (N,) in
@@ -141,7 +148,11 @@ class PagedStore:
 
     def _allocate(self, new_lengths: torch.Tensor) -> None:
         self._host_lengths = new_lengths.tolist()
-        needed = [-(-n // self.block_size) for n in self._host_lengths]
+        self._ensure_blocks(self._host_lengths)
+
+    def _ensure_blocks(self, tokens: list[int]) -> None:
+        """Enough blocks in each sequence's table for tokens[b] tokens."""
+        needed = [-(-n // self.block_size) for n in tokens]
         extra = [max(0, need - len(table)) for need, table in zip(needed, self.tables)]
         total = sum(extra)
         if total == 0:
@@ -164,6 +175,10 @@ class PagedStore:
     def longest(self) -> int:
         """Tokens of the longest sequence, from the host-side lengths (no device sync)."""
         return max(self._host_lengths, default=0)
+
+    def room(self) -> int:
+        """Tokens every sequence takes before it needs a new block (a whole block where its last one is full)."""
+        return min((self.block_size - n % self.block_size for n in self._host_lengths), default=self.block_size)
 
     def block_table(self) -> torch.Tensor:
         """(B, max_blocks) int32; unused entries point at block 0 (never read past a sequence's length)."""

@@ -35,17 +35,14 @@ class KernelDecode:
         return self._decode_segments(q_latent, q_rope, scale, w_uk, w_uv,
                                      lambda q, qr: latent_decode(q, qr, scale, self.segments()))
 
-    def _store(self, rows, tokens):
-        """New tokens into the paged store: where decode steps run the kernel, int paths are quantized and written
-        into the pool by the Triton store kernel (bit-exact with the PyTorch encoder), float paths copied; formats
-        the store kernel does not encode (and every format on the torch path) go through the PyTorch encoder.
-        rows None: one token per sequence."""
-        if rows is None:
-            rows = torch.arange(self.store.batch, device=self.device)
-        if (rows.numel() == 0 or not self.quantized or self.fmt.step_backends(self.device.type)["decode"] != "triton"
+    def _write(self, rows, pos, tokens):
+        """New tokens into their reserved places in the paged store: where decode steps run the kernel, int paths
+        are quantized and written into the pool by the Triton store kernel (bit-exact with the PyTorch encoder),
+        float paths copied; formats the store kernel does not encode (and every format on the torch path) go
+        through the PyTorch encoder."""
+        if (not self.quantized or self.fmt.step_backends(self.device.type)["decode"] != "triton"
                 or any(self._store_unsupported(p) for p in PATHS)):
-            return super()._store(rows, tokens)
-        pos = self.store.reserve(rows)
+            return super()._write(rows, pos, tokens)
         table = self.store.block_table()
         for p in PATHS:
             fmt, d = self.path_format(p), self._dim(p)

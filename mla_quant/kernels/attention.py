@@ -459,7 +459,7 @@ def _chunks(seg: Segment, keys: int | None):
     per = n_blocks if keys is None else max(1, keys // block)
     table = seg.block_table.long()
     for b0 in range(0, n_blocks, per):
-        index = table[:, b0 : b0 + per]
+        index = table[:, b0 : min(b0 + per, n_blocks)]  # the table may hold blocks past the longest
         yield (lambda t, index=index: t[index].flatten(1, 2)), b0 * block, index.shape[1] * block
 
 
