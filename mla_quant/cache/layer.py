@@ -236,9 +236,8 @@ class LatentCacheLayer(LatentLayerContract):
         """The sinks, window or store are about to change otherwise than by a steady step: the window back in order
         (from the ring of the steady state), and forget what holds only while the regions stay as they are (the
         steady check, the ring's head; tokens written ahead stay uncounted, and are written over)."""
-        if self._stage is not None and self._stage.head:
-            for p in PATHS:
-                self.recent[p] = torch.roll(self.recent[p], -self._stage.head, dims=1)
+        if self._stage is not None:
+            self.recent = {p: self._window(p) for p in PATHS}
         self._steady_state = None
         self._stage = None
 
