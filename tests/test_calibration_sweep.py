@@ -46,6 +46,43 @@ def test_sweep_captures_equal_stopped_forwards(option):
         assert cap.scale == want.scale and cap.latent_scale == want.latent_scale
 
 
+@pytest.mark.parametrize("option", TINY + ["toy_mla"])
+def test_blocks_computed_from_their_pieces_equal_the_models_own_attention(option):
+    """In a capture each block's output is computed from its recorded pieces (the attention runs once, for the next
+    layer and for the objectives' reference): every block's per-head output, kept as the capture's ref_out, equals
+    the model's own attention output (the o_proj input of a plain forward), and the objectives' reference from the
+    pieces equals it. A family whose mask is its own (V3.2's indexer), and a model given a dense mask (transformers'
+    eager attention outside the absorbed view), run their own forward and keep no ref_out."""
+    from mla_quant.calibration.objectives import reference_output
+    from mla_quant.models.absorbed import absorbed_view
+
+    model = build_model(compose([f"model={option}"]).model, absorbed=False, dtype="float32")
+    ids = random_ids(model)
+    modules = attention_modules(model)
+    own = {}
+    handles = [m.o_proj.register_forward_pre_hook(lambda mod, args, i=i: own.__setitem__(i, args[0]))
+               for i, m in enumerate(modules)]
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    assert all(cap.ref_out is None for cap in capture_layers(model, ids, batch_size=2))  # a dense mask
+    with absorbed_view(model):  # as fit_all captures: no mask tensor for unpadded sequences
+        caps = list(capture_layers(model, ids, batch_size=2))
+    for cap in caps:
+        m = modules[cap.layer]
+        want = own[cap.layer].view(ids.shape[0], ids.shape[1], m.num_heads, -1).transpose(1, 2)
+        if option == "tiny_deepseek_v32":
+            assert cap.ref_out is None
+        else:
+            torch.testing.assert_close(cap.ref_out, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+            kept, cap.ref_out = cap.ref_out, None
+            torch.testing.assert_close(reference_output(cap), kept, rtol=1e-6, atol=1e-6 * float(kept.abs().max()))
+        assert not any("forward" in vars(m) for m in modules)  # the class's forward again between layers
+
+
 def test_sweep_runs_each_decoder_layer_once_per_batch():
     cfg = compose(["model=tiny_deepseek_v3", "model.config.num_hidden_layers=16"])
     model = build_model(cfg.model, absorbed=False, dtype="float32")
@@ -111,8 +148,9 @@ def test_query_tokens_sample_the_per_head_queries_and_the_objectives_follow(toy_
     """calib.query_tokens keeps the per-head query tensors at evenly spaced positions ending at the last token; the
     attention-output and positional objectives over them equal the full capture's restricted to those queries."""
     from mla_quant.calibration.capture import query_positions
-    from mla_quant.calibration.objectives import (_head_out, attention_output_error, positional_qk_error,
-                                                  rope_output_bound, ste_quantizer)
+    from mla_quant.calibration.capture import head_outputs
+    from mla_quant.calibration.objectives import (attention_output_error, positional_qk_error, rope_output_bound,
+                                                  ste_quantizer)
     from mla_quant.kernels.attention import latent_attention
 
     cfg, model, ids, fmt = toy_setup
@@ -124,8 +162,8 @@ def test_query_tokens_sample_the_per_head_queries_and_the_objectives_follow(toy_
     torch.testing.assert_close(part.q_latent, full.q_latent[:, :, pos], rtol=1e-6, atol=1e-6)
     quant = ste_quantizer(fmt.content, 96)
     c_hat = quant(full.content)
-    ref = _head_out(latent_attention(full.q_latent, full.q_rope, full.content, full.k_rope, full.scale), full.w_uv)
-    out = _head_out(latent_attention(full.q_latent, full.q_rope, c_hat, full.k_rope, full.scale), full.w_uv)
+    ref = head_outputs(latent_attention(full.q_latent, full.q_rope, full.content, full.k_rope, full.scale), full.w_uv)
+    out = head_outputs(latent_attention(full.q_latent, full.q_rope, c_hat, full.k_rope, full.scale), full.w_uv)
     want = (out - ref)[:, :, pos].pow(2).sum() / ref[:, :, pos].pow(2).sum()
     got = attention_output_error(part, c_hat)
     assert abs(float(got) - float(want)) <= 1e-5 * float(want), (float(got), float(want))

@@ -19,15 +19,18 @@ instead of 1 + 2 + ... + L for one stopped forward per block.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from mla_quant.kernels.attention import causal_latent_attention
 from mla_quant.models.absorbed import attention_modules
-from mla_quant.models.families import family_for_config
+from mla_quant.models.families import MLAFamily, family_for_config
 from mla_quant.models.fp8 import linear
+from mla_quant.quant.quantizers import all_finite
 
 
 EVAL_CHUNK = 8  # sequences per evaluation of an objective on a whole capture (its workspace bound)
@@ -82,7 +85,7 @@ class _Stop(Exception):
 
 
 def check_finite(name: str, x: torch.Tensor, layer: int) -> None:
-    if not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"calibration capture, layer {layer}: {name} holds {bad} NaN/inf value(s) of {x.numel()}; "
                          f"check the model's dtype (float16 overflow?) and the calibration data")
@@ -97,7 +100,7 @@ def capture_layer(model, ids: torch.Tensor, layer: int, batch_size: int = 8,
         raise ValueError(f"layer {layer} out of range: the model has {len(modules)} MLA blocks")
     attn = modules[layer]
     w = family.mla_weights(attn)
-    parts: dict[str, list[torch.Tensor]] = {"x_hat": [], "q_latent": [], "q_rope": [], "k_rope": []}
+    parts = _parts()
 
     record = _recorder(family, w, parts, layer, query_tokens)
 
@@ -105,7 +108,8 @@ def capture_layer(model, ids: torch.Tensor, layer: int, batch_size: int = 8,
         record(module, args, kwargs)
         raise _Stop
 
-    _stopped_forwards(model, ids, batch_size, attn, hook)
+    with _computed_from_pieces(family, dict(enumerate(modules[:layer])), {}, query_tokens):
+        _stopped_forwards(model, ids, batch_size, attn, hook)
     return _layer_capture(family, model, attn, w, layer, parts, ids)
 
 
@@ -168,7 +172,8 @@ def capture_layers(model, ids: torch.Tensor, batch_size: int = 8, offload: str =
     family = family_for_config(model.config)
     modules = attention_modules(model)
     layers = decoder_layers(model)
-    owner = [next(j for j, layer in enumerate(layers) if any(m is attn for m in layer.modules())) for attn in modules]
+    layer_of = {id(m): j for j, layer in enumerate(layers) for m in layer.modules()}
+    owner = [layer_of[id(attn)] for attn in modules]
     device = next(model.parameters()).device
     keep = torch.device(offload) if offload != "device" else device
 
@@ -188,45 +193,104 @@ def capture_layers(model, ids: torch.Tensor, batch_size: int = 8, offload: str =
     # 2. Each decoder layer once over every batch, recording its MLA blocks on the way.
     for j, layer in enumerate(layers):
         mine = [i for i, o in enumerate(owner) if o == j and i >= start]
-        parts = {i: {"x_hat": [], "q_latent": [], "q_rope": [], "k_rope": []} for i in mine}
+        parts = {i: _parts() for i in mine}
         weights = {i: family.mla_weights(modules[i]) for i in mine}
-        handles = [modules[i].register_forward_pre_hook(_recorder(family, weights[i], parts[i], i, query_tokens),
-                                                        with_kwargs=True) for i in mine]
-        try:
+        blocks = {i: modules[i] for i, o in enumerate(owner) if o == j}
+        with _computed_from_pieces(family, blocks, parts, query_tokens):
             for b, h in enumerate(hidden):
                 out = layer(h.to(device), **_move(arguments[b], device))
                 out = out[0] if isinstance(out, tuple) else out
                 hidden[b] = out.to(keep)
-        finally:
-            for handle in handles:
-                handle.remove()
         for i in mine:
             yield _layer_capture(family, model, modules[i], weights[i], i, parts.pop(i), ids)
 
 
+def _parts() -> dict[str, list[torch.Tensor]]:
+    return {"x_hat": [], "q_latent": [], "q_rope": [], "k_rope": [], "ref_out": []}
+
+
+def _keep(parts: dict, pieces, layer: int, q_pos) -> None:
+    parts["q_pos"] = q_pos
+    for name, value in zip(("x_hat", "q_latent", "q_rope", "k_rope"), pieces):
+        check_finite(name, value, layer)
+        parts[name].append(value)
+
+
 def _recorder(family, w, parts: dict, layer: int, query_tokens: int | None = None):
+    """A forward pre-hook recording the block's pieces (the stopped forwards)."""
     def hook(module, args, kwargs):
         h = kwargs.get("hidden_states", args[0] if args else None)
         pe = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
         q_pos = query_positions(h.shape[1], query_tokens)
-        parts["q_pos"] = q_pos
-        for name, value in zip(("x_hat", "q_latent", "q_rope", "k_rope"),
-                               block_pieces(family, module, w, h, pe, q_pos)):
-            check_finite(name, value, layer)
-            parts[name].append(value.float())
+        _keep(parts, block_pieces(family, module, w, h, pe, q_pos), layer, q_pos)
 
     return hook
+
+
+def _recording_forward(family, module, w, parts: dict | None, layer: int, query_tokens: int | None):
+    """The block's forward in a capture: its pieces recorded into `parts` (None: not kept), then its output computed
+    from them (the attention over the latent, W_UV per head, o_proj), so the attention runs once for the next layer's
+    inputs and for the objectives' reference output (`LayerCapture.ref_out`) alike, and the projections are not
+    computed twice. The module's own forward runs instead (after the recording) where those pieces are not its whole
+    input: a mask (padding, or a family that narrows it, as V3.2's indexer), a cache, sampled query positions
+    (`query_tokens`), or a model that does not compute in float32 (its own rounding is kept)."""
+    own = module.forward
+    plain_mask = type(family).attention_mask is MLAFamily.attention_mask
+
+    def forward(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        q_pos = None if parts is None else query_positions(hidden_states.shape[1], query_tokens)
+        cached = kwargs.get("past_key_values", kwargs.get("cache"))
+        fused = (attention_mask is None and plain_mask and cached is None and q_pos is None
+                 and hidden_states.dtype == torch.float32)
+        if parts is not None or fused:
+            pieces = block_pieces(family, module, w, hidden_states, position_embeddings, q_pos)
+            if parts is not None:
+                _keep(parts, pieces, layer, q_pos)
+        if not fused:
+            return own(hidden_states=hidden_states, position_embeddings=position_embeddings,
+                       attention_mask=attention_mask, **kwargs)
+        x_hat, q_latent, q_rope, k_rope = pieces
+        content = w.latent_scale * w.kv_norm.float() * x_hat
+        heads = head_outputs(causal_latent_attention(q_latent, q_rope, content, k_rope, float(module.scaling)),
+                             w.w_uv().float())  # (B, H, T, d_v)
+        if parts is not None:
+            parts["ref_out"].append(heads)
+        b, t = hidden_states.shape[:2]
+        return linear(module.o_proj, heads.transpose(1, 2).reshape(b, t, -1)), None
+
+    return forward
+
+
+@contextlib.contextmanager
+def _computed_from_pieces(family, modules: dict, parts: dict, query_tokens: int | None):
+    """Blocks {index: module} run `_recording_forward` inside the context, recording into parts[index] (absent:
+    not kept); every capture computes the blocks before the captured one this way, so the sweep and the stopped
+    forwards see the same numbers."""
+    for i, m in modules.items():
+        m.forward = _recording_forward(family, m, family.mla_weights(m), parts.get(i), i, query_tokens)
+    try:
+        yield
+    finally:
+        for m in modules.values():
+            del m.forward  # the class's forward again
+
+
+def head_outputs(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """Each head's attention output W_UV o_latent: (N, H, T, d_c), (H, d_v, d_c) -> (N, H, T, d_v)."""
+    return torch.einsum("nhtc,hvc->nhtv", o_latent, w_uv)
 
 
 def _layer_capture(family, model, attn, w, layer: int, parts: dict, ids: torch.Tensor) -> LayerCapture:
     gamma = w.kv_norm.detach().float()
     check_finite("the latent norm weight", gamma, layer)
     q_pos = parts.get("q_pos")
+    ref = parts.get("ref_out") or []
     return LayerCapture(layer=layer, x_hat=torch.cat(parts["x_hat"]), gamma=gamma, latent_scale=w.latent_scale,
                         q_latent=torch.cat(parts["q_latent"]), q_rope=torch.cat(parts["q_rope"]),
                         k_rope=torch.cat(parts["k_rope"]), w_uv=w.w_uv().detach().float(), scale=float(attn.scaling),
                         cached_layout=family.cached_rope_layout(model.config), ids=ids.cpu(), model=model,
-                        q_pos=None if q_pos is None else q_pos.to(parts["x_hat"][0].device))
+                        q_pos=None if q_pos is None else q_pos.to(parts["x_hat"][0].device),
+                        ref_out=torch.cat(ref) if ref and len(ref) == len(parts["x_hat"]) else None)
 
 
 def query_positions(t: int, query_tokens: int | None) -> torch.Tensor | None:

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from mla_quant.calibration.capture import LayerCapture
-from mla_quant.kernels.attention import causal_mask, fused_causal_attention, latent_attention
+from mla_quant.calibration.capture import LayerCapture, head_outputs
+from mla_quant.kernels.attention import causal_latent_attention, causal_mask
 from mla_quant.models.fp8 import compute_dtype, linear
 from mla_quant.quant.formats import PathFormat, fake_quantizer
 from mla_quant.quant.quantizers import fake_quantize, fit_levels
@@ -96,16 +96,9 @@ def rope_roundtrip(cap: LayerCapture, angle: torch.Tensor, scale: torch.Tensor, 
     return apply_pairs(quantize(cached), -angle, 1.0 / scale, cap.cached_layout)  # T^{-1} = Rot(-phi) / t
 
 
-def _head_out(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    return torch.einsum("nhtc,hvc->nhtv", o_latent, w_uv)
-
-
 def _attend(cap: LayerCapture, content: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """o_latent (N, H, T_q, d_c) of the captured queries (at their positions) over every key of the sequences: the
-    fused kernel on the CPU, the blocked latent form elsewhere (the same numbers to float32 rounding)."""
-    if content.device.type == "cpu":
-        return fused_causal_attention(cap.q_latent, cap.q_rope, content, rope, cap.scale, cap.q_pos)
-    return latent_attention(cap.q_latent, cap.q_rope, content, rope, cap.scale, q_positions=cap.q_pos)
+    """o_latent (N, H, T_q, d_c) of the captured queries (at their positions) over every key of the sequences."""
+    return causal_latent_attention(cap.q_latent, cap.q_rope, content, rope, cap.scale, cap.q_pos)
 
 
 def _causal(cap: LayerCapture, device) -> torch.Tensor:
@@ -115,23 +108,26 @@ def _causal(cap: LayerCapture, device) -> torch.Tensor:
     return causal_mask(t, t, device, cap.q_pos).float()
 
 
-def _qk(cap: LayerCapture, k: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """(N, H, T_q, T) RoPE scores q^R . k_s of the captured queries, 0 at keys a query does not see."""
-    return (cap.q_rope @ k.unsqueeze(1).transpose(-1, -2)) * keep
+def _largest_visible(q_rope: torch.Tensor, e: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """(N, H, T_q) max over the keys s a query sees of |q^R_t . e_s|, for keys e (N, T, d_r): one batched product of
+    every head's queries with the shared keys, masked and reduced in place."""
+    n, h, t_q, d_r = q_rope.shape
+    scores = torch.bmm(q_rope.reshape(n, h * t_q, d_r), e.transpose(1, 2)).view(n, h, t_q, e.shape[1])
+    return scores.mul_(keep).abs_().amax(-1)
 
 
 def reference_output(cap: LayerCapture) -> torch.Tensor:
     """The unquantized attention output per head (N, H, T, d_v); stored on the capture after the first call."""
     if cap.ref_out is None:
         with torch.no_grad():
-            cap.ref_out = _head_out(_attend(cap, cap.content, cap.k_rope), cap.w_uv)
+            cap.ref_out = head_outputs(_attend(cap, cap.content, cap.k_rope), cap.w_uv)
     return cap.ref_out
 
 
 def attention_output_error(cap: LayerCapture, c_hat: torch.Tensor, k_hat: torch.Tensor | None = None) -> torch.Tensor:
     k = cap.k_rope
     ref = reference_output(cap)
-    out = _head_out(_attend(cap, c_hat, k if k_hat is None else k_hat), cap.w_uv)
+    out = head_outputs(_attend(cap, c_hat, k if k_hat is None else k_hat), cap.w_uv)
     return (out - ref).pow(2).sum() / ref.pow(2).sum()
 
 
@@ -171,7 +167,7 @@ def next_token_kl(path: str):
 
         content = x_hat if path == "content" else cap.content
         rope = x_hat if path == "rope" else cap.k_rope
-        out = _head_out(_attend(cap, content, rope), cap.w_uv)
+        out = head_outputs(_attend(cap, content, rope), cap.w_uv)
         n, h, t, d_v = out.shape
         merged = out.transpose(1, 2).reshape(n, t, h * d_v)
         model = cap.model
@@ -228,9 +224,9 @@ def rope_output_bound(cap: LayerCapture, angle, scale, quantize) -> dict[str, fl
     for part in cap.eval_chunks():
         k_hat = rope_roundtrip(part, angle, scale, quantize)
         c = part.content
-        out = _head_out(_attend(part, c, k_hat), part.w_uv)
+        out = head_outputs(_attend(part, c, k_hat), part.w_uv)
         measured = (out - reference_output(part)).norm(dim=-1)  # (N, H, T_q)
-        d_max = (part.scale * _qk(part, k_hat - part.k_rope, _causal(part, c.device))).abs().amax(-1)  # (N, H, T)
+        d_max = part.scale * _largest_visible(part.q_rope, k_hat - part.k_rope, _causal(part, c.device))  # (N,H,T)
         v_norm = torch.einsum("ntc,hvc->nhtv", c, part.w_uv).norm(dim=-1)  # (N, H, S)
         radius = torch.cummax(v_norm, dim=-1).values  # max over s <= t
         radius = radius if part.q_pos is None else radius[..., part.q_pos.to(c.device)]

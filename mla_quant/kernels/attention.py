@@ -290,6 +290,16 @@ def fused_causal_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, content
     return out[..., :d_c]
 
 
+def causal_latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, content: torch.Tensor, rope: torch.Tensor,
+                            scale: float, q_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """o_latent (B, H, T, d_c) of causal queries without padding (the last T of the S slots, or at `q_positions`):
+    `fused_causal_attention` on the CPU, the blocked `latent_attention` elsewhere (the same numbers to float32
+    rounding; CUDA's flash kernels do not take the latent's head width)."""
+    if content.device.type == "cpu":
+        return fused_causal_attention(q_latent, q_rope, content, rope, scale, q_positions)
+    return latent_attention(q_latent, q_rope, content, rope, scale, q_positions=q_positions)
+
+
 EXPANDED_HEAD_GROUP = 16  # heads whose keys and values the expanded form holds at once (V2-Lite has 16 in all)
 
 

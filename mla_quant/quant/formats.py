@@ -498,7 +498,7 @@ FORMATS = tuple(CODECS)
 def check_finite(parts: Mapping[str, torch.Tensor], where: str) -> None:
     """Refuse stored scales/zeros/values that overflowed their dtype (inf or NaN would decode to inf silently)."""
     for name, t in parts.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and not quantizers.all_finite(t):
             dtype = str(t.dtype).replace("torch.", "")
             raise ValueError(f"{where}: the stored {name} ({dtype}) overflow to inf/NaN (the latent holds values "
                              f"beyond the {dtype} range, or is itself not finite); use scale_dtype=fp32 for this "
