@@ -40,12 +40,13 @@ def balance(x_amax: torch.Tensor, w_amax: torch.Tensor, alpha: float) -> torch.T
     return s / torch.exp(torch.log(s).mean())
 
 
-def smooth_scale(cap: LayerCapture, rotation: torch.Tensor, alpha: float) -> torch.Tensor:
+def smooth_scale(cap: LayerCapture, rotation: torch.Tensor | None, alpha: float) -> torch.Tensor:
     """s for the cache c' = sigma R x_hat / s, balancing its channel ranges against the query's in the same basis
-    (the score q~ . c = (R (gamma q~)) . (sigma R x_hat))."""
+    (the score q~ . c = (R (gamma q~)) . (sigma R x_hat)); R None: the identity (no product over the captures)."""
     d = cap.x_hat.shape[-1]
-    z = cap.latent_scale * (cap.x_hat.reshape(-1, d) @ rotation.T)
-    u = (cap.q_latent.reshape(-1, d) * cap.gamma) @ rotation.T
+    z, u = cap.latent_scale * cap.x_hat.reshape(-1, d), cap.q_latent.reshape(-1, d) * cap.gamma
+    if rotation is not None:
+        z, u = z @ rotation.T, u @ rotation.T
     return balance(z.abs().amax(0), u.abs().amax(0), alpha)
 
 
@@ -89,15 +90,16 @@ def fit_content(cap: LayerCapture, kind: str, objective: str, quantize, opts: Fi
     eye, ones = torch.eye(d, device=cap.x_hat.device), torch.ones(d, device=cap.x_hat.device)
     had = random_hadamard(d, generator).float().to(cap.x_hat.device)
 
-    def obj(c, r, s):
-        return content_objective(objective, c, r, s, quantize)
+    def obj(c, r, s):  # the identity as None: no product with it
+        return content_objective(objective, c, None if r is eye else r, s, quantize)
 
     base = _evaluate(obj, cap, eye, ones)
     candidates = spec.starts(SimpleNamespace(eye=eye, hadamard=had,
-                                             balanced=lambda r: smooth_scale(cap, r, opts.alpha)))
+                                             balanced=lambda r: smooth_scale(cap, None if r is eye else r, opts.alpha)))
     if not candidates:
         return None, None, {"none": base, "fitted": base}
-    scored = [(_evaluate(obj, cap, r, ones if s is None else s), r, s) for r, s in candidates]
+    scored = [(base if (r is eye and s is None) else _evaluate(obj, cap, r, ones if s is None else s), r, s)
+              for r, s in candidates]
     value, r0, s0 = min(scored, key=lambda x: x[0])
     if not spec.fitted:
         return (None if r0 is eye else r0), s0, {"none": base, "fitted": value}
@@ -129,8 +131,8 @@ def fit_rope(cap: LayerCapture, kind: str, objective: str, quantize, opts: FitOp
     n = cap.k_rope.shape[-1] // 2
     zeros, ones = torch.zeros(n, device=cap.k_rope.device), torch.ones(n, device=cap.k_rope.device)
 
-    def obj(c, phi, t):
-        return rope_objective(objective, c, phi, t, quantize)
+    def obj(c, phi, t):  # no rotation as None: no product with it
+        return rope_objective(objective, c, None if phi is zeros else phi, t, quantize)
 
     base = _evaluate(obj, cap, zeros, ones)
     candidates = spec.starts(SimpleNamespace(zeros=zeros, ones=ones, balanced=lambda: pair_balance(cap, opts.alpha)))

@@ -73,9 +73,14 @@ def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Ten
     return quantize
 
 
-def apply_pairs(k: torch.Tensor, angle: torch.Tensor, scale: torch.Tensor, layout: str) -> torch.Tensor:
-    """k (..., d_r) -> T k with T = blockdiag(scale_i Rot(angle_i)) on the pairs of `layout` (differentiable)."""
+def apply_pairs(k: torch.Tensor, angle: torch.Tensor | None, scale: torch.Tensor, layout: str) -> torch.Tensor:
+    """k (..., d_r) -> T k with T = blockdiag(scale_i Rot(angle_i)) on the pairs of `layout` (differentiable);
+    angle None: no rotation (each pair's two coordinates times its scale)."""
     a, b = pair_index(layout, k.shape[-1])
+    if angle is None:
+        per_channel = torch.empty(k.shape[-1], dtype=scale.dtype, device=scale.device)
+        per_channel[a], per_channel[b] = scale, scale
+        return k * per_channel
     ka, kb = k[..., a], k[..., b]
     c, s = scale * torch.cos(angle), scale * torch.sin(angle)
     out = torch.empty_like(k)
@@ -84,16 +89,20 @@ def apply_pairs(k: torch.Tensor, angle: torch.Tensor, scale: torch.Tensor, layou
     return out
 
 
-def content_roundtrip(cap: LayerCapture, rotation: torch.Tensor, scale: torch.Tensor, quantize) -> torch.Tensor:
-    """c_hat in the original basis after storing c' = sigma diag(1/s) R x_hat through `quantize`."""
+def content_roundtrip(cap: LayerCapture, rotation: torch.Tensor | None, scale: torch.Tensor, quantize
+                      ) -> torch.Tensor:
+    """c_hat in the original basis after storing c' = sigma diag(1/s) R x_hat through `quantize` (R None: I)."""
+    if rotation is None:
+        return quantize(cap.latent_scale * cap.x_hat / scale) * scale * cap.gamma
     cached = cap.latent_scale * (cap.x_hat @ rotation.T) / scale
     return (quantize(cached) * scale) @ rotation * cap.gamma
 
 
-def rope_roundtrip(cap: LayerCapture, angle: torch.Tensor, scale: torch.Tensor, quantize) -> torch.Tensor:
-    """k_hat in the original basis after storing k' = T k through `quantize`."""
+def rope_roundtrip(cap: LayerCapture, angle: torch.Tensor | None, scale: torch.Tensor, quantize) -> torch.Tensor:
+    """k_hat in the original basis after storing k' = T k through `quantize` (angle None: no rotation)."""
     cached = apply_pairs(cap.k_rope, angle, scale, cap.cached_layout)
-    return apply_pairs(quantize(cached), -angle, 1.0 / scale, cap.cached_layout)  # T^{-1} = Rot(-phi) / t
+    back = None if angle is None else -angle
+    return apply_pairs(quantize(cached), back, 1.0 / scale, cap.cached_layout)  # T^{-1} = Rot(-phi) / t
 
 
 def _attend(cap: LayerCapture, content: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

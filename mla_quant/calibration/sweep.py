@@ -77,10 +77,10 @@ def _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size
         start = time.perf_counter()
         lt.angle, lt.pair_scale, r_err = fit_rope(cap, rope_kind, objectives["rope"], quant_i["rope"], opts)
         r_sec = time.perf_counter() - start
-        n = modules[i].qk_rope_head_dim // 2
-        phi = torch.zeros(n) if lt.angle is None else lt.angle
-        t = torch.ones(n) if lt.pair_scale is None else lt.pair_scale
-        bound = rope_output_bound(cap, phi.to(cap.k_rope.device), t.to(cap.k_rope.device), quant_i["rope"])
+        n, device = modules[i].qk_rope_head_dim // 2, cap.k_rope.device
+        phi = None if lt.angle is None else lt.angle.to(device)
+        t = torch.ones(n, device=device) if lt.pair_scale is None else lt.pair_scale.to(device)
+        bound = rope_output_bound(cap, phi, t, quant_i["rope"])
         report.append({"layer": i, "path": "content", "kind": content_kind, "objective": objectives["content"],
                        "error_none": c_err["none"], "error": c_err["fitted"], "seconds": c_sec})
         report.append({"layer": i, "path": "rope", "kind": rope_kind, "objective": objectives["rope"],

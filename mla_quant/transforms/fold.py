@@ -13,6 +13,7 @@ back to each weight's dtype.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -78,8 +79,10 @@ class TransformSet:
         return cls(layers, dict(meta or {}))
 
 
+@functools.cache
 def pair_index(layout: str, d_r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Coordinates (a_i), (b_i) of every RoPE frequency pair i in `layout`."""
+    """Coordinates (a_i), (b_i) of every RoPE frequency pair i in `layout` (one pair of tensors per layout and
+    width: read them, never write them)."""
     idx = torch.tensor([rope_pair(layout, d_r, i) for i in range(d_r // 2)])
     return idx[:, 0], idx[:, 1]
 
