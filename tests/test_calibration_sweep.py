@@ -83,6 +83,36 @@ def test_blocks_computed_from_their_pieces_equal_the_models_own_attention(option
         assert not any("forward" in vars(m) for m in modules)  # the class's forward again between layers
 
 
+def test_capture_keeps_an_instance_forward_and_bounds_sampled_queries():
+    """A forward set on the module instance (as accelerate's offloading hooks do) runs in the capture and is put back
+    after it; with calib.query_tokens no block forms the full query tensor, so none keeps a reference output."""
+    from mla_quant.models.absorbed import absorbed_view
+
+    model = build_model(compose(["model=toy_mla"]).model, absorbed=False, dtype="float32")
+    ids = random_ids(model)
+    with absorbed_view(model):
+        modules = attention_modules(model)
+        calls = [0]
+        hooked = modules[1]
+        own = hooked.forward
+
+        def wrapper(*args, **kwargs):
+            calls[0] += 1
+            return own(*args, **kwargs)
+
+        hooked.forward, hooked._hf_hook = wrapper, object()
+        try:
+            caps = list(capture_layers(model, ids, batch_size=2))
+            assert calls[0] == 3 and hooked.forward is wrapper  # 3 batches through the instance's forward
+            assert caps[1].ref_out is None and caps[0].ref_out is not None
+            sampled = list(capture_layers(model, ids, batch_size=2, query_tokens=8))
+        finally:
+            del hooked.forward, hooked._hf_hook
+    assert all(cap.ref_out is None and cap.q_latent.shape[2] == 8 for cap in sampled)
+    for a, b in zip(sampled, caps):  # the same inputs reach every block
+        torch.testing.assert_close(a.x_hat, b.x_hat, rtol=1e-5, atol=1e-5)
+
+
 def test_sweep_runs_each_decoder_layer_once_per_batch():
     cfg = compose(["model=tiny_deepseek_v3", "model.config.num_hidden_layers=16"])
     model = build_model(cfg.model, absorbed=False, dtype="float32")

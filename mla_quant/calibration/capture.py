@@ -232,15 +232,17 @@ def _recording_forward(family, module, w, parts: dict | None, layer: int, query_
     from them (the attention over the latent, W_UV per head, o_proj), so the attention runs once for the next layer's
     inputs and for the objectives' reference output (`LayerCapture.ref_out`) alike, and the projections are not
     computed twice. The module's own forward runs instead (after the recording) where those pieces are not its whole
-    input: a mask (padding, or a family that narrows it, as V3.2's indexer), a cache, sampled query positions
-    (`query_tokens`), or a model that does not compute in float32 (its own rounding is kept)."""
+    input or would not bound memory: a mask (padding, or a family that narrows it, as V3.2's indexer), a cache,
+    sampled query positions (`query_tokens`: no (B, H, T, d_c) query tensor is formed then, not even for a block not
+    kept), a model that does not compute in float32 (its own rounding is kept), or weights an accelerate hook brings
+    in (device_map offloading)."""
     own = module.forward
-    plain_mask = type(family).attention_mask is MLAFamily.attention_mask
+    plain = type(family).attention_mask is MLAFamily.attention_mask and not hasattr(module, "_hf_hook")
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
-        q_pos = None if parts is None else query_positions(hidden_states.shape[1], query_tokens)
+        q_pos = query_positions(hidden_states.shape[1], query_tokens)
         cached = kwargs.get("past_key_values", kwargs.get("cache"))
-        fused = (attention_mask is None and plain_mask and cached is None and q_pos is None
+        fused = (plain and attention_mask is None and cached is None and q_pos is None
                  and hidden_states.dtype == torch.float32)
         if parts is not None or fused:
             pieces = block_pieces(family, module, w, hidden_states, position_embeddings, q_pos)
@@ -265,14 +267,18 @@ def _recording_forward(family, module, w, parts: dict | None, layer: int, query_
 def _computed_from_pieces(family, modules: dict, parts: dict, query_tokens: int | None):
     """Blocks {index: module} run `_recording_forward` inside the context, recording into parts[index] (absent:
     not kept); every capture computes the blocks before the captured one this way, so the sweep and the stopped
-    forwards see the same numbers."""
+    forwards see the same numbers. A forward set on the instance before (an accelerate hook's) is put back after."""
+    before = {i: m.__dict__.get("forward") for i, m in modules.items()}
     for i, m in modules.items():
         m.forward = _recording_forward(family, m, family.mla_weights(m), parts.get(i), i, query_tokens)
     try:
         yield
     finally:
-        for m in modules.values():
-            del m.forward  # the class's forward again
+        for i, m in modules.items():
+            if before[i] is None:
+                del m.forward  # the class's forward again
+            else:
+                m.forward = before[i]
 
 
 def head_outputs(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:

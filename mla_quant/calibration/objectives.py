@@ -41,8 +41,8 @@ def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Ten
     float copy of the integer grid (rounding straight-through, group ranges differentiable) or, for fp8 and bf16,
     straight through."""
     if fmt.format != "int" or fmt.granularity != "group":
-        exact = fake_quantizer(fmt, d)
-        return lambda x: x + (exact(x.detach()) - x).detach()
+        cast = fake_quantizer(fmt, d)
+        return lambda x: x + (cast(x.detach()) - x).detach()
     bits, group = int(fmt.bits), fmt.group_size or d
     fake_quantizer(fmt, d)  # validates the format against d
     codebook = [fmt.codebook()]  # quantizer=lloyd without fitted levels: fitted on the first values quantized
