@@ -16,6 +16,7 @@ from mla_quant.calibration.objectives import content_objective, ste_quantizer
 from mla_quant.calibration.store import load_transforms, save_transforms, transform_path
 from mla_quant.prepare import build_model, load_tokenizer
 from mla_quant.quant.formats import cache_format, fake_quantizer
+from mla_quant.quant.quantizers import fit_levels
 from mla_quant.transforms import LayerTransform, TransformSet
 
 
@@ -71,6 +72,30 @@ def test_ste_quantizer_is_exact_forward_and_has_gradients():
         assert torch.equal(q(x), fake_quantizer(fmt.content, 96)(x))
     y.pow(2).sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("quantizer", ["clip", "hqq", "lloyd"])
+def test_searched_quantizers_pass_gradients_inside_the_grid_they_chose(quantizer):
+    """clip / hqq / lloyd: the forward pass is the cache's values; the gradient is straight through exactly where a
+    value lies inside the grid its group's search chose (first to last level), zero where that grid clips it (so
+    the fit sees the quantizer it is fitted for, not RTN's min/max grid)."""
+    from mla_quant.quant.quantizers import group_dequantize, group_quantize
+
+    fmt = cache_format(compose(["model=toy_mla", "quant=int2_joint", f"quant.content.quantizer={quantizer}"]).quant,
+                       96, 16).content
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 40, 96, generator=g) ** 3).requires_grad_(True)  # heavy tails: clipped groups
+    q = ste_quantizer(fmt, 96)
+    y = q(x)
+    assert torch.equal(y.detach(), fake_quantizer(fmt, 96)(x.detach()))
+    y.sum().backward()
+    levels = fit_levels(x.detach(), 2, fmt.group_size, fmt.scale_dtype) if quantizer == "lloyd" else None
+    codes, scales, zeros = group_quantize(x.detach(), 2, fmt.group_size, False, fmt.scale_dtype, quantizer, levels)
+    lowest = group_dequantize(torch.zeros_like(codes), scales, zeros, 2, torch.float32, levels)
+    highest = group_dequantize(torch.full_like(codes, 3), scales, zeros, 2, torch.float32, levels)
+    inside = ((x.detach() >= lowest) & (x.detach() <= highest)).float()
+    assert int((x.grad != inside).sum()) <= 2, "gradient differs from the grid's inside beyond boundary rounding"
+    assert 0 < int(inside.sum()) < inside.numel()  # some values inside, some clipped
 
 
 def test_fitted_rotation_stays_orthogonal_and_scale_positive(toy):

@@ -25,7 +25,7 @@ from mla_quant.calibration.capture import LayerCapture, head_outputs
 from mla_quant.kernels.attention import causal_latent_attention, causal_mask
 from mla_quant.models.fp8 import compute_dtype, linear
 from mla_quant.quant.formats import PathFormat, fake_quantizer
-from mla_quant.quant.quantizers import fake_quantize, fit_levels
+from mla_quant.quant.quantizers import fake_quantize, fit_levels, group_dequantize, group_quantize, load_scale
 from mla_quant.transforms.fold import pair_index
 
 CONTENT_OBJECTIVES = ("attention_output", "cache_mse", "next_token_kl")  # the first is each path's default
@@ -38,8 +38,9 @@ def _ste_round(x: torch.Tensor) -> torch.Tensor:
 
 def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> the cache's fake-quantized x in the forward pass (exactly `fake_quantizer`), with gradients through a
-    float copy of the integer grid (rounding straight-through, group ranges differentiable) or, for fp8 and bf16,
-    straight through."""
+    float copy of the integer grid: for rtn its min/max grid (rounding straight-through, group ranges
+    differentiable); for clip, hqq and lloyd straight through inside the grid each group's search chose, zero where
+    it clips (`searched`); for fp8 and bf16 straight through."""
     if fmt.format != "int" or fmt.granularity != "group":
         cast = fake_quantizer(fmt, d)
         return lambda x: x + (cast(x.detach()) - x).detach()
@@ -64,9 +65,29 @@ def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Ten
             out = _ste_round((xg - lo) / s).clamp(0, 2**bits - 1) * s + lo
         return out.reshape(x.shape)
 
+    def searched(x: torch.Tensor) -> torch.Tensor:
+        """clip / hqq / lloyd: the cache's values in the forward pass; the gradient straight through inside the grid
+        the quantizer chose for each group (its searched scale and zero, or levels, held constant), zero outside it
+        (where the group's range clips). The range-differentiable RTN grid of `approx` is not the grid these store,
+        and steers the fit toward RTN's optimum instead of theirs."""
+        if fmt.quantizer == "lloyd" and codebook[0] is None:
+            codebook[0] = fit_levels(x.detach(), bits, fmt.group_size, fmt.scale_dtype)
+        levels = codebook[0] if fmt.quantizer == "lloyd" else None
+        codes, scales, zeros = group_quantize(x.detach(), bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype,
+                                              fmt.quantizer, levels)
+        value = group_dequantize(codes, scales, zeros, bits, x.dtype, levels)
+        step = load_scale(scales).unsqueeze(-1)
+        first, last = (0.0, 2.0**bits - 1) if levels is None else (float(levels[0]), float(levels[-1]))
+        start = -(2.0 ** (bits - 1)) * step if zeros is None else zeros.float().unsqueeze(-1)
+        xg = x.reshape(*x.shape[:-1], d // group, group)
+        inside = torch.clamp(xg, start + first * step, start + last * step).reshape(x.shape)
+        return value + (inside - inside.detach())  # exactly the values forward, inside's gradient backward
+
     def quantize(x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():  # an evaluation: the cache's values themselves
             return exact(x)
+        if fmt.quantizer != "rtn":
+            return searched(x)
         a = approx(x)
         return a + (exact(x.detach()) - a).detach()
 
