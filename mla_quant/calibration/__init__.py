@@ -40,6 +40,11 @@ __all__ = ["CONTENT_CODECS", "DEFAULT_FIT_FORMAT", "FIT_KEYS", "OBJECTIVES", "TR
            "needs_data", "report_metrics", "transformed_format", "weights_sha256"]
 
 
+# Raised whenever a change to the capture, the objectives or the fit changes what a configuration fits, so sets stored
+# before it are fitted again rather than reused (2: clip / hqq / lloyd fitted through their own searched grids).
+FIT_REVISION = 2
+
+
 def weights_sha256(model) -> str:
     """Fingerprint of the MLA weights a transform depends on (every block's kv_a, norm, kv_b and query rows)."""
     import hashlib
@@ -75,7 +80,7 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
     fit = _plain(tcfg).get("fit") or {}
     payload = {"model": {k2: v for k2, v in _plain(cfg.model).items() if k2 not in ("device", "tokenizer", "resources")},
                "weights": weights_sha256(model), "transform": {k2: v for k2, v in _plain(tcfg).items() if k2 != "fit"},
-               "fit": {k2: v for k2, v in fit.items() if k2 not in ("cache_dir", "reuse")},
+               "fit": {k2: v for k2, v in fit.items() if k2 not in ("cache_dir", "reuse")}, "revision": FIT_REVISION,
                "objective": _plain(cfg.get("objective")) if fitted_paths(tcfg) else None,
                "calib": {**_plain(calib), "source": source} if use_data else None,
                # the paths' formats only: calibration quantizes every token, whatever the protected region or backend
