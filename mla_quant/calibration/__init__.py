@@ -41,8 +41,8 @@ __all__ = ["CONTENT_CODECS", "DEFAULT_FIT_FORMAT", "FIT_KEYS", "OBJECTIVES", "TR
 
 
 # Raised whenever a change to the capture, the objectives or the fit changes what a configuration fits, so sets stored
-# before it are fitted again rather than reused (2: clip / hqq / lloyd fitted through their own searched grids).
-FIT_REVISION = 2
+# before it are fitted again rather than reused (3: clip and lloyd fitted through their own searched grids).
+FIT_REVISION = 3
 
 
 def weights_sha256(model) -> str:

@@ -38,9 +38,9 @@ def _ste_round(x: torch.Tensor) -> torch.Tensor:
 
 def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> the cache's fake-quantized x in the forward pass (exactly `fake_quantizer`), with gradients through a
-    float copy of the integer grid: for rtn its min/max grid (rounding straight-through, group ranges
-    differentiable); for clip, hqq and lloyd straight through inside the grid each group's search chose, zero where
-    it clips (`searched`); for fp8 and bf16 straight through."""
+    float copy of the integer grid: for rtn and hqq the min/max grid (rounding straight-through, group ranges
+    differentiable); for clip and lloyd straight through inside the grid each group's search chose, zero where it
+    clips (`searched`); for fp8 and bf16 straight through."""
     if fmt.format != "int" or fmt.granularity != "group":
         cast = fake_quantizer(fmt, d)
         return lambda x: x + (cast(x.detach()) - x).detach()
@@ -66,10 +66,12 @@ def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Ten
         return out.reshape(x.shape)
 
     def searched(x: torch.Tensor) -> torch.Tensor:
-        """clip / hqq / lloyd: the cache's values in the forward pass; the gradient straight through inside the grid
-        the quantizer chose for each group (its searched scale and zero, or levels, held constant), zero outside it
+        """clip / lloyd: the cache's values in the forward pass; the gradient straight through inside the grid the
+        quantizer chose for each group (its searched scale and zero, or levels, held constant), zero outside it
         (where the group's range clips). The range-differentiable RTN grid of `approx` is not the grid these store,
-        and steers the fit toward RTN's optimum instead of theirs."""
+        and steers the fit toward RTN's optimum instead of theirs. hqq keeps `approx`: its zero points are optimised
+        afresh for every input, so a grid held constant misleads the fit (measured: a 4x higher content objective
+        at int2_content_int4_rope), while the min/max range follows how its grid moves."""
         if fmt.quantizer == "lloyd" and codebook[0] is None:
             codebook[0] = fit_levels(x.detach(), bits, fmt.group_size, fmt.scale_dtype)
         levels = codebook[0] if fmt.quantizer == "lloyd" else None
@@ -86,7 +88,7 @@ def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Ten
     def quantize(x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():  # an evaluation: the cache's values themselves
             return exact(x)
-        if fmt.quantizer != "rtn":
+        if fmt.quantizer in ("clip", "lloyd"):
             return searched(x)
         a = approx(x)
         return a + (exact(x.detach()) - a).detach()
