@@ -48,10 +48,13 @@ def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Ten
     fake_quantizer(fmt, d)  # validates the format against d
     codebook = [fmt.codebook()]  # quantizer=lloyd without fitted levels: fitted on the first values quantized
 
-    def exact(x: torch.Tensor) -> torch.Tensor:  # the cache's codes and stored scales, without bit packing
+    def levels(x: torch.Tensor) -> torch.Tensor | None:  # lloyd's codebook, fitted on the first values without one
         if fmt.quantizer == "lloyd" and codebook[0] is None:
-            codebook[0] = fit_levels(x, bits, fmt.group_size, fmt.scale_dtype)
-        return fake_quantize(x, bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype, fmt.quantizer, codebook[0])
+            codebook[0] = fit_levels(x.detach(), bits, fmt.group_size, fmt.scale_dtype)
+        return codebook[0]
+
+    def exact(x: torch.Tensor) -> torch.Tensor:  # the cache's codes and stored scales, without bit packing
+        return fake_quantize(x, bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype, fmt.quantizer, levels(x))
 
     def approx(x: torch.Tensor) -> torch.Tensor:
         xg = x.reshape(*x.shape[:-1], d // group, group)
@@ -72,14 +75,12 @@ def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Ten
         and steers the fit toward RTN's optimum instead of theirs. hqq keeps `approx`: its zero points are optimised
         afresh for every input, so a grid held constant misleads the fit (measured: a 4x higher content objective
         at int2_content_int4_rope), while the min/max range follows how its grid moves."""
-        if fmt.quantizer == "lloyd" and codebook[0] is None:
-            codebook[0] = fit_levels(x.detach(), bits, fmt.group_size, fmt.scale_dtype)
-        levels = codebook[0] if fmt.quantizer == "lloyd" else None
+        book = levels(x)
         codes, scales, zeros = group_quantize(x.detach(), bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype,
-                                              fmt.quantizer, levels)
-        value = group_dequantize(codes, scales, zeros, bits, x.dtype, levels)
+                                              fmt.quantizer, book)
+        value = group_dequantize(codes, scales, zeros, bits, x.dtype, book)
         step = load_scale(scales).unsqueeze(-1)
-        first, last = (0.0, 2.0**bits - 1) if levels is None else (float(levels[0]), float(levels[-1]))
+        first, last = (0.0, 2.0**bits - 1) if book is None else (float(book[0]), float(book[-1]))
         start = -(2.0 ** (bits - 1)) * step if zeros is None else zeros.float().unsqueeze(-1)
         xg = x.reshape(*x.shape[:-1], d // group, group)
         inside = torch.clamp(xg, start + first * step, start + last * step).reshape(x.shape)
