@@ -3,6 +3,7 @@
     with PeakMemory("cpu") as mem:
         model(ids)
     mem.added_bytes, mem.peak_bytes, mem.seconds   # peak above the start, absolute peak, wall time
+    mem.added_allocated_bytes                      # peak above the start of the bytes allocated (None: unknown)
     mem.summary()                                  # {"peak_gb": ..., ...}: every run record's `memory`
 
     with PeakMemory("cpu") as mem, LayerProfile(mem) as layers:   # per decoder layer (profile_layers=true)
@@ -16,12 +17,18 @@ On CUDA: the caching allocator's `max_memory_allocated` (tensors only, exact). O
 (`/proc/self/statm`) sampled every `interval` seconds by a thread while the work runs (torch releases the GIL in its
 kernels); large tensors are mapped and unmapped one by one, so the resident set follows the live tensors. Where
 /proc is missing, the process's lifetime peak (`ru_maxrss`), which only measures work that sets a new peak.
+The resident set also keeps what the C allocator holds from freed memory (glibc raises its mmap threshold after the
+first large free, so later tensors come from a heap it does not hand back), which makes small peaks noisy; beside it
+the same thread samples the C allocator's bytes in use (`allocated_bytes`, glibc's `mallinfo2`: the live tensors and
+other allocations, exact, whatever is kept), the CPU's counterpart of CUDA's allocated bytes.
 A section (`section_start` / `section_peak`, what LayerProfile uses per layer) measures a part of the work the same
 way without losing the whole's peak; on CUDA it synchronizes the device at both ends.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import resource
 import sys
@@ -43,18 +50,44 @@ def resident_bytes() -> int:
         return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _libc_function(name: str, restype=None):
+    """A function of the C library (glibc's, by name), or None where it or the library is missing."""
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+    if restype is not None:
+        fn.restype = restype
+    return fn
+
+
+_MALLINFO2 = _libc_function("mallinfo2", _MallInfo2)  # glibc 2.33 and newer
+_MALLOC_TRIM = _libc_function("malloc_trim")
+
+
+def allocated_bytes() -> int | None:
+    """Bytes the C allocator has handed out and not taken back (heap chunks in use + mmapped chunks), from glibc's
+    `mallinfo2`; None where that is missing (not glibc, or glibc < 2.33). Counts live allocations only: unlike the
+    resident set, nothing the allocator keeps from freed memory."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return info.uordblks + info.hblkhd
+
+
 def settled_resident_bytes() -> int:
     """The resident set after garbage collection and, with glibc, `malloc_trim(0)` (freed heap memory handed back
     to the system): what live objects hold, not what the allocator kept from freed ones."""
-    import ctypes
-    import ctypes.util
     import gc
 
     gc.collect()
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the resident set as it is
-        pass
+    if _MALLOC_TRIM is not None:  # not glibc: the resident set as it is
+        _MALLOC_TRIM(0)
     return resident_bytes()
 
 
@@ -94,7 +127,9 @@ class PeakMemory:
         self.device = torch.device(device)
         self.interval = interval
         self.start_bytes = self.peak_bytes = self.added_bytes = 0
+        self.added_allocated_bytes: int | None = None
         self.seconds = 0.0
+        self._alloc_start = self._alloc_peak = None
         self._peak = self._section_peak = 0
 
     def __enter__(self) -> PeakMemory:
@@ -105,6 +140,7 @@ class PeakMemory:
         else:
             self.start_bytes = resident_bytes()
             self._peak = self.start_bytes
+            self._alloc_start = self._alloc_peak = allocated_bytes()
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
@@ -115,6 +151,8 @@ class PeakMemory:
         while not self._stop.is_set():
             now = resident_bytes()
             self._peak, self._section_peak = max(self._peak, now), max(self._section_peak, now)
+            if self._alloc_peak is not None:
+                self._alloc_peak = max(self._alloc_peak, allocated_bytes())
             time.sleep(self.interval)
 
     def section_start(self) -> int:
@@ -146,13 +184,20 @@ class PeakMemory:
             self._stop.set()
             self._thread.join()
             self.peak_bytes = self._peak
+            if self._alloc_peak is not None:
+                self.added_allocated_bytes = max(0, max(self._alloc_peak, allocated_bytes()) - self._alloc_start)
         self.added_bytes = max(0, self.peak_bytes - self.start_bytes)
+        if self.device.type == "cuda":
+            self.added_allocated_bytes = self.added_bytes
 
     def summary(self) -> dict:
         """For a run record: peak and peak added memory (GB) and what was measured (zeros before the work ran)."""
         what = "cuda_allocated" if self.device.type == "cuda" else "cpu_resident"
-        return {"peak_gb": self.peak_bytes / 1e9, "peak_added_gb": self.added_bytes / 1e9, "measured": what,
-                "seconds": self.seconds}
+        out = {"peak_gb": self.peak_bytes / 1e9, "peak_added_gb": self.added_bytes / 1e9, "measured": what,
+               "seconds": self.seconds}
+        if self.device.type != "cuda" and self.added_allocated_bytes is not None:
+            out["peak_added_allocated_gb"] = self.added_allocated_bytes / 1e9
+        return out
 
 
 class LayerProfile:

@@ -16,7 +16,8 @@ times each:
 - `expanded`: the same query blocks in the expanded form (per-head K/V and scaled_dot_product_attention; the
   option's expand_from, or 1 when it has none).
 The reference is skipped where its scores alone would exceed `task.reference_budget_gb`. Reports peak added memory
-(CPU resident set or CUDA allocator, mla_quant.memory), seconds (the fastest repeat), their ratios, the growth of
+(the bytes allocated: CUDA's allocator, or on the CPU the C allocator's bytes in use, mla_quant.memory; the CPU's
+resident set beside it, which also keeps freed memory the allocator holds on to), seconds (the fastest repeat), their ratios, the growth of
 the blocked form's memory per doubling of the context, and the largest relative difference of the outputs.
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 from pathlib import Path
 
 import pandas as pd
@@ -109,20 +111,21 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                     if form == "unblocked":  # the mask the absorbed path was handed before: eager's (B, 1, T, S)
                         model.config._attn_implementation = "eager"
                     mem, outs[form] = _measure(model, ids, mask, device)
-                    prev = best.get(form)
-                    best[form] = (min(prev[0], mem.seconds) if prev else mem.seconds,
-                                  max(prev[1], mem.added_bytes) if prev else mem.added_bytes)
+                    added = mem.added_bytes if mem.added_allocated_bytes is None else mem.added_allocated_bytes
+                    prev = best.get(form, (float("inf"), 0, 0))
+                    best[form] = (min(prev[0], mem.seconds), max(prev[1], added), max(prev[2], mem.added_bytes))
             absorb(model, blocks)
             valid = mask.bool()
             diff = {}
             if "unblocked" in outs:
                 ref = outs["unblocked"][valid]
                 diff = {f: float((outs[f][valid] - ref).abs().max() / ref.abs().max()) for f in compared}
-            for form, (seconds, added) in best.items():
+            for form, (seconds, added, resident) in best.items():
                 rows.append({"model": name, "heads": heads, "d_c": dims["d_c"], "d_r": dims["d_r"], "context": ctx,
-                             "form": form, "peak_added_gb": added / GB, "seconds": seconds,
-                             "max_rel_diff": diff.get(form)})
+                             "form": form, "peak_added_gb": added / GB, "resident_added_gb": resident / GB,
+                             "seconds": seconds, "max_rel_diff": diff.get(form)})
                 metrics[f"bench/prefill/{name}/ctx{ctx}/{form}/peak_added_gb"] = added / GB
+                metrics[f"bench/prefill/{name}/ctx{ctx}/{form}/resident_added_gb"] = resident / GB
                 metrics[f"bench/prefill/{name}/ctx{ctx}/{form}/seconds"] = seconds
             for form in compared if "unblocked" in best else ():
                 metrics[f"bench/prefill/{name}/ctx{ctx}/memory_ratio_{form}_vs_unblocked"] = (
@@ -137,8 +140,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         for form in compared:
             peak = {r["context"]: r["peak_added_gb"] for r in rows if r["model"] == name and r["form"] == form}
             ctxs = sorted(peak)
-            pairs = {(a, b) for a, b in zip(ctxs, ctxs[1:])} | ({(ctxs[0], ctxs[-1])} if len(ctxs) > 1 else set())
-            for lo, hi in pairs:
+            for lo, hi in itertools.combinations(ctxs, 2):
                 metrics[f"bench/prefill/{name}/{form}/growth_ctx{lo}_to_ctx{hi}"] = peak[hi] / max(peak[lo], 1e-9)
         del model
         gc.collect()
