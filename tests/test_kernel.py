@@ -63,6 +63,9 @@ FORMATS = {
                                     "protected": {"n_sink": 2, "recent": 0}},
     # bits per group of RoPE pairs (format=pairs): the key's page read as bytes, 16 = values
     "int4 g32 + pairs rope [8, 3, 2, 16]": {"content": {"group_size": 32}, "rope": {"bits": [8, 3, 2, 16]}},
+    # 2 bits on both paths at transformers' 2-bit bytes: the RoPE key's scale and zero per 4 channels, HQQ's zeros
+    "int2 g32 hqq + int2 rope g4 hqq": {"option": "int2_joint", "content": {"group_size": 32, "quantizer": "hqq"},
+                                        "rope": {"group_size": 4, "quantizer": "hqq"}},
     # codebooks (quantizer=lloyd): a select over levels held in registers
     "int2 g32 lloyd + int4 rope lloyd": {"option": "int2_content_int4_rope",
                                          "content": {"group_size": 32, "quantizer": "lloyd"},

@@ -473,3 +473,29 @@ def test_lloyd_cache_reads_its_codebook_and_counts_its_bytes():
                                          r"calibration latents, and this format has none"):
         layer_factory(bare)()
     assert dataclasses.replace(bare.rope, levels=None).codebook() is None
+
+
+@pytest.mark.parametrize("quantizer", ["rtn", "hqq"])
+def test_int2_joint_with_rope_groups_of_4_holds_the_peers_bytes(quantizer):
+    """INT2 on both paths with a scale and zero per 4 RoPE channels, on the toy's dims (d_c 96 in groups of 32,
+    d_r 16): 24 + 3 x 4 B of content, 4 + 4 x 4 B of RoPE key = 56 B per quantized token, as transformers' 2-bit
+    QuantizedCache holds (int2_joint's whole-vector RoPE scale: 44 B); measured from the layer, equal to the formula,
+    and the read-back is exactly fake_quantizer's values, the RoPE key closer to the latent than with one group."""
+    g = torch.Generator().manual_seed(0)
+    c, r = torch.randn(2, 50, 96, generator=g), 3 * torch.randn(2, 50, 16, generator=g)
+    out = {}
+    for rope_group in (None, 4):
+        cfg = OmegaConf.merge(load_quant_option("int2_joint", groups={"wide": 32, "narrow": 32}),
+                              {"protected": {"n_sink": 0, "recent": 0}, "content": {"quantizer": quantizer},
+                               "rope": {"quantizer": quantizer, "group_size": rope_group}})
+        fmt = cache_format(cfg, 96, 16)
+        layer = cache_layer_factory(cfg, 96, 16)()
+        layer.append(c, r)
+        got_c, got_r = layer.read()
+        torch.testing.assert_close(got_c, fake_quantizer(fmt.content, 96)(c), rtol=0, atol=0)
+        torch.testing.assert_close(got_r, fake_quantizer(fmt.rope, 16)(r), rtol=0, atol=0)
+        per_token = fmt.content.bytes_per_token(96) + fmt.rope.bytes_per_token(16)
+        assert layer.nbytes() == per_token * 100
+        out[rope_group] = (per_token, float((got_r - r).pow(2).sum() / r.pow(2).sum()))
+    assert out[None][0] == 44 and out[4][0] == 56, out
+    assert out[4][1] < out[None][1], out
