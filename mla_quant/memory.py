@@ -28,7 +28,6 @@ way without losing the whole's peak; on CUDA it synchronizes the device at both 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import resource
 import sys
@@ -56,9 +55,10 @@ class _MallInfo2(ctypes.Structure):
 
 
 def _libc_function(name: str, restype=None):
-    """A function of the C library (glibc's, by name), or None where it or the library is missing."""
+    """A function of the C library the process runs with (glibc's, by name; looked up among the symbols already
+    loaded, no library search), or None where it is missing."""
     try:
-        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+        fn = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
     if restype is not None:

@@ -17,8 +17,9 @@ times each:
   option's expand_from, or 1 when it has none).
 The reference is skipped where its scores alone would exceed `task.reference_budget_gb`. Reports peak added memory
 (the bytes allocated: CUDA's allocator, or on the CPU the C allocator's bytes in use, mla_quant.memory; the CPU's
-resident set beside it, which also keeps freed memory the allocator holds on to), seconds (the fastest repeat), their ratios, the growth of
-the blocked form's memory per doubling of the context, and the largest relative difference of the outputs.
+resident set beside it, which also keeps freed memory the allocator holds on to), seconds (the fastest repeat), their
+ratios, the growth of each blocked form's memory between every two contexts, and the largest relative difference of
+the outputs.
 """
 
 from __future__ import annotations
