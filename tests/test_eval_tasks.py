@@ -125,7 +125,7 @@ def test_cache_layer_factory_hook(model):
     with hydra.initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = hydra.compose("config", overrides=["experiment=evaluate", "logger=none"])
         layer = cache_layer_factory(cfg, model)()
-        assert cfg.quant.name == "bf16" and type(layer) is LatentCacheLayer and not layer.quantized  # exact
+        assert cfg.quant.name == "bf16" and isinstance(layer, LatentCacheLayer) and not layer.quantized  # exact
         # the release option as written: its content groups come from the toy's quant_group_size (32 | d_c = 96)
         cfg = hydra.compose("config", overrides=["experiment=evaluate", "logger=none", "quant=int4_joint"])
         factory = cache_layer_factory(cfg, model)

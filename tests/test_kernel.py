@@ -20,18 +20,18 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def filled_layer(quant: dict, d_c: int, d_r: int, batch: int, tokens: int, dtype=torch.float32, seed: int = 0,
-                 pads: tuple[int, ...] = ()):
-    """One cache layer after a prefill and single-token decode appends; sequence i left-padded by pads[i] slots,
-    so sequences hold different numbers of sinks, quantized and recent tokens."""
+                 pads: tuple[int, ...] = (), device: str = DEVICE):
+    """One cache layer on `device` after a prefill and single-token decode appends; sequence i left-padded by pads[i]
+    slots, so sequences hold different numbers of sinks, quantized and recent tokens."""
     from mla_quant.cache import layer_factory
     from mla_quant.quant.formats import cache_format
 
     cfg = OmegaConf.merge(load_quant_option(quant.pop("option", "int4_joint")), quant)
     g = torch.Generator().manual_seed(seed)
-    c = torch.randn(batch, tokens, d_c, generator=g).to(DEVICE, dtype)
-    r = (3 * torch.randn(batch, tokens, d_r, generator=g)).to(DEVICE, dtype)
+    c = torch.randn(batch, tokens, d_c, generator=g).to(device, dtype)
+    r = (3 * torch.randn(batch, tokens, d_r, generator=g)).to(device, dtype)
     layer = layer_factory(fitted_on(cache_format(cfg, d_c, d_r, context=4096), c, r))()
-    valid = torch.ones(batch, tokens, dtype=torch.bool, device=DEVICE)
+    valid = torch.ones(batch, tokens, dtype=torch.bool, device=device)
     for i, pad in enumerate(pads):
         valid[i, :pad] = False
     first = tokens * 2 // 3
@@ -201,7 +201,7 @@ def test_formats_the_kernel_cannot_read_are_named(option, override, match):
 
 
 def test_no_gpu_and_no_interpreter_is_a_clear_error(monkeypatch):
-    import mla_quant.cache.triton  # noqa: F401 - its kernels decorated under the interpreter, before the env changes
+    import mla_quant.kernels.latent_decode  # noqa: F401 - its kernels decorated under the interpreter, before the env changes
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -210,34 +210,36 @@ def test_no_gpu_and_no_interpreter_is_a_clear_error(monkeypatch):
         cache_layer_factory(cfg, 96, 16)
 
 
-@pytest.mark.parametrize("option, override, cuda_decode", [
-    ("int4_joint", {"content": {"group_size": 32}}, "triton"),
-    ("bf16", {}, "triton"),
-    ("int4_joint", {"content": {"bits": 3, "group_size": 32}}, "torch"),  # a width the kernel does not unpack
-    ("fp8_ds_mla", {"content": {"group_size": 32}}, "torch"),
+@pytest.mark.parametrize("option, override, cuda_decode, cpu_decode", [
+    ("int4_joint", {"content": {"group_size": 32}}, "triton", "cpu"),
+    ("bf16", {}, "triton", "cpu"),
+    ("int4_joint", {"content": {"bits": 3, "group_size": 32}}, "torch", "torch"),  # a width no kernel unpacks
+    ("fp8_ds_mla", {"content": {"group_size": 32}}, "torch", "torch"),
+    ("int4_joint", {"content": {"group_size": 32}, "rope": {"bits": [8, 4]}}, "triton", "torch"),  # pair widths
 ])
-def test_backend_auto_picks_the_kernel_for_decode_on_cuda_only(option, override, cuda_decode):
+def test_backend_auto_picks_the_kernel_of_the_device(option, override, cuda_decode, cpu_decode):
     from mla_quant.quant.formats import cache_format
 
     fmt = cache_format(OmegaConf.merge(load_quant_option(option), override), 96, 16)
     assert fmt.backend == "auto"  # the default of every option
     assert fmt.step_backends("cuda") == {"prefill": "torch", "decode": cuda_decode}
-    assert fmt.step_backends("cpu") == {"prefill": "torch", "decode": "torch"}
+    assert fmt.step_backends("cpu") == {"prefill": "torch", "decode": cpu_decode}
     forced = cache_format(OmegaConf.merge(load_quant_option("bf16"), {"backend": "torch"}), 96, 16)
-    assert forced.step_backends("cuda")["decode"] == "torch"
+    assert forced.step_backends("cuda")["decode"] == forced.step_backends("cpu")["decode"] == "torch"
 
 
-def test_backend_auto_on_the_cpu_decodes_in_torch(monkeypatch):
-    """auto never takes the interpreter: a layer built where a GPU is visible still decodes CPU tensors in torch,
-    and says so; explicit triton runs the kernel (here under the interpreter)."""
-    from mla_quant.cache.triton import TritonLatentCacheLayer
+def test_backend_auto_on_the_cpu_decodes_with_the_cpu_kernel(monkeypatch):
+    """auto never takes the interpreter: a layer built where a GPU is visible decodes CPU tensors with the C++ CPU
+    kernel, and says so; explicit triton runs the Triton kernel (here under the interpreter); torch the PyTorch
+    path (a plain layer)."""
+    from mla_quant.cache.kernel import KernelLatentCacheLayer
 
     cfg = OmegaConf.merge(load_quant_option("int4_joint"), {"content": {"group_size": 32}, "protected": {"recent": 4}})
-    assert type(cache_layer_factory(cfg, 96, 16)()) is LatentCacheLayer or torch.cuda.is_available()
+    assert type(cache_layer_factory(OmegaConf.merge(cfg, {"backend": "torch"}), 96, 16)()) is LatentCacheLayer
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for backend, expected in (("auto", "torch"), ("triton", "triton")):
+    for backend, expected in (("auto", "cpu"), ("triton", "triton"), ("cpu", "cpu")):
         layer = cache_layer_factory(OmegaConf.merge(cfg, {"backend": backend}), 96, 16)()
-        assert isinstance(layer, TritonLatentCacheLayer)
+        assert isinstance(layer, KernelLatentCacheLayer)
         c, r = torch.randn(2, 12, 96), torch.randn(2, 12, 16)
         layer.attend(torch.randn(2, 4, 11, 96), torch.randn(2, 4, 11, 16), c[:, :11], r[:, :11], 0.1, None)
         layer.attend(torch.randn(2, 4, 1, 96), torch.randn(2, 4, 1, 16), c[:, 11:], r[:, 11:], 0.1, None)
@@ -249,7 +251,7 @@ def test_triton_layer_decodes_codebooks_and_pair_widths_as_torch_does(rope):
     """quant.backend=triton with a lloyd codebook (stored in PyTorch, read by the kernel) or widths per group of
     RoPE pairs: decode steps through the kernel equal the PyTorch layer's over the same stored tokens."""
     from mla_quant.cache import layer_factory
-    from mla_quant.cache.triton import TritonLatentCacheLayer
+    from mla_quant.cache.kernel import KernelLatentCacheLayer
     from mla_quant.quant.formats import cache_format
 
     g = torch.Generator().manual_seed(4)
@@ -261,7 +263,7 @@ def test_triton_layer_decodes_codebooks_and_pair_widths_as_torch_does(rope):
             "backend": backend, "protected": {"n_sink": 2, "recent": 16},
             "content": {"group_size": 32, "quantizer": "lloyd"}, "rope": rope})
         layer = layer_factory(fitted_on(cache_format(cfg, 96, 16), c, r))()
-        assert isinstance(layer, TritonLatentCacheLayer) == (backend == "triton")
+        assert isinstance(layer, KernelLatentCacheLayer) == (backend == "triton")
         layer.append(c[:, :140], r[:, :140])
         outs[backend] = [layer.attend(*q, c[:, i : i + 1], r[:, i : i + 1], 0.1, None) for i in range(140, 143)]
         assert layer.backend_steps[("decode", backend)] == 3
@@ -270,7 +272,7 @@ def test_triton_layer_decodes_codebooks_and_pair_widths_as_torch_does(rope):
 
 
 def test_unknown_backend_is_refused():
-    with pytest.raises(ValueError, match=r"quant.backend='cuda' is unknown; allowed: \['auto', 'torch', 'triton'\]"):
+    with pytest.raises(ValueError, match=r"quant.backend='cuda' is unknown; allowed: \['auto', 'torch', 'triton', 'cpu'\]"):
         cache_layer_factory(OmegaConf.merge(load_quant_option("int4_joint"), {"backend": "cuda"}), 96, 16)
 
 
@@ -333,4 +335,8 @@ def test_record_names_the_backend_of_each_step_type():
 
     fmt = cache_format(OmegaConf.merge(load_quant_option("int4_joint"), {"content": {"group_size": 32}}), 96, 16)
     metrics = Prepared(torch.nn.Linear(2, 2), None, {"d_c": 96, "d_r": 16}, fmt).cache_metrics()
-    assert (metrics["cache/backend/prefill"], metrics["cache/backend/decode"]) == ("torch", "torch")  # on the CPU
+    assert (metrics["cache/backend/prefill"], metrics["cache/backend/decode"]) == ("torch", "cpu")  # on the CPU
+    forced = cache_format(OmegaConf.merge(load_quant_option("int4_joint"), {"content": {"group_size": 32},
+                                                                             "backend": "torch"}), 96, 16)
+    metrics = Prepared(torch.nn.Linear(2, 2), None, {"d_c": 96, "d_r": 16}, forced).cache_metrics()
+    assert metrics["cache/backend/decode"] == "torch"

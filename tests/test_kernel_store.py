@@ -87,16 +87,16 @@ def test_store_kernel_odd_dims(d, bits, group):
 def test_triton_layer_stores_what_the_torch_layer_stores(option, override, monkeypatch):
     """A layer with quant.backend=triton writes its quantized tokens through the store kernel; padding, odd
     prefill lengths and single-token appends leave exactly the torch layer's stored tensors."""
-    from mla_quant.cache import triton as triton_layer
-    from mla_quant.cache.triton import TritonLatentCacheLayer
+    from mla_quant.cache.kernel import KernelLatentCacheLayer
+    from mla_quant.kernels import quant_store
 
     calls = []
-    monkeypatch.setattr(triton_layer, "quantize_append", lambda *a, **k: calls.append(1) or quantize_append(*a, **k))
+    monkeypatch.setattr(quant_store, "quantize_append", lambda *a, **k: calls.append(1) or quantize_append(*a, **k))
 
     base = OmegaConf.merge(load_quant_option(option), override, {"protected": {"n_sink": 2, "recent": 5},
                                                                  "block_size": 8})
     layers = {b: cache_layer_factory(OmegaConf.merge(base, {"backend": b}), 96, 16)() for b in ("torch", "triton")}
-    assert isinstance(layers["triton"], TritonLatentCacheLayer)
+    assert isinstance(layers["triton"], KernelLatentCacheLayer)
     g = torch.Generator().manual_seed(1)
     c, r = torch.randn(3, 40, 96, generator=g).to(DEVICE), torch.randn(3, 40, 16, generator=g).to(DEVICE)
     valid = torch.ones(3, 40, dtype=torch.bool, device=DEVICE)

@@ -87,8 +87,10 @@ def test_every_option_composes_and_builds(option):
     assert quant.name == option
     factory = cache_layer_factory(quant, d_c=512, d_r=64)
     layer = factory()
-    assert type(layer) is LatentCacheLayer and layer.fmt.name == option
+    assert isinstance(layer, LatentCacheLayer) and layer.fmt.name == option
     assert layer.quantized == (option != "bf16")
+    # on the CPU (auto) decode steps take the C++ kernel where it reads the format, PyTorch otherwise
+    assert layer.fmt.step_backends("cpu")["decode"] == ("torch" if layer.fmt.cpu_kernel_unsupported() else "cpu")
 
 
 def test_command_line_per_path_combination():

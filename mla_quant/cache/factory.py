@@ -20,10 +20,11 @@ from mla_quant.quant.peers import PeerFormat
 def layer_factory(fmt: CacheFormat | LayeredFormat | None
                   ) -> Callable[[], LatentCacheLayer] | list[Callable[[], LatentCacheLayer]]:
     """A zero-argument layer constructor for `fmt` (None: unquantized, torch backend). backend=triton: decode steps
-    through the kernel (a clear error where it cannot launch); backend=auto: a kernel-capable layer when a CUDA GPU
-    is visible and the kernel reads the format (each decode step then picks by the device of its tensors,
-    `CacheFormat.step_backends`), the PyTorch layer otherwise. A `PeerFormat`: transformers' quantized layers. A
-    `LayeredFormat`: one constructor per cache layer, in order (`LatentCache` takes the list)."""
+    through the Triton kernel, backend=cpu through the C++ kernel (a clear error where it cannot run);
+    backend=auto: a kernel-capable layer when a kernel would run here (a visible CUDA GPU and a format the Triton
+    kernel reads, or the C++ kernel built and a format it reads; each decode step then picks by the device of its
+    tensors, `CacheFormat.step_backends`), the PyTorch layer otherwise. A `PeerFormat`: transformers' quantized
+    layers. A `LayeredFormat`: one constructor per cache layer, in order (`LatentCache` takes the list)."""
     if fmt is None:
         return LatentCacheLayer
     if isinstance(fmt, LayeredFormat):
@@ -32,14 +33,19 @@ def layer_factory(fmt: CacheFormat | LayeredFormat | None
         from mla_quant.cache.peers import PeerLatentCacheLayer
 
         return functools.partial(PeerLatentCacheLayer, fmt)
-    auto_kernel = fmt.backend == "auto" and torch.cuda.is_available() and fmt.kernel_unsupported() is None
-    if fmt.backend == "triton" or auto_kernel:
-        from mla_quant.cache.triton import TritonLatentCacheLayer
+    if fmt.backend == "triton":
         from mla_quant.kernels.latent_decode import require_triton
 
-        if fmt.backend == "triton":
-            require_triton(hint="; or use quant.backend=torch (or auto)")
-        return functools.partial(TritonLatentCacheLayer, fmt)
+        require_triton(hint="; or use quant.backend=torch (or auto)")
+    elif fmt.backend == "cpu":
+        from mla_quant.kernels.cpu_decode import require_cpu_kernel
+
+        require_cpu_kernel(hint="; or use quant.backend=torch (or auto)")
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    if fmt.backend in ("triton", "cpu") or any(fmt.step_backends(d)["decode"] != "torch" for d in devices):
+        from mla_quant.cache.kernel import KernelLatentCacheLayer
+
+        return functools.partial(KernelLatentCacheLayer, fmt)
     return functools.partial(LatentCacheLayer, fmt)
 
 

@@ -44,10 +44,10 @@ import triton
 import triton.language as tl
 
 from mla_quant.kernels.attention import reference_attention
-from mla_quant.kernels.layout import PagedPath, Segment, WordLayout  # noqa: F401 (Segment: part of this API)
+from mla_quant.kernels.layout import (  # noqa: F401 (Segment, the checks: part of this API)
+    FLOAT_DTYPES, KERNEL_BITS, PagedPath, Segment, WordLayout, check_inputs, rows_contiguous,
+)
 
-KERNEL_BITS = (0, 2, 4, 8)  # 0 = float values
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_SEGMENTS = 3  # segments one stage-1 launch reads (the paged store, the sinks, the recent window)
 DOTS = ("auto", "ieee", "bf16")
 
@@ -57,103 +57,6 @@ def require_triton(what: str = "quant.backend=triton", hint: str = "") -> None:
     if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
         raise RuntimeError(f"{what} cannot run: no CUDA GPU here (set TRITON_INTERPRET=1 before starting to run the "
                            f"kernel in Triton's CPU interpreter){hint}")
-
-
-def rows_contiguous(t: torch.Tensor) -> bool:
-    """True for a (num_blocks, block_size, *) tensor whose (block_size, *) dims are contiguous (a block's rows lie
-    one after another, as in a page); its block stride, stride(0), may be anything."""
-    return t.shape[0] == 0 or t[0].is_contiguous()
-
-
-def _check_path(p: PagedPath, d: int, name: str, blocks: tuple[int, int], device: torch.device) -> None:
-    if p.pairs is not None:  # a page pool of parts of several widths, described by `pairs`
-        if p.data.dtype != torch.uint8 or p.data.dim() != 2 or p.data.shape[0] != blocks[0] or \
-                p.data.stride(1) != 1:
-            raise ValueError(f"{name}.data: a page pool (num_blocks={blocks[0]}, page bytes) uint8 expected with "
-                             f"pairs, got {p.data.dtype} {tuple(p.data.shape)}")
-        if p.data.device != device:
-            raise ValueError(f"{name}.data is on {p.data.device}; the queries are on {device}")
-        return
-    if p.bits not in KERNEL_BITS:
-        raise ValueError(f"{name}.bits={p.bits}; allowed: {list(KERNEL_BITS)} (0 = float values)")
-    if p.data.dim() != 3 or tuple(p.data.shape[:2]) != blocks:
-        raise ValueError(f"{name}.data must be (num_blocks, block_size, *) = {blocks + ('*',)}, "
-                         f"got {tuple(p.data.shape)}")
-    if p.bits == 0:
-        if p.data.dtype not in FLOAT_DTYPES or p.data.shape[-1] != d:
-            raise ValueError(f"{name}.data: float values (.., {d}) in one of {[str(t) for t in FLOAT_DTYPES]} "
-                             f"expected for bits=0, got {p.data.dtype} {tuple(p.data.shape)}")
-        parts = [("data", p.data)]
-    else:
-        words = WordLayout(p.bits, d).words
-        if p.data.dtype != torch.int32 or p.data.shape[-1] != words:
-            raise ValueError(f"{name}.data: int32 code words (.., {words}) expected for bits={p.bits} "
-                             f"(WordLayout), got {p.data.dtype} {tuple(p.data.shape)}")
-        if p.group <= 0 or d % p.group:
-            raise ValueError(f"{name}.group={p.group}: must be a positive divisor of d={d}")
-        groups = d // p.group
-        parts = [("data", p.data)]
-        for part, t in [("scales", p.scales)] + ([] if p.symmetric else [("zeros", p.zeros)]):
-            if t is None:
-                raise ValueError(f"{name}.{part} is missing (bits={p.bits}, symmetric={p.symmetric})")
-            if tuple(t.shape) != blocks + (groups,):
-                raise ValueError(f"{name}.{part} must be contiguous (num_blocks, block_size, {groups}) in its "
-                                 f"(block_size, *) dims (any block stride), got shape {tuple(t.shape)}")
-            parts.append((part, t))
-        if p.pow2 != (p.scales.dtype == torch.int8):
-            raise ValueError(f"{name}.pow2={p.pow2} but scales are {p.scales.dtype} (pow2 scales are int8 "
-                             f"exponents)")
-        if not p.pow2 and p.scales.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{name}.scales: {p.scales.dtype}; allowed: {[str(t) for t in FLOAT_DTYPES]} "
-                             f"(or int8 with pow2=True)")
-        if not p.symmetric and p.zeros.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{name}.zeros: {p.zeros.dtype}; allowed: {[str(t) for t in FLOAT_DTYPES]}")
-        if p.levels is not None:
-            if p.levels.dtype != torch.float32 or tuple(p.levels.shape) != (1 << p.bits,) or \
-                    not p.levels.is_contiguous():
-                raise ValueError(f"{name}.levels: a codebook of {1 << p.bits} contiguous float32 levels expected for "
-                                 f"bits={p.bits}, got {p.levels.dtype} {tuple(p.levels.shape)}")
-            parts.append(("levels", p.levels))
-    for part, t in parts:
-        if part != "levels" and not rows_contiguous(t):
-            raise ValueError(f"{name}.{part} must be contiguous in its (block_size, *) dims (any block stride "
-                             f"stride(0)), got shape {tuple(t.shape)} strides {tuple(t.stride())}")
-        if t.device != device:
-            raise ValueError(f"{name}.{part} is on {t.device}; the queries are on {device}")
-
-
-def check_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, segments) -> None:
-    """Shapes, dtypes and layouts of every argument, before any launch; errors name the argument."""
-    if q_latent.dim() != 3 or q_rope.dim() != 3 or q_latent.shape[:2] != q_rope.shape[:2]:
-        raise ValueError(f"q_latent (B, H, d_c) and q_rope (B, H, d_r) expected, got {tuple(q_latent.shape)} and "
-                         f"{tuple(q_rope.shape)}")
-    if q_latent.dtype not in FLOAT_DTYPES or q_rope.dtype != q_latent.dtype:
-        raise ValueError(f"q_latent and q_rope must share one dtype of {[str(t) for t in FLOAT_DTYPES]}, got "
-                         f"{q_latent.dtype} and {q_rope.dtype}")
-    for name, q in (("q_latent", q_latent), ("q_rope", q_rope)):
-        if q.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(q.stride())}")
-    if q_rope.device != q_latent.device:
-        raise ValueError(f"q_rope is on {q_rope.device}, q_latent on {q_latent.device}")
-    if not segments:
-        raise ValueError("segments is empty: nothing to attend to")
-    b, _, d_c = q_latent.shape
-    d_r = q_rope.shape[-1]
-    for i, seg in enumerate(segments):
-        blocks = tuple(seg.content.data.shape[:2])
-        if seg.content.pairs is not None:
-            raise ValueError(f"segments[{i}].content: a path of several widths (pairs) is the RoPE key's only")
-        _check_path(seg.content, d_c, f"segments[{i}].content", blocks, q_latent.device)
-        _check_path(seg.rope, d_r, f"segments[{i}].rope", blocks, q_latent.device)
-        table = seg.block_table
-        if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != b or not table.is_contiguous():
-            raise ValueError(f"segments[{i}].block_table must be int32, contiguous, (B={b}, max_blocks), got "
-                             f"{table.dtype} {tuple(table.shape)} strides {tuple(table.stride())}")
-        if seg.lengths.shape != (b,) or seg.lengths.is_floating_point():
-            raise ValueError(f"segments[{i}].lengths must be (B,) = ({b},) integers, got {seg.lengths.dtype} "
-                             f"{tuple(seg.lengths.shape)}")
-        if table.device != q_latent.device or seg.lengths.device != q_latent.device:
-            raise ValueError(f"segments[{i}].block_table and .lengths must be on {q_latent.device}")
 
 
 def bytes_read(q_latent: torch.Tensor, q_rope: torch.Tensor, segments) -> int:

@@ -34,6 +34,7 @@ A `layers` list gives each cache layer its own paths (`LayeredFormat`).
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 
@@ -45,8 +46,9 @@ from mla_quant.quant import packing, quantizers
 
 GRANULARITIES = ("group", "tensor")
 MODES = ("simulated", "serving")
-BACKENDS = ("auto", "torch", "triton")  # auto: the Triton kernel for decode steps on a CUDA device when it reads
-                                         # the format, PyTorch otherwise (always on the CPU)
+BACKENDS = ("auto", "torch", "triton", "cpu")  # auto: decode steps through the Triton kernel on a CUDA device and
+# through the fused C++ kernel on the CPU where the kernel reads the format (and, on the CPU, builds here), PyTorch
+# otherwise; prefill and multi-token steps always in PyTorch
 STEP_TYPES = ("prefill", "decode")  # multi-token steps (prefill, scoring) / one query token per sequence
 SCALE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "pow2": 1}
 ZERO_BYTES = {name: torch.empty(0, dtype=dt).element_size() for name, dt in quantizers.ZERO_DTYPES.items()}
@@ -692,13 +694,41 @@ class CacheFormat:
                 return f"quant.{path}.{why}"
         return None
 
+    def cpu_kernel_unsupported(self) -> str | None:
+        """Why the C++ CPU decode kernel cannot read this format (naming the setting), or None: what the Triton
+        kernel cannot read, and a RoPE key of several widths (format=pairs)."""
+        why = self.kernel_unsupported()
+        if why is None and self.rope.format == "pairs":
+            why = "quant.rope.format=pairs"
+        return why
+
     def step_backends(self, device_type: str) -> dict[str, str]:
         """Which backend runs each step type (STEP_TYPES) on a device of `device_type` ("cpu", "cuda"): prefill
-        and multi-token steps always in PyTorch; decode steps through the Triton kernel with backend=triton, or
-        with backend=auto on a CUDA device when the kernel reads the format."""
-        kernel = self.backend == "triton" or (self.backend == "auto" and device_type == "cuda"
-                                              and self.kernel_unsupported() is None)
-        return {"prefill": "torch", "decode": "triton" if kernel else "torch"}
+        and multi-token steps always in PyTorch; decode steps through the Triton kernel with backend=triton, the C++
+        kernel with backend=cpu, and with backend=auto the Triton kernel on a CUDA device and the C++ kernel on the
+        CPU where the kernel reads the format (and the C++ one builds here: `cpu_kernel_usable`)."""
+        if self.backend == "triton" or (self.backend == "auto" and device_type == "cuda"
+                                        and self.kernel_unsupported() is None):
+            decode = "triton"
+        elif self.backend == "cpu" or (self.backend == "auto" and device_type == "cpu"
+                                       and self.cpu_kernel_unsupported() is None and cpu_kernel_usable()):
+            decode = "cpu"
+        else:
+            decode = "torch"
+        return {"prefill": "torch", "decode": decode}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernel_usable() -> bool:
+    """True when the C++ decode kernel builds and loads here (built on the first call); otherwise a warning says why
+    once, and backend=auto decodes in PyTorch on the CPU."""
+    from mla_quant.kernels.cpu_decode import cpu_kernel_unavailable
+
+    why = cpu_kernel_unavailable()
+    if why is not None:
+        warnings.warn(f"the C++ CPU decode kernel is unavailable ({why}); quant.backend=auto decodes CPU tensors in "
+                      f"PyTorch", stacklevel=2)
+    return why is None
 
 
 TOP_KEYS = ("name", "mode", "backend", "protected", "content", "rope", "shared_scale", "block_size", "layers")
@@ -749,8 +779,15 @@ class LayeredFormat:
         return blocks.pop() if len(blocks) == 1 else None
 
     def kernel_unsupported(self) -> str | None:
+        return self._first_refusal("kernel_unsupported")
+
+    def cpu_kernel_unsupported(self) -> str | None:
+        return self._first_refusal("cpu_kernel_unsupported")
+
+    def _first_refusal(self, check: str) -> str | None:
+        """The first layer's reason from its `check` method (naming the layer), or None when every layer passes."""
         for i, f in enumerate(self.layers):
-            why = f.kernel_unsupported()
+            why = getattr(f, check)()
             if why is not None:
                 return f"layers[{i}]: {why}"
         return None
@@ -871,12 +908,15 @@ def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None, num_
         raise ValueError(f"quant.content.token_block={content.blocked} and quant.rope.token_block={rope.blocked}: "
                          "both paths wait for the same blocks of tokens; allowed: the same token_block on both")
     fmt = CacheFormat(cfg.get("name", "?"), mode, backend, n_sink, recent, block_size, content, rope, shared, d_c, d_r)
-    if backend == "triton":
-        why = fmt.kernel_unsupported()
+    reads = {"triton": (fmt.kernel_unsupported, f"bf16 paths, int with bits {list(TRITON_INT_BITS)}, or widths per "
+                                                "group of RoPE pairs"),
+             "cpu": (fmt.cpu_kernel_unsupported, f"bf16 paths or int with bits {list(TRITON_INT_BITS)}, one width "
+                                                 "per path")}
+    if backend in reads:
+        why = reads[backend][0]()
         if why is not None:
-            raise ValueError(f"quant={fmt.name}: {why}: quant.backend=triton cannot read it (it reads bf16 paths, "
-                             f"int with bits {list(TRITON_INT_BITS)}, or widths per group of RoPE pairs); use "
-                             f"quant.backend=torch for this format")
+            raise ValueError(f"quant={fmt.name}: {why}: quant.backend={backend} cannot read it (it reads "
+                             f"{reads[backend][1]}); use quant.backend=torch for this format")
     return fmt
 
 

@@ -1,12 +1,14 @@
-"""Latent cache layers whose one-token decode steps run the Triton kernel (`quant.backend=triton`).
+"""Latent cache layers whose one-token decode steps run a decode kernel: the Triton kernel on a GPU
+(`quant.backend=triton`, or `auto` on a CUDA device) or the fused C++ kernel on the CPU (`quant.backend=cpu`, or
+`auto` on the CPU).
 
-The layer hands the kernel tensors only (mla_quant/kernels/latent_decode.py): its paged store as one segment (per
-path, views of its one page pool: the packed codes or values, scales and zeros of a block side by side in one page;
-the block table, tokens per sequence) and its protected sinks and recent window as dense segments. Prefill and
-multi-token steps, masks that hide real tokens (DeepSeek-V3.2's sparse indexer), and serving mode without a recent
-window (the step must see its own fresh latent) take the PyTorch path.
+The layer hands the kernel tensors only (mla_quant/kernels/latent_decode.py, mla_quant/kernels/cpu_decode.py): its
+paged store as one segment (per path, views of its one page pool: the packed codes or values, scales and zeros of a
+block side by side in one page; the block table, tokens per sequence) and its protected sinks and recent window as
+dense segments. Prefill and multi-token steps, masks that hide real tokens (DeepSeek-V3.2's sparse indexer), and
+serving mode without a recent window (the step must see its own fresh latent) take the PyTorch path.
 Tokens leaving the recent window are quantized and written into the pages by the Triton store kernel
-(mla_quant/kernels/quant_store.py) where decode steps run the kernel.
+(mla_quant/kernels/quant_store.py) where decode steps run the Triton kernel, by the PyTorch encoder otherwise.
 """
 
 from __future__ import annotations
@@ -14,35 +16,51 @@ from __future__ import annotations
 import torch
 
 from mla_quant.cache.layer import PATHS, LatentCacheLayer, step_type
-from mla_quant.kernels.latent_decode import latent_decode
 from mla_quant.kernels.layout import WordLayout
-from mla_quant.kernels.quant_store import kernel_store_unsupported, quantize_append
 from mla_quant.quant.formats import check_finite
 from mla_quant.quant.quantizers import SCALE_DTYPES, ZERO_DTYPES
 
 
+def decode_kernel(backend: str):
+    """The decode kernel of a backend ("triton", "cpu"), imported on first use (Triton only where it runs)."""
+    if backend == "triton":
+        from mla_quant.kernels.latent_decode import latent_decode
+
+        return latent_decode
+    from mla_quant.kernels.cpu_decode import latent_decode_cpu
+
+    return latent_decode_cpu
+
+
 class KernelDecode:
-    """Mixin for `LatentCacheLayer`: one-token decode steps attend through `latent_decode` where the format's
-    backend picks the kernel for the device of the step's tensors (`CacheFormat.step_backends`)."""
+    """Mixin for `LatentCacheLayer`: one-token decode steps attend through the kernel that the format's backend picks
+    for the device of the step's tensors (`CacheFormat.step_backends`: "triton" or "cpu"; "torch": the PyTorch
+    path)."""
 
     def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, blocks=None, w_uk=None, w_uv=None):
         chosen = self.fmt.step_backends(q_latent.device.type)[step_type(q_latent)]
-        if chosen != "triton" or not self._reads_segments(q_latent, mask, valid):
+        if chosen == "torch" or not self._reads_segments(q_latent, mask, valid):
             return super().attend(q_latent, q_rope, content, rope, scale, mask, valid, blocks=blocks, w_uk=w_uk,
                                   w_uv=w_uv)
+        if chosen == "cpu" and q_latent.device.type != "cpu":
+            raise ValueError(f"{self.where}: quant.backend=cpu decodes CPU tensors; this step's are on "
+                             f"{q_latent.device} (use quant.backend=auto or triton on a GPU)")
+        kernel = decode_kernel(chosen)
         self.append(content, rope, valid)
-        self.backend_steps["decode", "triton"] += 1
+        self.backend_steps["decode", chosen] += 1
         return self._decode_segments(q_latent, q_rope, scale, w_uk, w_uv,
-                                     lambda q, qr: latent_decode(q, qr, scale, self.segments()))
+                                     lambda q, qr: kernel(q, qr, scale, self.segments()))
 
     def _write(self, rows, pos, tokens):
-        """New tokens into their reserved places in the paged store: where decode steps run the kernel, int paths
+        """New tokens into their reserved places in the paged store: where decode steps run the Triton kernel, int paths
         are quantized and written into the pool by the Triton store kernel (bit-exact with the PyTorch encoder),
         float paths copied; formats the store kernel does not encode (and every format on the torch path) go
         through the PyTorch encoder."""
         if (not self.quantized or self.fmt.step_backends(self.device.type)["decode"] != "triton"
                 or any(self._store_unsupported(p) for p in PATHS)):
             return super()._write(rows, pos, tokens)
+        from mla_quant.kernels.quant_store import quantize_append
+
         table = self.store.block_table()
         for p in PATHS:
             fmt, d = self.path_format(p), self._dim(p)
@@ -70,8 +88,10 @@ class KernelDecode:
             return f"format={fmt.format}"
         if fmt.quantizer != "rtn":  # the store kernel rounds to the group's min/max range: PyTorch encodes these
             return f"quantizer={fmt.quantizer}"
+        from mla_quant.kernels.quant_store import kernel_store_unsupported
+
         return kernel_store_unsupported(fmt.bits, self._dim(path), fmt.group_size)
 
 
-class TritonLatentCacheLayer(KernelDecode, LatentCacheLayer):
-    """Latent cache layer (any format the kernel reads) whose decode steps run the Triton kernel."""
+class KernelLatentCacheLayer(KernelDecode, LatentCacheLayer):
+    """Latent cache layer (any format a decode kernel reads) whose decode steps run the kernel its backend picks."""

@@ -1,0 +1,107 @@
+"""Fused CPU decode attention over a (quantized) paged latent cache, in C++: one query token per sequence.
+
+    o_latent = latent_decode_cpu(q_latent, q_rope, scale, segments)   # (B, H, d_c) float32, CPU tensors
+    why = cpu_kernel_unavailable()                                    # None, or why it cannot run here
+
+The CPU counterpart of the Triton kernel (mla_quant/kernels/latent_decode.py), with its signature and its arguments
+(`Segment`s: per path a `PagedPath` of int32 code words with scales, zeros and an optional codebook, or float values;
+a block table and tokens per sequence; kernels/layout.py), checked by the same `check_inputs`, and the arithmetic of
+its PyTorch reference `latent_decode_reference`. In one pass over the pages, a tile of 32 tokens at a time, it
+unpacks each token's codes, dequantizes them per group, scores them against every head's query and accumulates the
+values under an online softmax; each sequence's tokens are split into chunks over the threads (`at::parallel_for`)
+and merged with log-sum-exp weights. Nothing is decoded beyond one tile per thread, and a step is one call instead
+of the few hundred small tensor operations of `segment_attention` (mla_quant/kernels/attention.py), which is what
+a decode step over a small model spends its time on.
+
+The source (csrc/latent_decode_cpu.cpp) is compiled on first use with `torch.utils.cpp_extension.load` (about 30 s
+on 2 cores, once per machine: the build is cached under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions),
+for the instruction set this CPU has (x86-64 with AVX2 and FMA: those; otherwise the compiler's default), and
+registered as the operator `torch.ops.mla_quant_cpu.latent_decode`. Paths of several widths (the RoPE key's
+format=pairs) are not read: the PyTorch path decodes those.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+import torch
+
+from mla_quant.kernels.layout import check_inputs
+
+SOURCE = Path(__file__).parent / "csrc" / "latent_decode_cpu.cpp"
+X86_FLAGS = ("avx2", "fma", "f16c")  # the instruction set extensions the x86-64 build is compiled for, when present
+
+
+def _isa() -> tuple[str, list[str]]:
+    """(a tag naming the build, its compiler flags) for this CPU: a build's name carries its instruction set, so
+    machines sharing one extension cache (a cluster's home directory) never load one built for another CPU."""
+    if platform.machine() in ("x86_64", "AMD64"):
+        try:
+            flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split()
+        except (OSError, StopIteration):
+            flags = []
+        if all(f in flags for f in X86_FLAGS):
+            return "avx2", [f"-m{f}" for f in X86_FLAGS]
+    return platform.machine().lower() or "cpu", []
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple[object | None, str | None]:
+    """(the operator, None) once built and loaded, or (None, why not)."""
+    tag, flags = _isa()
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name=f"mla_quant_cpu_decode_{tag}", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp-simd", *flags],
+             is_python_module=False, verbose=False)
+        return torch.ops.mla_quant_cpu.latent_decode, None
+    except Exception as err:  # no compiler, no ninja, a failed build: the reason, for the caller to report
+        lines = [line for line in str(err).strip().splitlines() if line.strip()]
+        return None, f"{type(err).__name__}: {' '.join(lines[-3:])[-400:]}"
+
+
+def cpu_kernel_unavailable() -> str | None:
+    """None when the C++ decode kernel is built and loaded here (building it on the first call), else why not."""
+    return _load()[1]
+
+
+def require_cpu_kernel(what: str = "quant.backend=cpu", hint: str = ""):
+    """The operator, or a RuntimeError naming `what` and why the kernel cannot run here."""
+    op, why = _load()
+    if op is None:
+        raise RuntimeError(f"{what} cannot run: the C++ decode kernel ({SOURCE.name}) did not build here ({why}); "
+                           f"it needs a C++ compiler and ninja{hint}")
+    return op
+
+
+def _path_tensors(p) -> tuple[list, list[int]]:
+    if p.bits == 0:
+        return [p.data, None, None, None], [0, 1, 1]
+    return ([p.data, p.scales, None if p.symmetric else p.zeros, p.levels],
+            [int(p.bits), int(p.group), int(bool(p.symmetric))])
+
+
+def latent_decode_cpu(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments) -> torch.Tensor:
+    """The fused CPU kernel (see the module docstring): q_latent (B, H, d_c), q_rope (B, H, d_r), segments (a list of
+    `Segment`) -> o_latent (B, H, d_c) float32. Arguments are checked before the call; errors name them."""
+    check_inputs(q_latent, q_rope, segments)
+    if q_latent.device.type != "cpu":
+        raise ValueError(f"latent_decode_cpu reads CPU tensors; q_latent is on {q_latent.device} (on a GPU the "
+                         f"Triton kernel, latent_decode, reads these segments)")
+    for i, seg in enumerate(segments):
+        if seg.rope.pairs is not None:
+            raise ValueError(f"segments[{i}].rope: a path of several widths (format=pairs) is not read by the CPU "
+                             f"kernel; allowed: float values or int codes of one width (the PyTorch path, "
+                             f"segment_attention, reads it)")
+    op = require_cpu_kernel("latent_decode_cpu")
+    tensors, meta = [], []
+    for seg in segments:
+        for p in (seg.content, seg.rope):
+            t, m = _path_tensors(p)
+            tensors += t
+            meta += m
+        tensors += [seg.block_table, seg.lengths]
+    return op(q_latent.float().contiguous(), q_rope.float().contiguous(), float(scale), tensors, meta)

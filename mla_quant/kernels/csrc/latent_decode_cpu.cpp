@@ -1,0 +1,432 @@
+// Fused CPU decode attention over a (quantized) paged latent cache: one query token per sequence, every head.
+//
+// The CPU counterpart of the Triton kernel (latent_decode.py) and the same arithmetic as its PyTorch reference
+// (`latent_decode_reference`): every stored token is unpacked from its int32 code words, dequantized with its
+// group's scale and zero (or a codebook's level), scored against every head's query and accumulated into the
+// output in one pass over the pages, a tile of tokens at a time, with an online softmax. No dequantized copy of
+// the cache is written: a thread's workspace is one tile of tokens. Split-KV: each sequence's tokens of each
+// segment are cut into chunks (by the sequence's own length) spread over the threads (at::parallel_for), each chunk keeps its running max, sum
+// and unnormalised output, and the chunks of a sequence are merged with log-sum-exp weights.
+//
+// Arguments (checked in Python, mla_quant/kernels/layout.py `check_inputs`, before the call):
+//   q_latent (B, H, d_c), q_rope (B, H, d_r) float32, contiguous;
+//   tensors: per segment, SEG_TENSORS entries: content data, scales, zeros, levels; rope data, scales, zeros,
+//     levels; block table (B, max_blocks) int32; lengths (B,) int32 or int64. A path's data is int32 code words
+//     (WordLayout: field k of word j holds channel k W + j) or float values (float32, bfloat16, float16), each
+//     tensor (num_blocks, block_size, *) with contiguous rows and any block stride. Scales: float32, bfloat16,
+//     float16, or int8 exponents (pow2: 2^e). Absent parts are None.
+//   meta: per segment, SEG_META entries: content bits, group, symmetric; rope bits, group, symmetric.
+// Returns o_latent (B, H, d_c) float32; a sequence with no token attends to nothing (zeros).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTile = 32;          // tokens decoded and scored together
+constexpr int64_t kSegTensors = 10;    // tensors per segment
+constexpr int64_t kSegMeta = 6;        // ints per segment
+constexpr int64_t kMinChunk = 128;     // fewest tokens per split
+
+enum class Kind { F32, F16, BF16, I8, I32 };
+
+Kind kind_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return Kind::F32;
+    case at::kHalf: return Kind::F16;
+    case at::kBFloat16: return Kind::BF16;
+    case at::kChar: return Kind::I8;
+    case at::kInt: return Kind::I32;
+    default: TORCH_CHECK(false, "latent_decode_cpu: unsupported dtype ", t.scalar_type());
+  }
+}
+
+// n values of kind k at p -> float32 (int8: pow2 exponents, 2^e).
+inline void load_floats(const char* p, Kind k, int64_t n, float* out) {
+  switch (k) {
+    case Kind::F32:
+      std::memcpy(out, p, n * sizeof(float));
+      break;
+    case Kind::F16: {
+      const auto* h = reinterpret_cast<const c10::Half*>(p);
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(h[i]);
+      break;
+    }
+    case Kind::BF16: {
+      const auto* h = reinterpret_cast<const c10::BFloat16*>(p);
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(h[i]);
+      break;
+    }
+    case Kind::I8: {
+      const auto* e = reinterpret_cast<const int8_t*>(p);
+      for (int64_t i = 0; i < n; ++i) out[i] = std::exp2(static_cast<float>(e[i]));
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "latent_decode_cpu: float values expected");
+  }
+}
+
+// One path of one segment, as stored.
+struct Path {
+  const char* data = nullptr;
+  int64_t data_stride = 0, row = 0;  // bytes per block, bytes per token
+  Kind data_kind = Kind::F32;
+  const char* scales = nullptr;
+  int64_t sc_stride = 0, sc_row = 0;
+  Kind sc_kind = Kind::F32;
+  const char* zeros = nullptr;
+  int64_t z_stride = 0, z_row = 0;
+  Kind z_kind = Kind::F32;
+  const float* levels = nullptr;
+  int64_t d = 0, bits = 0, group = 1, groups = 1, words = 0;
+  bool symmetric = true;
+
+  Path(const std::optional<at::Tensor>& data_t, const std::optional<at::Tensor>& scales_t,
+       const std::optional<at::Tensor>& zeros_t, const std::optional<at::Tensor>& levels_t, int64_t d_,
+       int64_t bits_, int64_t group_, bool symmetric_)
+      : d(d_), bits(bits_), group(group_), symmetric(symmetric_) {
+    TORCH_CHECK(data_t.has_value(), "latent_decode_cpu: a path without data");
+    const at::Tensor& x = *data_t;
+    data = static_cast<const char*>(x.data_ptr());
+    data_stride = x.stride(0) * x.element_size();
+    row = x.size(2) * x.element_size();
+    data_kind = kind_of(x);
+    if (bits == 0) return;
+    TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "latent_decode_cpu: bits=", bits, "; allowed 0, 2, 4, 8");
+    TORCH_CHECK(data_kind == Kind::I32, "latent_decode_cpu: int32 code words expected");
+    words = (d + 32 / bits - 1) / (32 / bits);
+    groups = d / group;
+    const at::Tensor& s = *scales_t;
+    scales = static_cast<const char*>(s.data_ptr());
+    sc_stride = s.stride(0) * s.element_size();
+    sc_row = groups * s.element_size();
+    sc_kind = kind_of(s);
+    if (!symmetric) {
+      const at::Tensor& z = *zeros_t;
+      zeros = static_cast<const char*>(z.data_ptr());
+      z_stride = z.stride(0) * z.element_size();
+      z_row = groups * z.element_size();
+      z_kind = kind_of(z);
+    }
+    if (levels_t.has_value()) levels = levels_t->data_ptr<float>();
+  }
+
+  // The token in slot `slot` of block `blk` -> out[d] float32; work: 2 * groups floats.
+  void decode(int64_t blk, int64_t slot, float* __restrict__ out, float* __restrict__ work) const {
+    if (bits == 0) {
+      load_floats(data + blk * data_stride + slot * row, data_kind, d, out);
+      return;
+    }
+    const auto* w = reinterpret_cast<const uint32_t*>(data + blk * data_stride + slot * row);
+    const int64_t per = 32 / bits;
+    const uint32_t mask = (1u << bits) - 1u;
+    for (int64_t k = 0; k < per; ++k) {  // field k of every word: the run of channels k W .. k W + W - 1
+      const int64_t c0 = k * words;
+      if (c0 >= d) break;
+      const int64_t n = std::min(words, d - c0);
+      const uint32_t shift = static_cast<uint32_t>(k * bits);
+      float* o = out + c0;
+      if (levels != nullptr) {
+        for (int64_t j = 0; j < n; ++j) o[j] = levels[(w[j] >> shift) & mask];
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<float>((w[j] >> shift) & mask);
+      }
+    }
+    float* s = work;
+    float* z = work + groups;
+    load_floats(scales + blk * sc_stride + slot * sc_row, sc_kind, groups, s);
+    if (symmetric) {
+      const float half = static_cast<float>(1 << (bits - 1));
+      for (int64_t g = 0; g < groups; ++g) z[g] = -half * s[g];
+    } else {
+      load_floats(zeros + blk * z_stride + slot * z_row, z_kind, groups, z);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      float* o = out + g * group;
+      const float sg = s[g], zg = z[g];
+#pragma omp simd
+      for (int64_t i = 0; i < group; ++i) o[i] = o[i] * sg + zg;
+    }
+  }
+};
+
+struct Seg {
+  Path content, rope;
+  const int32_t* table;
+  int64_t table_row, block_size;
+  std::vector<int64_t> lengths;
+};
+
+struct Item {  // a chunk of one sequence's tokens in one segment
+  int64_t b, seg, t0, t1;
+};
+
+// Eight floats: GCC / Clang vector extensions, compiled to one AVX register with -mavx2 (two SSE registers, or
+// NEON, otherwise). Loads and stores through memcpy: no alignment assumed.
+typedef float V8 __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 8;
+
+inline V8 load8(const float* p) {
+  V8 v;
+  std::memcpy(&v, p, sizeof(V8));
+  return v;
+}
+
+inline void store8(float* p, V8 v) { std::memcpy(p, &v, sizeof(V8)); }
+
+inline float hsum(V8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// out[h][i] += q[h] . x[i] for HB heads (q rows of stride d) and the tile's n tokens (x rows of stride d).
+template <int HB>
+void scores(const float* __restrict__ q, const float* __restrict__ x, int64_t n, int64_t d,
+            float* __restrict__ out, int64_t out_stride) {
+  const int64_t dv = d / kLanes * kLanes;
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {  // two tokens against HB heads: 2 + HB loads per 2 HB multiply-adds
+    V8 a0[HB] = {}, a1[HB] = {};
+    const float* x0 = x + i * d;
+    const float* x1 = x0 + d;
+    for (int64_t c = 0; c < dv; c += kLanes) {
+      const V8 v0 = load8(x0 + c), v1 = load8(x1 + c);
+      for (int hh = 0; hh < HB; ++hh) {
+        const V8 qv = load8(q + hh * d + c);
+        a0[hh] += qv * v0;
+        a1[hh] += qv * v1;
+      }
+    }
+    for (int hh = 0; hh < HB; ++hh) {
+      float s0 = hsum(a0[hh]), s1 = hsum(a1[hh]);
+      for (int64_t c = dv; c < d; ++c) {
+        s0 += q[hh * d + c] * x0[c];
+        s1 += q[hh * d + c] * x1[c];
+      }
+      out[hh * out_stride + i] += s0;
+      out[hh * out_stride + i + 1] += s1;
+    }
+  }
+  for (; i < n; ++i) {
+    V8 a0[HB] = {};
+    const float* x0 = x + i * d;
+    for (int64_t c = 0; c < dv; c += kLanes) {
+      const V8 v0 = load8(x0 + c);
+      for (int hh = 0; hh < HB; ++hh) a0[hh] += load8(q + hh * d + c) * v0;
+    }
+    for (int hh = 0; hh < HB; ++hh) {
+      float s0 = hsum(a0[hh]);
+      for (int64_t c = dv; c < d; ++c) s0 += q[hh * d + c] * x0[c];
+      out[hh * out_stride + i] += s0;
+    }
+  }
+}
+
+// acc[h] += sum_i p[h][i] x[i] for HB heads (acc rows of stride d, p rows of stride p_stride), n tokens.
+template <int HB>
+void values(const float* __restrict__ p, int64_t p_stride, const float* __restrict__ x, int64_t n, int64_t d,
+            float* __restrict__ acc) {
+  const int64_t dv2 = d / (2 * kLanes) * (2 * kLanes);
+  int64_t c = 0;
+  for (; c < dv2; c += 2 * kLanes) {  // 16 channels of HB heads in registers over the tile's tokens
+    V8 a0[HB], a1[HB];
+    for (int hh = 0; hh < HB; ++hh) {
+      a0[hh] = load8(acc + hh * d + c);
+      a1[hh] = load8(acc + hh * d + c + kLanes);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const V8 v0 = load8(x + i * d + c), v1 = load8(x + i * d + c + kLanes);
+      for (int hh = 0; hh < HB; ++hh) {
+        const float w = p[hh * p_stride + i];
+        a0[hh] += w * v0;
+        a1[hh] += w * v1;
+      }
+    }
+    for (int hh = 0; hh < HB; ++hh) {
+      store8(acc + hh * d + c, a0[hh]);
+      store8(acc + hh * d + c + kLanes, a1[hh]);
+    }
+  }
+  for (int hh = 0; hh < HB; ++hh)
+    for (int64_t i = 0; i < n; ++i) {
+      const float w = p[hh * p_stride + i];
+      for (int64_t cc = c; cc < d; ++cc) acc[hh * d + cc] += w * x[i * d + cc];
+    }
+}
+
+constexpr int kHeadBlock = 4;
+
+// Every head, blocks of kHeadBlock then one at a time.
+template <typename F4, typename F1>
+void over_heads(int64_t H, F4 f4, F1 f1) {
+  int64_t h = 0;
+  for (; h + kHeadBlock <= H; h += kHeadBlock) f4(h);
+  for (; h < H; ++h) f1(h);
+}
+
+at::Tensor latent_decode_cpu(const at::Tensor& q_latent, const at::Tensor& q_rope, double scale_,
+                             const std::vector<std::optional<at::Tensor>>& tensors, at::IntArrayRef meta) {
+  TORCH_CHECK(q_latent.dim() == 3 && q_rope.dim() == 3, "latent_decode_cpu: q_latent (B, H, d_c) and q_rope "
+              "(B, H, d_r) expected");
+  TORCH_CHECK(q_latent.scalar_type() == at::kFloat && q_rope.scalar_type() == at::kFloat &&
+                  q_latent.is_contiguous() && q_rope.is_contiguous(),
+              "latent_decode_cpu: contiguous float32 queries expected");
+  const int64_t n_seg = static_cast<int64_t>(tensors.size()) / kSegTensors;
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == n_seg * kSegTensors &&
+                  static_cast<int64_t>(meta.size()) == n_seg * kSegMeta,
+              "latent_decode_cpu: ", kSegTensors, " tensors and ", kSegMeta, " ints per segment expected, got ",
+              tensors.size(), " and ", meta.size());
+  const int64_t B = q_latent.size(0), H = q_latent.size(1), dc = q_latent.size(2), dr = q_rope.size(2);
+  const float scale = static_cast<float>(scale_);
+
+  std::vector<Seg> segs;
+  segs.reserve(n_seg);
+  for (int64_t i = 0; i < n_seg; ++i) {
+    const auto* t = tensors.data() + i * kSegTensors;
+    const int64_t* m = meta.data() + i * kSegMeta;
+    const at::Tensor& table = *t[8];
+    const at::Tensor& lengths = *t[9];
+    TORCH_CHECK(table.scalar_type() == at::kInt && table.is_contiguous() && table.dim() == 2 && table.size(0) == B,
+                "latent_decode_cpu: segments[", i, "].block_table: contiguous int32 (B, max_blocks) expected");
+    Seg s{Path(t[0], t[1], t[2], t[3], dc, m[0], m[1], m[2] != 0),
+          Path(t[4], t[5], t[6], t[7], dr, m[3], m[4], m[5] != 0),
+          table.data_ptr<int32_t>(), table.size(1), t[0]->size(1), {}};
+    const at::Tensor len64 = lengths.to(at::kLong).contiguous();
+    const int64_t* lp = len64.data_ptr<int64_t>();
+    const int64_t capacity = s.table_row * s.block_size;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = std::max<int64_t>(0, std::min(lp[b], capacity));
+      s.lengths.push_back(n);
+    }
+    segs.push_back(std::move(s));
+  }
+
+  // Split-KV: each sequence's tokens in chunks of at least kMinChunk tokens, about four per thread. The chunks of a
+  // sequence depend on its own tokens only, so its result does not depend on the rest of the batch.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  std::vector<Item> items;
+  std::vector<int64_t> first_item(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    first_item[b] = static_cast<int64_t>(items.size());
+    int64_t tokens = 0;
+    for (const auto& s : segs) tokens += s.lengths[b];
+    int64_t chunk = std::max<int64_t>(kMinChunk, (tokens + 4 * threads - 1) / (4 * threads));
+    chunk = (chunk + kTile - 1) / kTile * kTile;
+    for (int64_t i = 0; i < n_seg; ++i)
+      for (int64_t t0 = 0; t0 < segs[i].lengths[b]; t0 += chunk)
+        items.push_back({b, i, t0, std::min(t0 + chunk, segs[i].lengths[b])});
+  }
+  first_item[B] = static_cast<int64_t>(items.size());
+  const int64_t n_items = first_item[B];
+  const int64_t part = H * (dc + 2);  // per item: max (H), sum (H), output (H, d_c)
+  std::vector<float> parts(static_cast<size_t>(n_items * part));
+
+  const float* q = q_latent.data_ptr<float>();
+  const float* qr = q_rope.data_ptr<float>();
+  int64_t max_groups = 1;
+  for (const auto& s : segs) max_groups = std::max({max_groups, s.content.groups, s.rope.groups});
+
+  at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> cbuf(kTile * dc), rbuf(kTile * dr), sbuf(H * kTile), work(2 * max_groups);
+    for (int64_t it = begin; it < end; ++it) {
+      const Item& item = items[it];
+      const Seg& s = segs[item.seg];
+      float* m = parts.data() + it * part;
+      float* l = m + H;
+      float* acc = l + H;
+      std::fill(m, m + H, -std::numeric_limits<float>::infinity());
+      std::fill(l, l + H + H * dc, 0.f);
+      const float* qb = q + item.b * H * dc;
+      const float* qrb = qr + item.b * H * dr;
+      const int32_t* table = s.table + item.b * s.table_row;
+      for (int64_t t = item.t0; t < item.t1; t += kTile) {
+        const int64_t n = std::min(kTile, item.t1 - t);
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t token = t + i;
+          const int64_t blk = table[token / s.block_size], slot = token % s.block_size;
+          s.content.decode(blk, slot, cbuf.data() + i * dc, work.data());
+          s.rope.decode(blk, slot, rbuf.data() + i * dr, work.data());
+        }
+        std::fill(sbuf.begin(), sbuf.end(), 0.f);
+        over_heads(H,
+                   [&](int64_t h) {
+                     scores<kHeadBlock>(qb + h * dc, cbuf.data(), n, dc, sbuf.data() + h * kTile, kTile);
+                     scores<kHeadBlock>(qrb + h * dr, rbuf.data(), n, dr, sbuf.data() + h * kTile, kTile);
+                   },
+                   [&](int64_t h) {
+                     scores<1>(qb + h * dc, cbuf.data(), n, dc, sbuf.data() + h * kTile, kTile);
+                     scores<1>(qrb + h * dr, rbuf.data(), n, dr, sbuf.data() + h * kTile, kTile);
+                   });
+        for (int64_t h = 0; h < H; ++h) {  // the online softmax: scores -> weights under the running max
+          float* sc = sbuf.data() + h * kTile;
+          float top = -std::numeric_limits<float>::infinity();
+          for (int64_t i = 0; i < n; ++i) {
+            sc[i] *= scale;
+            top = std::max(top, sc[i]);
+          }
+          const float m_new = std::max(m[h], top);
+          if (m_new > m[h] && l[h] > 0.f) {  // rescale what was accumulated under the old max
+            const float alpha = std::exp(m[h] - m_new);
+            l[h] *= alpha;
+            float* a = acc + h * dc;
+            for (int64_t c = 0; c < dc; ++c) a[c] *= alpha;
+          }
+          m[h] = m_new;
+          float sum = 0.f;
+          for (int64_t i = 0; i < n; ++i) {
+            sc[i] = std::exp(sc[i] - m_new);
+            sum += sc[i];
+          }
+          l[h] += sum;
+        }
+        over_heads(H, [&](int64_t h) { values<kHeadBlock>(sbuf.data() + h * kTile, kTile, cbuf.data(), n, dc,
+                                                           acc + h * dc); },
+                   [&](int64_t h) { values<1>(sbuf.data() + h * kTile, kTile, cbuf.data(), n, dc, acc + h * dc); });
+      }
+    }
+  });
+
+  at::Tensor out = at::zeros({B, H, dc}, q_latent.options());
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t it = first_item[b]; it < first_item[b + 1]; ++it) top = std::max(top, parts[it * part + h]);
+        if (top == -std::numeric_limits<float>::infinity()) continue;  // no token: zeros
+        float total_l = 0.f;
+        float* ob = o + (b * H + h) * dc;
+        for (int64_t it = first_item[b]; it < first_item[b + 1]; ++it) {
+          const float* m = parts.data() + it * part;
+          const float w = std::exp(m[h] - top);
+          total_l += m[H + h] * w;
+          const float* a = m + 2 * H + h * dc;
+          for (int64_t c = 0; c < dc; ++c) ob[c] += w * a[c];
+        }
+        const float inv = 1.f / total_l;
+        for (int64_t c = 0; c < dc; ++c) ob[c] *= inv;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mla_quant_cpu, m) {
+  m.def("latent_decode(Tensor q_latent, Tensor q_rope, float scale, Tensor?[] tensors, int[] meta) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mla_quant_cpu, CPU, m) { m.impl("latent_decode", &latent_decode_cpu); }
