@@ -55,8 +55,9 @@ def _load() -> tuple[object | None, str | None]:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name=f"mla_quant_cpu_decode_{tag}", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp-simd", *flags],
-             is_python_module=False, verbose=False)
+        # -fopenmp: at::parallel_for is inline OpenMP (ATen's parallel backend); the process's libgomp is torch's
+        load(name=f"mla_quant_cpu_decode_{tag}", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         return torch.ops.mla_quant_cpu.latent_decode, None
     except Exception as err:  # no compiler, no ninja, a failed build: the reason, for the caller to report
         lines = [line for line in str(err).strip().splitlines() if line.strip()]

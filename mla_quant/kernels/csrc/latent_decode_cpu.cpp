@@ -123,6 +123,26 @@ struct Path {
     if (levels_t.has_value()) levels = levels_t->data_ptr<float>();
   }
 
+  // A token's words -> its codes (a codebook's levels at them) in channel order: field k of every word is the run of
+  // channels k W .. k W + W - 1.
+  template <int BITS>
+  void unpack(const uint32_t* __restrict__ w, float* __restrict__ out) const {
+    constexpr int per = 32 / BITS;
+    constexpr uint32_t mask = (1u << BITS) - 1u;
+    for (int k = 0; k < per; ++k) {
+      const int64_t c0 = k * words;
+      if (c0 >= d) break;
+      const int64_t n = std::min(words, d - c0);
+      float* o = out + c0;
+      if (levels != nullptr) {
+        for (int64_t j = 0; j < n; ++j) o[j] = levels[(w[j] >> (k * BITS)) & mask];
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<float>((w[j] >> (k * BITS)) & mask);
+      }
+    }
+  }
+
   // The token in slot `slot` of block `blk` -> out[d] float32; work: 2 * groups floats.
   void decode(int64_t blk, int64_t slot, float* __restrict__ out, float* __restrict__ work) const {
     if (bits == 0) {
@@ -130,20 +150,10 @@ struct Path {
       return;
     }
     const auto* w = reinterpret_cast<const uint32_t*>(data + blk * data_stride + slot * row);
-    const int64_t per = 32 / bits;
-    const uint32_t mask = (1u << bits) - 1u;
-    for (int64_t k = 0; k < per; ++k) {  // field k of every word: the run of channels k W .. k W + W - 1
-      const int64_t c0 = k * words;
-      if (c0 >= d) break;
-      const int64_t n = std::min(words, d - c0);
-      const uint32_t shift = static_cast<uint32_t>(k * bits);
-      float* o = out + c0;
-      if (levels != nullptr) {
-        for (int64_t j = 0; j < n; ++j) o[j] = levels[(w[j] >> shift) & mask];
-      } else {
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<float>((w[j] >> shift) & mask);
-      }
+    switch (bits) {
+      case 2: unpack<2>(w, out); break;
+      case 4: unpack<4>(w, out); break;
+      default: unpack<8>(w, out); break;
     }
     float* s = work;
     float* z = work + groups;
