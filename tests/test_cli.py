@@ -75,3 +75,25 @@ def test_bench_repeats_are_refused_by_name(experiment, bad, tmp_path):
     stage = {"bench_decode": bench_decode, "bench_calibration": bench_calibration}[experiment]
     with pytest.raises(ValueError, match=rf"task.repeats={'True' if bad == 'true' else bad}; allowed: a number"):
         stage.run(compose([f"experiment={experiment}", f"task.repeats={bad}", "logger=none"]), tmp_path)
+
+
+def test_bench_decode_without_the_transformers_model(tmp_path):
+    """task.transformers=false times the absorbed paths only (at 16K the untouched model's prefill does not fit a
+    24 GB machine); the quantized cache runs the C++ CPU kernel and its ratio is still reported. A value that is
+    not a boolean is refused by name."""
+    import pandas as pd
+    from conftest import compose
+
+    from mla_quant.stages import bench_decode
+
+    overrides = ["experiment=bench_decode", "logger=none", "task.contexts=[64]", "task.decode_steps=2",
+                 "task.repeats=1", "quant=int4_joint", "quant.protected.recent=8", "model.config.hidden_size=256",
+                 "model.config.num_attention_heads=4", "model.config.num_key_value_heads=4"]
+    metrics = bench_decode.run(compose(overrides + ["task.transformers=false"]), tmp_path).metrics
+    assert "bench/decode/ctx64/speedup_absorbed_vs_transformers" not in metrics
+    assert metrics["bench/decode/ctx64/speed_int4_joint_vs_absorbed"] > 0
+    assert metrics["bench/decode/ctx64/absorbed_int4_joint/backend/decode"] == "cpu"
+    table = pd.read_csv(tmp_path / "bench_decode.csv")
+    assert list(table.path) == ["absorbed_latent", "absorbed_int4_joint"]
+    with pytest.raises(ValueError, match=r"task.transformers='no'; allowed: true"):
+        bench_decode.run(compose(overrides + ["task.transformers=no"]), tmp_path)
