@@ -191,3 +191,26 @@ def test_toy_model_decodes_the_same_through_the_cpu_kernel(option):
         assert torch.equal(runs["torch"].sequences, runs[backend].sequences), backend
         torch.testing.assert_close(torch.stack(runs[backend].scores), torch.stack(runs["torch"].scores), rtol=1e-4,
                                    atol=1e-4)
+
+
+def test_a_stale_build_lock_does_not_hang_the_build(tmp_path):
+    """A build killed midway leaves torch's lock in the build folder, on which every later build would wait forever:
+    a lock older than STALE_LOCK_S is removed (with a warning) and the kernel builds, in a fresh extensions folder."""
+    import subprocess
+    import sys
+    import time
+
+    name, _ = cpu_decode._build_name()
+    lock = tmp_path / name / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    old = time.time() - cpu_decode.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from mla_quant.kernels.cpu_decode import cpu_kernel_unavailable\n"
+            "print('unavailable:', cpu_kernel_unavailable())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert out.returncode == 0 and "unavailable: None" in out.stdout, out.stderr[-2000:]
+    assert "removing a stale build lock" in out.stderr
+    assert not lock.exists() and list((tmp_path / name).glob("*.so"))

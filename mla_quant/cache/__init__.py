@@ -1,5 +1,5 @@
 """The latent KV cache of MLA (docs/cache.md): per-sequence paged storage, each path in its format, a protected
-region per sequence, and layers whose decode steps run the Triton kernel.
+region per sequence, and layers whose decode steps run a decode kernel (Triton on a GPU, C++ on the CPU).
 
     from mla_quant.cache import LatentCache, layer_factory
     cache = LatentCache(num_layers, layer_factory(cache_format(cfg.quant, d_c, d_r)))

@@ -1,1 +1,2 @@
-"""Triton kernels over the latent cache (decode attention), each with a same-signature PyTorch reference."""
+"""Kernels over the latent cache: Triton decode attention and store (GPU), a fused C++ decode attention (CPU), each
+with a same-signature PyTorch reference."""

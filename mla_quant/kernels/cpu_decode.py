@@ -13,17 +13,23 @@ and merged with log-sum-exp weights. Nothing is decoded beyond one tile per thre
 of the few hundred small tensor operations of `segment_attention` (mla_quant/kernels/attention.py), which is what
 a decode step over a small model spends its time on.
 
-The source (csrc/latent_decode_cpu.cpp) is compiled on first use with `torch.utils.cpp_extension.load` (about 30 s
-on 2 cores, once per machine: the build is cached under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions),
-for the instruction set this CPU has (x86-64 with AVX2 and FMA: those; otherwise the compiler's default), and
-registered as the operator `torch.ops.mla_quant_cpu.latent_decode`. Paths of several widths (the RoPE key's
+The source (csrc/latent_decode_cpu.cpp) is compiled on first use with `torch.utils.cpp_extension.load` (about 10 s
+on 2 cores, once per machine and environment: the build is cached under TORCH_EXTENSIONS_DIR, default
+~/.cache/torch_extensions, in a folder named by the Python and torch versions and the instruction set), for the
+instruction set this CPU has (x86-64 with AVX2, FMA and F16C: those; otherwise the compiler's default), with OpenMP,
+and registered as the operator `torch.ops.mla_quant_cpu.latent_decode`. Paths of several widths (the RoPE key's
 format=pairs) are not read: the PyTorch path decodes those.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
+import re
+import sys
+import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -48,16 +54,34 @@ def _isa() -> tuple[str, list[str]]:
     return platform.machine().lower() or "cpu", []
 
 
+STALE_LOCK_S = 600  # a build lock older than this was left by a build that was killed: it is removed
+
+
+def _build_name() -> tuple[str, list[str]]:
+    """(the build's name, its instruction-set flags): the name carries the Python and torch versions and the
+    instruction set, so a cache shared by machines or environments never loads a build made for another."""
+    tag, flags = _isa()
+    version = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}_{tag}"
+    return "mla_quant_cpu_decode_" + re.sub(r"[^0-9A-Za-z]", "_", version), flags
+
+
 @functools.lru_cache(maxsize=None)
 def _load() -> tuple[object | None, str | None]:
     """(the operator, None) once built and loaded, or (None, why not)."""
-    tag, flags = _isa()
+    name, flags = _build_name()
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    build = root / name
     try:
         from torch.utils.cpp_extension import load
 
+        build.mkdir(parents=True, exist_ok=True)
+        lock = build / "lock"  # torch's build lock: a killed build leaves it, and every later build would wait on it
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            warnings.warn(f"removing a stale build lock of the C++ decode kernel: {lock}", stacklevel=2)
+            lock.unlink(missing_ok=True)
         # -fopenmp: at::parallel_for is inline OpenMP (ATen's parallel backend); the process's libgomp is torch's
-        load(name=f"mla_quant_cpu_decode_{tag}", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
+             build_directory=str(build), is_python_module=False, verbose=False)
         return torch.ops.mla_quant_cpu.latent_decode, None
     except Exception as err:  # no compiler, no ninja, a failed build: the reason, for the caller to report
         lines = [line for line in str(err).strip().splitlines() if line.strip()]

@@ -19,6 +19,10 @@ inside one group, so its scale and zero are one value per token and run.
 Widths: 2, 4 and 8 bits (16, 8 and 4 codes per word). Other widths (INT3) keep the LSB-first byte stream of
 mla_quant/quant/packing.py and are not read by the kernels.
 
+What a decode kernel reads (`PagedPath`, `Segment`) and the checks every one of them runs on its arguments before a
+call (`check_inputs`: the Triton kernel, kernels/latent_decode.py, and the C++ CPU kernel, kernels/cpu_decode.py)
+are defined here too.
+
 The paged store keeps a block's stored tensors together: one page per block and path, its codes (or values), then
 its scales, then its zeros (`PageLayout` below, docs/kernel.md "Page layout"); each is read as a view with a block
 stride of one page.
