@@ -38,7 +38,7 @@ class KernelDecode:
     path)."""
 
     def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, blocks=None, w_uk=None, w_uv=None):
-        chosen = self.fmt.step_backends(q_latent.device.type)[step_type(q_latent)]
+        chosen = self._step_backends(q_latent.device.type)[step_type(q_latent)]
         if chosen == "torch" or not self._reads_segments(q_latent, mask, valid):
             return super().attend(q_latent, q_rope, content, rope, scale, mask, valid, blocks=blocks, w_uk=w_uk,
                                   w_uv=w_uv)
@@ -51,12 +51,20 @@ class KernelDecode:
         return self._decode_segments(q_latent, q_rope, scale, w_uk, w_uv,
                                      lambda q, qr: kernel(q, qr, scale, self.segments()))
 
+    def _step_backends(self, device_type: str) -> dict[str, str]:
+        """The format's backend per step type on `device_type`, worked out once per device type (the format is
+        frozen)."""
+        cache = self.__dict__.setdefault("_backends", {})
+        if device_type not in cache:
+            cache[device_type] = self.fmt.step_backends(device_type)
+        return cache[device_type]
+
     def _write(self, rows, pos, tokens):
         """New tokens into their reserved places in the paged store: where decode steps run the Triton kernel, int paths
         are quantized and written into the pool by the Triton store kernel (bit-exact with the PyTorch encoder),
         float paths copied; formats the store kernel does not encode (and every format on the torch path) go
         through the PyTorch encoder."""
-        if (not self.quantized or self.fmt.step_backends(self.device.type)["decode"] != "triton"
+        if (not self.quantized or self._step_backends(self.device.type)["decode"] != "triton"
                 or any(self._store_unsupported(p) for p in PATHS)):
             return super()._write(rows, pos, tokens)
         from mla_quant.kernels.quant_store import quantize_append
