@@ -51,6 +51,10 @@ def test_bench_decode_prints_ratios(tmp_path):
     # The latent cache holds exactly d_c + d_r values per token per layer (float32: 4 B each).
     assert rec["metrics"]["bench/decode/ctx64/absorbed_latent/cache_bytes_per_token_per_layer"] == 4 * 576
     assert rec["metrics"]["bench/decode/ctx64/speedup_absorbed_vs_transformers"] > 0
+    # quant=bf16 (the default) read by the C++ kernel on the CPU: its own path beside the PyTorch one
+    assert rec["metrics"]["bench/decode/ctx64/absorbed_bf16/backend/decode"] == "cpu"
+    assert rec["metrics"]["bench/decode/ctx64/speed_bf16_vs_absorbed"] > 0
+    assert "bf16 cache (cpu decode): decode speed" in out.stdout
 
 
 def test_multirun_through_the_submitit_launcher(tmp_path):

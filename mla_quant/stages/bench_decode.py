@@ -8,7 +8,8 @@ For each context length: prefill a random prompt (every path), then time `task.d
 steps fed the same tokens; `task.repeats` rounds, the paths interleaved, each path's fastest round's median kept
 (memory is measured in the first round). Paths: transformers (its own cache; `task.transformers=false` leaves it out:
 its eager prefill holds every head's T x T scores, ~17 GB at 16K on V2-Lite's 16 heads), the absorbed latent path over an unquantized cache,
-and, when `quant` quantizes, the absorbed path over the configured cache format (named by the quant option). Reports decode tokens/s of both and their ratio, and the cache bytes per token per
+and, when `quant` quantizes or a decode kernel reads its format (`quant=bf16` through the C++ kernel on the CPU), the
+absorbed path over the configured cache format (named by the quant option). Reports decode tokens/s of both and their ratio, and the cache bytes per token per
 layer each one holds, measured from the cache tensors, and what each cache holds after the steps: its distinct tensor
 storages, the process's resident set grown since before the prefill, and what the resident set shrinks by when the
 cache is let go (CPU: the cache's own resident memory), per token per layer and against a BF16 cache of those tokens
@@ -99,7 +100,10 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     prep = prepare_model(cfg, tokenizer=False, absorbed=False, attn_implementation=task.reference_attention)
     reference = prep.model.to(device)
     absorbed = absorb(copy.deepcopy(reference), attention_blocks(cfg.get("attention")))
-    quantized = prep.fmt is not None and prep.fmt.quantized
+    # the configured format's own path: a quantized one, or an unquantized one that a decode kernel reads (quant=bf16
+    # through the C++ kernel on the CPU, the Triton kernel on a GPU)
+    quantized = prep.fmt is not None and (
+        prep.fmt.quantized or prep.fmt.step_backends(torch.device(device).type)["decode"] != "torch")
     factory = prep.layer_factory() if quantized else None
     dims = latent_dims(absorbed)
     attn = absorbed.mla_family.attention_modules(absorbed)[0]
@@ -170,9 +174,10 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         if quantized:
             resident = metrics.get(f"bench/decode/ctx{ctx}/resident_bytes_ratio_{prep.fmt.name}_vs_bf16")
             released = metrics.get(f"bench/decode/ctx{ctx}/released_bytes_ratio_{prep.fmt.name}_vs_bf16")
-            print(f"context {ctx}: {prep.fmt.name} cache: decode speed "
+            backend = metrics.get(f"bench/decode/ctx{ctx}/absorbed_{prep.fmt.name}/backend/decode")
+            print(f"context {ctx}: {prep.fmt.name} cache ({backend} decode): decode speed "
                   f"{metrics[f'bench/decode/ctx{ctx}/speed_{prep.fmt.name}_vs_absorbed']:.2f}x the unquantized "
-                  f"absorbed path, cache bytes ratio "
+                  f"absorbed path (PyTorch), cache bytes ratio "
                   f"{metrics[f'bench/decode/ctx{ctx}/cache_bytes_ratio_{prep.fmt.name}_vs_absorbed']:.3f}; it holds "
                   f"{metrics[f'bench/decode/ctx{ctx}/tensor_bytes_ratio_{prep.fmt.name}_vs_bf16']:.3f}x a BF16 cache's "
                   "bytes in tensors" + ("" if resident is None else
