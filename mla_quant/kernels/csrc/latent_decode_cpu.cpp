@@ -103,11 +103,18 @@ struct Path {
     data_stride = x.stride(0) * x.element_size();
     row = x.size(2) * x.element_size();
     data_kind = kind_of(x);
-    if (bits == 0) return;
+    if (bits == 0) {
+      TORCH_CHECK(x.size(2) == d, "latent_decode_cpu: ", d, " values per token expected, got ", x.size(2));
+      return;
+    }
     TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "latent_decode_cpu: bits=", bits, "; allowed 0, 2, 4, 8");
     TORCH_CHECK(data_kind == Kind::I32, "latent_decode_cpu: int32 code words expected");
     words = (d + 32 / bits - 1) / (32 / bits);
+    TORCH_CHECK(x.size(2) == words, "latent_decode_cpu: ", words, " code words per token expected, got ", x.size(2));
+    TORCH_CHECK(group > 0 && d % group == 0, "latent_decode_cpu: group=", group, " must divide d=", d);
     groups = d / group;
+    TORCH_CHECK(scales_t.has_value() && (symmetric || zeros_t.has_value()),
+                "latent_decode_cpu: an int path needs its scales (and zeros unless symmetric)");
     const at::Tensor& s = *scales_t;
     scales = static_cast<const char*>(s.data_ptr());
     sc_stride = s.stride(0) * s.element_size();
@@ -120,7 +127,10 @@ struct Path {
       z_row = groups * z.element_size();
       z_kind = kind_of(z);
     }
-    if (levels_t.has_value()) levels = levels_t->data_ptr<float>();
+    if (levels_t.has_value()) {
+      TORCH_CHECK(levels_t->numel() == (int64_t{1} << bits), "latent_decode_cpu: a codebook of 2^bits levels expected");
+      levels = levels_t->data_ptr<float>();
+    }
   }
 
   // A token's words -> its codes (a codebook's levels at them) in channel order: field k of every word is the run of
@@ -129,6 +139,13 @@ struct Path {
   void unpack(const uint32_t* __restrict__ w, float* __restrict__ out) const {
     constexpr int per = 32 / BITS;
     constexpr uint32_t mask = (1u << BITS) - 1u;
+    if (levels == nullptr && words < 8 && per * words == d) {  // a short path (a RoPE key): word by word
+      for (int64_t j = 0; j < words; ++j) {
+        const uint32_t v = w[j];
+        for (int k = 0; k < per; ++k) out[k * words + j] = static_cast<float>((v >> (k * BITS)) & mask);
+      }
+      return;
+    }
     for (int k = 0; k < per; ++k) {
       const int64_t c0 = k * words;
       if (c0 >= d) break;
