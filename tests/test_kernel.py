@@ -201,7 +201,7 @@ def test_formats_the_kernel_cannot_read_are_named(option, override, match):
 
 
 def test_no_gpu_and_no_interpreter_is_a_clear_error(monkeypatch):
-    import mla_quant.kernels.latent_decode  # noqa: F401 - its kernels decorated under the interpreter, before the env changes
+    import mla_quant.kernels.latent_decode  # noqa: F401 - its kernels decorated under the interpreter first
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -272,7 +272,8 @@ def test_triton_layer_decodes_codebooks_and_pair_widths_as_torch_does(rope):
 
 
 def test_unknown_backend_is_refused():
-    with pytest.raises(ValueError, match=r"quant.backend='cuda' is unknown; allowed: \['auto', 'torch', 'triton', 'cpu'\]"):
+    with pytest.raises(ValueError,
+                       match=r"quant.backend='cuda' is unknown; allowed: \['auto', 'torch', 'triton', 'cpu'\]"):
         cache_layer_factory(OmegaConf.merge(load_quant_option("int4_joint"), {"backend": "cuda"}), 96, 16)
 
 

@@ -6,10 +6,11 @@
 
 For each context length: prefill a random prompt (every path), then time `task.decode_steps` single-token decode
 steps fed the same tokens; `task.repeats` rounds, the paths interleaved, each path's fastest round's median kept
-(memory is measured in the first round). Paths: transformers (its own cache; `task.transformers=false` leaves it out:
-its eager prefill holds every head's T x T scores, ~17 GB at 16K on V2-Lite's 16 heads), the absorbed latent path over an unquantized cache,
-and, when `quant` quantizes or a decode kernel reads its format (`quant=bf16` through the C++ kernel on the CPU), the
-absorbed path over the configured cache format (named by the quant option). Reports decode tokens/s of both and their ratio, and the cache bytes per token per
+(memory is measured in the first round). Paths: transformers (its own cache; `task.transformers=false` leaves it
+out: its eager prefill holds every head's T x T scores, ~17 GB at 16K on V2-Lite's 16 heads), the absorbed latent
+path over an unquantized cache (PyTorch), and, when `quant` quantizes or a decode kernel reads its format
+(`quant=bf16` through the C++ kernel on the CPU), the absorbed path over the configured cache format (named by the
+quant option). Reports decode tokens/s of each and their ratios, and the cache bytes per token per
 layer each one holds, measured from the cache tensors, and what each cache holds after the steps: its distinct tensor
 storages, the process's resident set grown since before the prefill, and what the resident set shrinks by when the
 cache is let go (CPU: the cache's own resident memory), per token per layer and against a BF16 cache of those tokens

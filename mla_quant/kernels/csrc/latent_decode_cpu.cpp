@@ -5,8 +5,9 @@
 // group's scale and zero (or a codebook's level), scored against every head's query and accumulated into the
 // output in one pass over the pages, a tile of tokens at a time, with an online softmax. No dequantized copy of
 // the cache is written: a thread's workspace is one tile of tokens. Split-KV: each sequence's tokens of each
-// segment are cut into chunks (by the sequence's own length) spread over the threads (at::parallel_for), each chunk keeps its running max, sum
-// and unnormalised output, and the chunks of a sequence are merged with log-sum-exp weights.
+// segment are cut into chunks (by the sequence's own length) spread over the threads (at::parallel_for); each
+// chunk keeps its running max, sum and unnormalised output, and the chunks of a sequence are merged with
+// log-sum-exp weights.
 //
 // Arguments (checked in Python, mla_quant/kernels/layout.py `check_inputs`, before the call):
 //   q_latent (B, H, d_c), q_rope (B, H, d_r) float32, contiguous;
