@@ -41,7 +41,9 @@ def layer_factory(fmt: CacheFormat | LayeredFormat | None
         from mla_quant.kernels.cpu_decode import require_cpu_kernel
 
         require_cpu_kernel(hint="; or use quant.backend=torch (or auto)")
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    # a visible GPU is asked first: where the Triton kernel reads the format the C++ kernel is not built for nothing
+    # (it is built when a decode step on CPU tensors first asks for it)
+    devices = (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]
     if fmt.backend in ("triton", "cpu") or any(fmt.step_backends(d)["decode"] != "torch" for d in devices):
         from mla_quant.cache.kernel import KernelLatentCacheLayer
 
