@@ -31,6 +31,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -296,12 +297,12 @@ void values(const float* __restrict__ p, int64_t p_stride, const float* __restri
 
 constexpr int kHeadBlock = 4;
 
-// Every head, blocks of kHeadBlock then one at a time.
-template <typename F4, typename F1>
-void over_heads(int64_t H, F4 f4, F1 f1) {
+// Every head, blocks of kHeadBlock then one at a time: f(block size as a compile-time constant, first head).
+template <typename F>
+void over_heads(int64_t H, F f) {
   int64_t h = 0;
-  for (; h + kHeadBlock <= H; h += kHeadBlock) f4(h);
-  for (; h < H; ++h) f1(h);
+  for (; h + kHeadBlock <= H; h += kHeadBlock) f(std::integral_constant<int, kHeadBlock>{}, h);
+  for (; h < H; ++h) f(std::integral_constant<int, 1>{}, h);
 }
 
 at::Tensor latent_decode_cpu(const at::Tensor& q_latent, const at::Tensor& q_rope, double scale_,
@@ -388,15 +389,10 @@ at::Tensor latent_decode_cpu(const at::Tensor& q_latent, const at::Tensor& q_rop
           s.rope.decode(blk, slot, rbuf.data() + i * dr, work.data());
         }
         std::fill(sbuf.begin(), sbuf.end(), 0.f);
-        over_heads(H,
-                   [&](int64_t h) {
-                     scores<kHeadBlock>(qb + h * dc, cbuf.data(), n, dc, sbuf.data() + h * kTile, kTile);
-                     scores<kHeadBlock>(qrb + h * dr, rbuf.data(), n, dr, sbuf.data() + h * kTile, kTile);
-                   },
-                   [&](int64_t h) {
-                     scores<1>(qb + h * dc, cbuf.data(), n, dc, sbuf.data() + h * kTile, kTile);
-                     scores<1>(qrb + h * dr, rbuf.data(), n, dr, sbuf.data() + h * kTile, kTile);
-                   });
+        over_heads(H, [&](auto hb, int64_t h) {
+          scores<decltype(hb)::value>(qb + h * dc, cbuf.data(), n, dc, sbuf.data() + h * kTile, kTile);
+          scores<decltype(hb)::value>(qrb + h * dr, rbuf.data(), n, dr, sbuf.data() + h * kTile, kTile);
+        });
         for (int64_t h = 0; h < H; ++h) {  // the online softmax: scores -> weights under the running max
           float* sc = sbuf.data() + h * kTile;
           float top = -std::numeric_limits<float>::infinity();
@@ -419,9 +415,9 @@ at::Tensor latent_decode_cpu(const at::Tensor& q_latent, const at::Tensor& q_rop
           }
           l[h] += sum;
         }
-        over_heads(H, [&](int64_t h) { values<kHeadBlock>(sbuf.data() + h * kTile, kTile, cbuf.data(), n, dc,
-                                                           acc + h * dc); },
-                   [&](int64_t h) { values<1>(sbuf.data() + h * kTile, kTile, cbuf.data(), n, dc, acc + h * dc); });
+        over_heads(H, [&](auto hb, int64_t h) {
+          values<decltype(hb)::value>(sbuf.data() + h * kTile, kTile, cbuf.data(), n, dc, acc + h * dc);
+        });
       }
     }
   });
