@@ -103,9 +103,9 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     absorbed = absorb(copy.deepcopy(reference), attention_blocks(cfg.get("attention")))
     # the configured format's own path: a quantized one, or an unquantized one that a decode kernel reads (quant=bf16
     # through the C++ kernel on the CPU, the Triton kernel on a GPU)
-    quantized = prep.fmt is not None and (
+    format_path = prep.fmt is not None and (
         prep.fmt.quantized or prep.fmt.step_backends(torch.device(device).type)["decode"] != "torch")
-    factory = prep.layer_factory() if quantized else None
+    factory = prep.layer_factory() if format_path else None
     dims = latent_dims(absorbed)
     attn = absorbed.mla_family.attention_modules(absorbed)[0]
     expanded_values = attn.num_heads * (attn.qk_head_dim + attn.v_head_dim)
@@ -119,7 +119,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         per_path = {}
         paths = {"transformers": (reference, lambda: DynamicCache(config=reference.config))} if with_reference else {}
         paths["absorbed_latent"] = (absorbed, lambda: new_cache(absorbed))
-        if quantized:
+        if format_path:
             paths[f"absorbed_{prep.fmt.name}"] = (absorbed, lambda: new_cache(absorbed, factory))
         measured = {}  # path -> (seconds, bytes, held, backends) of its first round, seconds the fastest round's
         for round_ in range(repeats):  # the paths interleaved, round by round (the machine's noise is additive)
@@ -154,7 +154,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
             metrics[f"bench/decode/ctx{ctx}/cache_bytes_ratio_absorbed_vs_transformers"] = (
                 per_path["absorbed_latent"]["cache_bytes_per_token_per_layer"]
                 / per_path["transformers"]["cache_bytes_per_token_per_layer"])
-        if quantized:
+        if format_path:
             q = per_path[f"absorbed_{prep.fmt.name}"]
             metrics[f"bench/decode/ctx{ctx}/speed_{prep.fmt.name}_vs_absorbed"] = (
                 q["tokens_per_s"] / per_path["absorbed_latent"]["tokens_per_s"])
@@ -172,7 +172,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
           f"heads={attn.num_heads}, dtype={cfg.model.dtype}, device={device}, reference={task.reference_attention}")
     print(table.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     for ctx in task.contexts:
-        if quantized:
+        if format_path:
             resident = metrics.get(f"bench/decode/ctx{ctx}/resident_bytes_ratio_{prep.fmt.name}_vs_bf16")
             released = metrics.get(f"bench/decode/ctx{ctx}/released_bytes_ratio_{prep.fmt.name}_vs_bf16")
             backend = metrics.get(f"bench/decode/ctx{ctx}/absorbed_{prep.fmt.name}/backend/decode")
