@@ -10,6 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -19,6 +20,11 @@ REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))  # each pytest-xdist worker too (measured faster than 1)
+
+# What quant.backend=auto decodes CPU tensors with: the C++ kernel wherever a C++ compiler can build it (a build that
+# then fails fails the tests expecting it), PyTorch on a machine without a compiler.
+HAS_CXX = shutil.which(os.environ.get("CXX", "c++")) is not None
+CPU_DECODE = "cpu" if HAS_CXX else "torch"
 
 
 def compose(overrides=()):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import compose
+from conftest import CPU_DECODE, compose
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.calibration.codebooks import fitted_on
 from mla_quant.kernels import attention as attn_mod
@@ -459,7 +459,7 @@ def test_decode_steps_over_segments_equal_the_stored_keys_path(name, mode, backe
     spec = {**SEGMENT_FORMATS[name], "mode": mode, "backend": backend}
     layer, d_c, d_r = segment_layer(spec)
     chosen = layer.fmt.step_backends("cpu")["decode"]
-    assert chosen == ("cpu" if backend == "auto" and "pairs" not in name else "torch")
+    assert chosen == (CPU_DECODE if backend == "auto" and "pairs" not in name else "torch")
     g = torch.Generator().manual_seed(2)
     h, d_nope, d_v = 4, 32, 24
     w_uk, w_uv = torch.randn(h, d_nope, d_c, generator=g) / 6, torch.randn(h, d_v, d_c, generator=g) / 10

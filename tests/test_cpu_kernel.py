@@ -5,11 +5,11 @@ decoding through it (quant.backend=cpu, and auto on the CPU) against the PyTorch
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import replace
 
 import pytest
 import torch
+from conftest import HAS_CXX
 from omegaconf import OmegaConf
 from test_kernel import FORMATS, dense_attention, filled_layer
 
@@ -21,7 +21,7 @@ from mla_quant.kernels.latent_decode import latent_decode_reference
 from mla_quant.models.absorbed import cache_kwargs, quantized_cache
 
 # Where a C++ compiler exists the kernel must build (a build that fails fails these tests); without one they skip.
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
 READ = [name for name in FORMATS if "pairs" not in name]  # every format but the RoPE key of several widths
 
 

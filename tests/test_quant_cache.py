@@ -6,6 +6,7 @@ from pathlib import Path
 import hydra
 import pytest
 import torch
+from conftest import CPU_DECODE
 from omegaconf import OmegaConf
 
 from mla_quant.cache import LatentCacheLayer, cache_layer_factory
@@ -90,7 +91,7 @@ def test_every_option_composes_and_builds(option):
     assert isinstance(layer, LatentCacheLayer) and layer.fmt.name == option
     assert layer.quantized == (option != "bf16")
     # on the CPU (auto) decode steps take the C++ kernel where it reads the format, PyTorch otherwise
-    assert layer.fmt.step_backends("cpu")["decode"] == ("torch" if layer.fmt.cpu_kernel_unsupported() else "cpu")
+    assert layer.fmt.step_backends("cpu")["decode"] == ("torch" if layer.fmt.cpu_kernel_unsupported() else CPU_DECODE)
 
 
 def test_command_line_per_path_combination():
