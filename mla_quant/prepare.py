@@ -24,11 +24,12 @@ from torch import nn
 from mla_quant.cache import layer_factory
 from mla_quant.calibration import calibrated_transforms, check_transform, transformed_format, weights_sha256
 from mla_quant.calibration.codebooks import fitted_codebooks, uses_lloyd
-from mla_quant.calibration.data import calibration_ids, check_calib, resolve_source
+from mla_quant.calibration.data import calibration_ids, check_calib, resolve_source, text_dataset
 from mla_quant.calibration.options import check_layered_transform
 from mla_quant.eval.harness import ContextTooLong
 from mla_quant.models.absorbed import absorb, attention_blocks, latent_dims, new_cache
-from mla_quant.models.build import _plain, load_tokenizer, pretrained_config, tiny_config
+from mla_quant.models.build import (_plain, check_tokenizer_files, load_tokenizer, pretrained_config,
+                                    tiny_config)
 from mla_quant.models.families import family_for_config
 from mla_quant.models.fp8 import check_fp8_config
 from mla_quant.quant.formats import CacheFormat, LayeredFormat, cache_format
@@ -224,16 +225,40 @@ class Prepared:
         return {**out, **backends}
 
 
+def preflight(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, calib_report: bool = False
+              ) -> tuple[dict[str, int], CacheFormat | LayeredFormat | MixedSpec | None]:
+    """Everything `prepare_model` refuses, done without reading any weight: the model's dims from its config alone,
+    the quant/transform/objective/calib settings against them, the tokenizer's files (before loading it), and the
+    calibration data (a text dataset loaded, so an offline machine is told now, naming the setting). -> (dims, the
+    validated format). Pipelines call it for every step before the first one runs."""
+    dims = model_dims(cfg.model)
+    fmt = validate(cfg, dims, quant=quant, calib_report=calib_report)
+    if tokenizer or needs_tokenizer(cfg, calib_report):
+        check_tokenizer_files(cfg.model.get("tokenizer"))
+    if needs_calibration_data(cfg, quant, calib_report) and resolve_source(cfg.calib, cfg.model.get("_target_")) \
+            == "text":
+        text_dataset(cfg.calib, "calib")
+    return dims, fmt
+
+
+def needs_calibration_data(cfg: DictConfig, quant: bool = True, calib_report: bool = False) -> bool:
+    """Whether preparing `cfg` reads calibration data: a transform fitted on data, quant=mixed, lloyd codebooks, or
+    experiment=calibrate's report."""
+    from mla_quant.calibration import needs_data
+
+    return bool(needs_data(cfg.get("transform")) or calib_report
+                or (quant and (is_mixed(cfg.get("quant")) or quant_uses_lloyd(cfg.get("quant")))))
+
+
 def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, absorbed: bool = True,
                   calib_report: bool = False, **build_overrides) -> Prepared:
     """Validate, then load, transform, absorb and place the model of `cfg.model` (see the module docstring).
     quant=False: the stage does not use the quant group. tokenizer=False: do not load one. calib_report=True: report
     the calibration objectives per layer even for transforms that fit nothing (experiment=calibrate)."""
-    dims = model_dims(cfg.model)
-    fmt = validate(cfg, dims, quant=quant, calib_report=calib_report)
+    dims, fmt = preflight(cfg, quant=quant, tokenizer=tokenizer, calib_report=calib_report)
     spec = fmt if isinstance(fmt, MixedSpec) else None
+    tok = load_tokenizer(cfg.model) if tokenizer or needs_tokenizer(cfg, calib_report) else None  # before weights
     model = build_model(cfg.model, absorbed=False, **build_overrides)
-    tok = load_tokenizer(cfg.model) if tokenizer or needs_tokenizer(cfg, calib_report) else None
     run_format = fmt if spec is None else spec.budget_format  # quant=mixed: fit for the budget's named option
     tset, transform_metrics, report = calibrated_transforms(model, cfg, tok, run_format, report=calib_report)
     if tset is not None:

@@ -2,7 +2,7 @@
 dir and record, then every table and figure from those records and a one-screen summary.
 
     python run.py                                   # toy: sensitivity, calibration, evaluation, tables and figures
-    python run.py experiment=pipeline model=deepseek_v2_lite task.evaluate=[] eval=gsm8k
+    python run.py model=deepseek_v2_lite quant=int4_joint    # a real checkpoint: its eval=paper
 
 Steps (conf/experiment/pipeline.yaml): sensitivity -> calibrate (method x format) -> evaluate (the reference, the
 peers, then method x format, then method x quant=mixed at each of task.mixed's budgets) -> analysis. A step is `mla_quant.pipeline.main` on the step's experiment composed with the run's
@@ -12,6 +12,9 @@ overrides that the step reads, so a step that finished in an earlier pipeline ru
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import json
 import time
 import traceback
 from contextlib import redirect_stderr, redirect_stdout
@@ -19,11 +22,12 @@ from pathlib import Path
 
 import pandas as pd
 from hydra import compose
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mla_quant import pipeline
 from mla_quant.record import write_text_atomic
-from mla_quant.stages import GROUPS, StageResult, override_group, refuse_unused_groups, user_overrides
+from mla_quant.stages import (GROUPS, StageResult, nested_overrides, override_group, refuse_unused_groups,
+                              user_overrides)
 
 ALWAYS = ("seed", "device", "logger", "force", "profile_layers")  # top-level settings every step takes as given
 SELECTS = ("quant", "transform")  # `quant=X` / `transform=Y` on the command line pick the pipeline's formats / methods
@@ -67,16 +71,54 @@ def reads(cfg: DictConfig, override: str) -> bool:
     return True
 
 
-def step_config(overrides: list[str], passed: list[str], reference: bool) -> tuple[DictConfig, dict, list[str]]:
+def step_config(overrides: list[str], passed: list[str], reference: bool,
+                per_eval: dict | None = None) -> tuple[DictConfig, dict, list[str]]:
     """The step's config (composed as `python run.py <overrides>` would, with the command-line overrides it reads),
-    its chosen options, and those overrides. The reference run takes no quant/transform settings."""
+    its chosen options, and those overrides. The reference run takes no quant/transform settings. per_eval: settings
+    per eval option (task.evaluate_per_eval), put before the step's own for the eval option it composes with."""
     probe = compose("config", overrides=overrides)
     mine = [o for o in passed if not (reference and override_group(o) in SELECTS) and reads(probe, o)]
     cfg = compose("config", overrides=[*overrides, *mine], return_hydra_config=True)
+    suite = list((per_eval or {}).get(cfg.hydra.runtime.choices.get("eval")) or [])
+    if suite and "eval" in (cfg.task.get("uses") or []):
+        overrides = [*suite, *overrides]  # the step's own settings and the command line's come after, and win
+        cfg = compose("config", overrides=[*overrides, *mine], return_hydra_config=True)
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra") and v is not None}
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg, choices, [*mine, *[o for o in overrides if not o.startswith("experiment=")]]
+
+
+def eval_options() -> list[str]:
+    """The options of the eval config group (conf/eval/*.yaml)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    return sorted(GlobalHydra.instance().config_loader().get_group_options("eval"))
+
+
+def compose_steps(t: DictConfig, given: list[str]) -> list[tuple[str, str, DictConfig, dict, list[str]]]:
+    """Every step of the pipeline composed, none run: (folder, name, config, choices, overrides) in order. A step that
+    does not compose, or a command-line setting that no step reads, is refused here, before any step runs."""
+    methods, formats = selection(t, given)
+    per_eval = OmegaConf.to_container(t.get("evaluate_per_eval") or {}, resolve=True)
+    unknown = sorted(set(per_eval) - set(eval_options()))
+    if unknown:
+        raise ValueError(f"task.evaluate_per_eval has settings for {unknown}, which are not eval options; allowed: "
+                         f"{eval_options()}")
+    passed = [o for o in given if override_group(o) in (*GROUPS, *ALWAYS) and o.split("=", 1)[0] not in SELECTS]
+    configs, used = [], set()
+    for i, (name, overrides) in enumerate(steps(methods, formats, t), 1):
+        try:
+            fixed = name in [f"evaluate-{o}" for o in (t.reference, *t.peers) if o]  # no quant/transform settings
+            step_cfg, choices, step_overrides = step_config(overrides, passed, reference=fixed, per_eval=per_eval)
+        except Exception as exc:
+            raise ValueError(f"step {name} ({' '.join(overrides)}): {exc}") from exc
+        used.update(o for o in step_overrides if o in passed)
+        configs.append((f"{i:02d}_{name}", name, step_cfg, choices, step_overrides))
+    idle = [o for o in passed if o not in used]
+    if idle:
+        raise ValueError(f"{idle}: no step of this pipeline reads these settings, so they would do nothing; drop them")
+    return configs
 
 
 def selection(t: DictConfig, given: list[str]) -> tuple[list[str], list[str]]:
@@ -169,23 +211,35 @@ def summary(t: DictConfig, methods: list[str], formats: list[str], results: dict
     return "\n".join(lines), metrics
 
 
+def check_steps(configs: list[tuple[str, str, DictConfig, dict, list[str]]]) -> None:
+    """Each step's own checks (its stage's `check(cfg)`: settings, model config, tokenizer files, datasets), every
+    step before the first runs: a setting one step refuses fails the pipeline in seconds, not after the steps before
+    it ran for hours. A dataset is loaded once for the steps that share it."""
+    loaded: set[str] = set()
+    for _, name, step_cfg, _, overrides in configs:
+        module = importlib.import_module(step_cfg.task._target_.rsplit(".", 1)[0])
+        check = getattr(module, "check", None)
+        if check is None:
+            continue
+        kwargs = {}
+        if "data" in inspect.signature(check).parameters:  # evaluate: its tasks' datasets, once per model and eval
+            key = json.dumps(OmegaConf.to_container(OmegaConf.masked_copy(step_cfg, ["model", "eval"]), resolve=True),
+                             sort_keys=True, default=str)
+            kwargs["data"] = key not in loaded
+            loaded.add(key)
+        try:
+            with nested_overrides(overrides):
+                check(step_cfg, **kwargs)
+        except Exception as exc:
+            raise ValueError(f"step {name} ({' '.join(overrides) or 'defaults'}), refused before any step ran: "
+                             f"{type(exc).__name__}: {exc}") from exc
+
+
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     t = cfg.task
-    given = user_overrides()
-    methods, formats = selection(t, given)
-    passed = [o for o in given if override_group(o) in (*GROUPS, *ALWAYS) and o.split("=", 1)[0] not in SELECTS]
-    configs, used = [], set()
-    for i, (name, overrides) in enumerate(steps(methods, formats, t), 1):  # all compose first: bad options fail now
-        try:
-            fixed = name in [f"evaluate-{o}" for o in (t.reference, *t.peers) if o]  # no quant/transform settings
-            step_cfg, choices, step_overrides = step_config(overrides, passed, reference=fixed)
-        except Exception as exc:
-            raise ValueError(f"step {name} ({' '.join(overrides)}): {exc}") from exc
-        used.update(o for o in step_overrides if o in passed)
-        configs.append((f"{i:02d}_{name}", name, step_cfg, choices, step_overrides))
-    idle = [o for o in passed if o not in used]
-    if idle:
-        raise ValueError(f"{idle}: no step of this pipeline reads these settings, so they would do nothing; drop them")
+    methods, formats = selection(t, user_overrides())
+    configs = compose_steps(t, user_overrides())  # all compose first: bad options fail now
+    check_steps(configs)  # and every step's checks pass before the first one runs
     start = time.perf_counter()
     results: dict[str, dict] = {}
     metrics: dict = {"pipeline/steps": len(configs)}

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, compose
+from conftest import REPO, compose, options
 
 from mla_quant.workflow import selection
 
@@ -110,3 +110,45 @@ def test_pipeline_mixed_steps_compose_per_method_and_budget():
         cfg, choices, _ = step_config(overrides, ["quant.protected.recent=0"], reference=False)
     assert choices["quant"] == "mixed" and choices["transform"] == "quantmla" and cfg.task.name == "evaluate"
     assert cfg.quant.budget == "int2_joint" and cfg.quant.protected.recent == 0
+
+
+@pytest.mark.parametrize("model", [m for m in options("model") if not m.startswith("spec_")])
+def test_the_headline_command_composes_every_step_for_every_model(model):
+    """`python run.py model=<option> quant=int4_joint`: every step composes (nothing runs), each evaluation step with
+    the model's own eval option and the pipeline's settings for it only (the toy's smaller suite on eval=toy)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from mla_quant.workflow import compose_steps
+
+    given = [f"model={model}", "quant=int4_joint"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        top = hydra_compose("config", overrides=given)
+        configs = compose_steps(top.task, given)
+    names = [name for _, name, *_ in configs]
+    assert names[0] == "sensitivity" and names[-1] == "evaluate-quantmla-int4_joint", names
+    evals = [(cfg, choices) for _, name, cfg, choices, _ in configs if name.startswith("evaluate")]
+    assert len(evals) == 4  # the BF16 reference and three methods at int4_joint
+    for cfg, choices in evals:
+        assert choices["model"] == model and choices["eval"] == top.eval.name
+        if top.eval.name == "toy":
+            assert cfg.eval.data.niah_per_length == 8 and not cfg.eval.control_no_rope.enabled
+        else:
+            assert "data" not in cfg.eval and cfg.eval == top.eval  # the model's eval option as configured
+    quantized = [c for c, ch in evals if ch["quant"] == "int4_joint"]
+    assert len(quantized) == 3 and all(c.quant.name == "int4_joint" for c in quantized)
+
+
+def test_settings_per_eval_option_are_checked_and_the_command_line_wins():
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from mla_quant.workflow import compose_steps
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        given = ["quant=int4_joint", "eval.data.niah_per_length=3"]
+        configs = compose_steps(hydra_compose("config", overrides=given).task, given)
+        assert all(cfg.eval.data.niah_per_length == 3 for _, n, cfg, *_ in configs if n.startswith("evaluate"))
+        bad = ['+task.evaluate_per_eval.tpy=["eval.limit=2"]']
+        with pytest.raises(ValueError, match=r"evaluate_per_eval.*\['tpy'\].*allowed.*'toy'"):
+            compose_steps(hydra_compose("config", overrides=bad).task, bad)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from pathlib import Path
 
 import torch
 
@@ -77,20 +78,51 @@ def toy_ids(tokenizer, n: int, t: int, seed: int, split: str = "train", scored: 
     return (ids, torch.tensor(masks, dtype=torch.bool)) if scored else ids
 
 
-def text_ids(calib_cfg, tokenizer, n: int, t: int, purpose: str = "calibration") -> torch.Tensor:
-    """n rows of t tokens of a text dataset (`calib_cfg`: dataset, subset, split, text_field, seed, data_files)."""
-    if tokenizer is None:
-        raise ValueError(f"{purpose} data from a text dataset needs a model with a tokenizer")
+def text_dataset(data_cfg, key: str, purpose: str = "calibration"):
+    """The text dataset a data config names (dataset, subset, split, data_files), loaded through `datasets` (its
+    cache, local files, or the network). Offline without it: OSError naming the setting `key` (e.g. `calib`) and
+    the local-file alternative. Called before any weight is read, and again (from the cache) where it is used."""
+    kwargs = {"data_files": _plain(data_cfg.data_files)} if data_cfg.get("data_files") else {}
+    subset = None if kwargs else data_cfg.get("subset")
+    loader = local_builder(kwargs["data_files"]) or data_cfg.dataset if kwargs else data_cfg.dataset
     try:
         from datasets import load_dataset
 
-        kwargs = {"data_files": calib_cfg.data_files} if calib_cfg.get("data_files") else {}
-        subset = None if kwargs else calib_cfg.get("subset")
-        data = load_dataset(calib_cfg.dataset, subset, split=calib_cfg.get("split", "train"), **kwargs)
+        return load_dataset(loader, subset, split=data_cfg.get("split", "train"), **kwargs)
     except Exception as err:  # offline, unknown dataset, missing package: one clear message
-        raise OSError(f"cannot load the {purpose} dataset {calib_cfg.dataset!r} (subset {calib_cfg.get('subset')!r}, "
-                      f"split {calib_cfg.get('split', 'train')!r}): {type(err).__name__}: {err}. This text must be on the "
-                      f"machine (the Hugging Face datasets cache, or network).") from err
+        where = (f"the local files {key}.data_files={kwargs['data_files']}" if kwargs else
+                 f"{key}.dataset={data_cfg.dataset!r} (subset {data_cfg.get('subset')!r}, split "
+                 f"{data_cfg.get('split', 'train')!r})")
+        raise OSError(f"cannot load the {purpose} text from {where}: {type(err).__name__}: {err}. The text must be on "
+                      f"this machine (the Hugging Face datasets cache, or network), or point "
+                      f"{key}.data_files at local files (e.g. {key}.data_files={{{data_cfg.get('split', 'train')}:"
+                      f"/data/text.jsonl}}, JSON lines with a {data_cfg.get('text_field', 'text')!r} field)") from err
+
+
+def local_builder(data_files) -> str | None:
+    """The `datasets` builder of files on this machine, by suffix: text (.txt), csv, parquet, else json (JSON lines);
+    None where they are not all local files (then they are files of the named dataset's repository, as C4's)."""
+    if isinstance(data_files, dict):
+        files = [f for v in data_files.values() for f in (v if isinstance(v, (list, tuple)) else [v])]
+    else:
+        files = list(data_files) if isinstance(data_files, (list, tuple)) else [data_files]
+    if not files or not all(Path(str(f)).expanduser().is_file() for f in files):
+        return None
+    suffix = str(files[0]).rsplit(".", 1)[-1].lower()
+    return {"txt": "text", "csv": "csv", "parquet": "parquet"}.get(suffix, "json")
+
+
+def _plain(node):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def text_ids(calib_cfg, tokenizer, n: int, t: int, purpose: str = "calibration", key: str = "calib") -> torch.Tensor:
+    """n rows of t tokens of a text dataset (`calib_cfg`: dataset, subset, split, text_field, seed, data_files)."""
+    if tokenizer is None:
+        raise ValueError(f"{purpose} data from a text dataset needs a model with a tokenizer")
+    data = text_dataset(calib_cfg, key, purpose)
     texts = [x for x in data[calib_cfg.get("text_field", "text")] if x and x.strip()]
     rng = random.Random(int(calib_cfg.seed))
     rng.shuffle(texts)

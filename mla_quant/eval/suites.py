@@ -84,6 +84,59 @@ def plan_tasks(ev, toy_tasks: list[str]) -> TaskPlan:
     return plan
 
 
+def _count(ev, key: str, least: int, allowed: str, node=None) -> None:
+    value = (ev if node is None else node).get(key.rsplit(".", 1)[-1])
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"eval.{key}={value!r}; allowed: {allowed}")
+
+
+def check_eval(ev) -> None:
+    """Every eval.* value, before any model work: each refused by name with what is allowed (lm-eval would take a
+    limit of 0 or -1, a batch of 0, a negative shot count, and fail only after the model is prepared)."""
+    from omegaconf import DictConfig, ListConfig
+
+    tasks = ev.get("tasks")
+    if not isinstance(tasks, (list, ListConfig)) or not tasks or not all(isinstance(t, str) for t in tasks):
+        raise ValueError(f"eval.tasks={tasks!r}; allowed: a non-empty list of task names")
+    limit = ev.get("limit")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0
+                              or (isinstance(limit, float) and limit > 1)):
+        raise ValueError(f"eval.limit={limit!r}; allowed: null (every example), an integer >= 1 (examples per task) "
+                         f"or a fraction in (0, 1] of each task's examples")
+    _count(ev, "batch_size", 1, "an integer >= 1 (sequences per forward)")
+    _count(ev, "threads", 1, "an integer >= 1 (CPU threads)")
+    if ev.get("num_fewshot") is not None:
+        _count(ev, "num_fewshot", 0, "null (each task's own count) or an integer >= 0")
+    gen = ev.get("gen_kwargs")
+    if gen is not None and not isinstance(gen, (dict, DictConfig)):
+        raise ValueError(f"eval.gen_kwargs={gen!r}; allowed: null or a mapping of generation settings, e.g. "
+                         f"{{max_gen_toks: 32}}")
+    if gen is not None and gen.get("max_gen_toks") is not None:
+        _count(ev, "gen_kwargs.max_gen_toks", 1, "an integer >= 1 (tokens generated per answer)", gen)
+    for key in ("allow_code_execution", "log_samples"):
+        if not isinstance(ev.get(key, False), bool):
+            raise ValueError(f"eval.{key}={ev.get(key)!r}; allowed: true, false")
+    lengths = (ev.get("ruler") or {}).get("lengths")
+    if lengths is not None and (not isinstance(lengths, (list, ListConfig)) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)):
+        raise ValueError(f"eval.ruler.lengths={lengths!r}; allowed: a list of context lengths >= 1 in tokens, e.g. "
+                         f"[4096,8192]")
+    data = ev.get("data")
+    if data is not None:
+        for key in ("niah_per_length", "arithmetic_n", "code_n", "gsm8k_max_gen_toks", "code_max_gen_toks"):
+            _count(ev, f"data.{key}", 1, "an integer >= 1", data)
+        _count(ev, "data.seed", 0, "an integer >= 0", data)
+        n = data.get("niah_lengths")
+        if not isinstance(n, (list, ListConfig)) or not n or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in n):
+            raise ValueError(f"eval.data.niah_lengths={n!r}; allowed: a non-empty list of context lengths >= 1 in "
+                             f"model tokens")
+    control = ev.get("control_no_rope")
+    if control is not None:
+        if not isinstance(control.get("enabled"), bool):
+            raise ValueError(f"eval.control_no_rope.enabled={control.get('enabled')!r}; allowed: true, false")
+
+
 def ruler_metadata(ev, tokenizer) -> dict:
     name = getattr(tokenizer, "name_or_path", None)
     if not name:

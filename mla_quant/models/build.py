@@ -104,6 +104,37 @@ def pretrained_tokenizer(hf_id: str, revision: str | None = None, path: str | No
         raise _missing_checkpoint_error(hf_id, revision, path, err) from err
 
 
+# The files a local folder's tokenizer loads from, one set per kind (any one set suffices).
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("tiktoken.model",),
+                   ("vocab.txt",))
+
+
+def check_tokenizer_files(node) -> None:
+    """A checkpoint tokenizer read from a local folder (model.tokenizer.path, model.path by default) must find its
+    files there: else, before any weight is read, the folder, what was looked for and how to fix it (not, after the
+    weights, that sentencepiece or tiktoken is missing). A tokenizer.model without tokenizer.json needs sentencepiece."""
+    if node is None or node.get("_target_") != f"{__name__}.pretrained_tokenizer" or not node.get("path"):
+        return
+    folder = Path(str(node.get("path"))).expanduser()
+    if not folder.is_dir():
+        raise OSError(f"model.tokenizer.path={str(folder)!r} is not a folder; give the checkpoint's folder (with its "
+                      f"tokenizer files)")
+    names = {p.name for p in folder.iterdir()} | ({"tiktoken.model"} if any(folder.glob("*.tiktoken")) else set())
+    found = next((kind for kind in TOKENIZER_FILES if set(kind) <= names), None)
+    if found is None:
+        wanted = ", ".join(" + ".join(kind) for kind in TOKENIZER_FILES)
+        config = "there" if "tokenizer_config.json" in names else "missing too"
+        raise OSError(f"model.tokenizer.path={str(folder)!r} has no tokenizer files (looked for one of: {wanted}, or "
+                      f"*.tiktoken; tokenizer_config.json is {config}). Copy them from the checkpoint's repository "
+                      f"into the folder, or set model.tokenizer.path to a folder that has them")
+    if found == ("tokenizer.model",):
+        import importlib.util
+
+        if importlib.util.find_spec("sentencepiece") is None:
+            raise OSError(f"model.tokenizer.path={str(folder)!r} has a SentencePiece tokenizer.model and no "
+                          f"tokenizer.json: pip install sentencepiece (or add the checkpoint's tokenizer.json)")
+
+
 def load_tokenizer(model_cfg):
     """The tokenizer a model config names under `tokenizer` (a `_target_` node), or None (tiny random models)."""
     from hydra.utils import instantiate

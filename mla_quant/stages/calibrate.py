@@ -16,9 +16,14 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig
 
-from mla_quant.prepare import prepare_model
+from mla_quant.prepare import preflight, prepare_model
 from mla_quant.record import atomic_path, write_text_atomic
 from mla_quant.stages import StageResult
+
+
+def check(cfg: DictConfig) -> None:
+    """Everything this stage refuses, before any weight is read (`preflight`: settings, calibration data)."""
+    preflight(cfg, tokenizer=False, calib_report=True)
 
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:

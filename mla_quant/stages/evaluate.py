@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,9 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 from mla_quant.eval.harness import LatentCacheHFLM, compact_samples, evaluate_tasks, rope_zeroed
 from mla_quant.eval.task_files import CODE_TASKS, TOY_TASKS, write_task_files
 from mla_quant.eval.task_utils import ALLOW_ENV, OPT_IN_HINT
-from mla_quant.eval.suites import CODE_STOCK_TASKS, load_stock_tasks, plan_tasks
+from mla_quant.eval.suites import CODE_STOCK_TASKS, TaskPlan, check_eval, load_stock_tasks, plan_tasks
 from mla_quant.models.build import load_tokenizer
-from mla_quant.prepare import check_context, model_dims, prepare_model
+from mla_quant.prepare import check_context, model_dims, preflight, prepare_model
 from mla_quant.stages import StageResult
 from mla_quant.record import progress, write_json_atomic, write_text_atomic
 
@@ -103,9 +104,14 @@ def table(metrics: dict[str, float]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def run(cfg: DictConfig, run_dir: Path) -> StageResult:
+def check(cfg: DictConfig, data_folder: Path | None = None, data: bool = True) -> tuple[TaskPlan, dict]:
+    """Everything this stage refuses, before any weight is read: every eval.* value, the task names, code execution,
+    the tokenizer, the lengths against the model's positions, the quant/transform/objective/calib settings
+    (`preflight`), then every stock task's dataset (loaded, or refused naming the task, its dataset and the local
+    alternative). -> (the task plan, the loaded stock tasks). data_folder: where local task files go (None: a
+    temporary folder, dropped: the check only). data=False: the datasets are not loaded (nor returned)."""
     ev = cfg.eval
-    torch.set_num_threads(int(ev.get("threads", 2)))
+    check_eval(ev)
     plan = plan_tasks(ev, TOY_TASKS)  # unknown names, RULER without lengths, idle data_files: refused here
     allow = bool(ev.get("allow_code_execution", False))
     plan.toy = code_tasks_allowed(plan.toy, allow)
@@ -116,10 +122,22 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         raise ValueError(f"model {cfg.model.get('_target_')} has no tokenizer (a random tiny model?); "
                          f"evaluate needs a trained model, e.g. model=toy_mla")
     check_lengths(cfg, plan)
+    preflight(cfg)  # quant, transform, objective, calib, the tokenizer's files
     # The stock tasks' datasets before any weight is read: offline, the error names the task and its dataset.
     # (RULER builds its samples with the tokenizer; no other stock task reads it before the model is prepared)
-    stock = load_stock_tasks(plan, ev, load_tokenizer(cfg.model) if plan.ruler else None,
-                             run_dir / "lm_eval_tasks" / "local")
+    if not data:
+        return plan, {}
+    if data_folder is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            return plan, load_stock_tasks(plan, ev, load_tokenizer(cfg.model) if plan.ruler else None, Path(tmp))
+    return plan, load_stock_tasks(plan, ev, load_tokenizer(cfg.model) if plan.ruler else None, data_folder)
+
+
+def run(cfg: DictConfig, run_dir: Path) -> StageResult:
+    ev = cfg.eval
+    torch.set_num_threads(int(ev.get("threads", 2)))
+    plan, stock = check(cfg, run_dir / "lm_eval_tasks" / "local")
+    allow = bool(ev.get("allow_code_execution", False))
 
     prep = prepare_model(cfg)  # validates quant/transform/objective against the model before loading weights
     model, tokenizer = prep.model, prep.tokenizer

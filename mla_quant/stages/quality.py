@@ -24,9 +24,9 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from mla_quant.calibration.data import resolve_source, text_ids, toy_ids
+from mla_quant.calibration.data import resolve_source, text_dataset, text_ids, toy_ids
 from mla_quant.models.absorbed import cache_kwargs, new_cache
-from mla_quant.prepare import check_context, model_dims, prepare_model
+from mla_quant.prepare import check_context, model_dims, preflight, prepare_model
 from mla_quant.record import write_text_atomic
 from mla_quant.stages import StageResult
 from mla_quant.stats import clustered_stderr
@@ -41,7 +41,7 @@ def held_out_ids(data: DictConfig, source: str, tokenizer, vocab_size: int) -> t
     if source == "toy":
         return toy_ids(tokenizer, n, t, seed, split=data.split, scored=True)
     if source == "text":
-        ids = text_ids(data, tokenizer, n, t, purpose="quality")
+        ids = text_ids(data, tokenizer, n, t, purpose="quality", key="task.data")
     elif source == "random":
         ids = torch.randint(3, vocab_size, (n, t), generator=torch.Generator().manual_seed(seed))
     else:
@@ -80,14 +80,28 @@ def per_sequence_sums(stats: dict[str, torch.Tensor]) -> pd.DataFrame:
     return pd.DataFrame({k: (v.tolist() if torch.is_tensor(v) else v) for k, v in out.items()}).astype({"tokens": int})
 
 
-def run(cfg: DictConfig, run_dir: Path) -> StageResult:
+def check(cfg: DictConfig) -> str:
+    """Everything this stage refuses, before any weight is read: its options, the held-out text (loaded, or refused
+    naming task.data and the local-file alternative), the model's settings (`preflight`). -> the data source."""
     t = cfg.task
-    torch.set_num_threads(int(t.threads))
     chunk = t.get("chunk")
     if chunk is not None and int(chunk) < 1:
         raise ValueError(f"task.chunk={chunk}: give a positive number of tokens per forward, or null")
     source = resolve_source(t.data, cfg.model.get("_target_"))
-    check_context("task.data.seq_len", t.data.seq_len, model_dims(cfg.model))  # before any weight is read
+    if t.data.get("data_files") and source != "text":
+        raise ValueError(f"task.data.data_files is set but task.data.source resolves to {source!r}, which reads no "
+                         f"files; set task.data.source=text or drop it")
+    check_context("task.data.seq_len", t.data.seq_len, model_dims(cfg.model))
+    if source == "text":
+        text_dataset(t.data, "task.data", "quality")
+    preflight(cfg, tokenizer=source in ("toy", "text"))
+    return source
+
+
+def run(cfg: DictConfig, run_dir: Path) -> StageResult:
+    t = cfg.task
+    torch.set_num_threads(int(t.threads))
+    source = check(cfg)  # before any weight is read
     prep = prepare_model(cfg, tokenizer=source in ("toy", "text"))
     model = prep.model
     ids, scored = held_out_ids(t.data, source, prep.tokenizer, int(model.config.vocab_size))

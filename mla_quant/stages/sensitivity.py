@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from mla_quant.models.absorbed import new_cache  # noqa: E402
-from mla_quant.prepare import check_context, model_dims, prepare_model  # noqa: E402
+from mla_quant.prepare import check_context, model_dims, preflight, prepare_model  # noqa: E402
 from mla_quant.stages import StageResult, refuse_overrides  # noqa: E402
 from mla_quant.record import atomic_path, progress, write_text_atomic  # noqa: E402
 from mla_quant.sensitivity.injection import InjectionSpec, check_nmse_target, injection_factory  # noqa: E402
@@ -90,9 +90,17 @@ def _rows(errors: dict, **key) -> list[dict]:
     return rows
 
 
+def check(cfg: DictConfig) -> list[float]:
+    """Everything this stage refuses, before any weight is read: the study's options, then the model's settings
+    (`preflight`). -> the NMSE targets."""
+    targets = validate(cfg)
+    preflight(cfg, quant=cfg.task.noise == "quantizer", tokenizer=cfg.task.probe.source != "random")
+    return targets
+
+
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
-    targets = validate(cfg)  # bad targets and formats fail here, before any model work
+    targets = check(cfg)  # bad targets, formats and data fail here, before any model work
     headline = float(task.nmse)
     prep = prepare_model(cfg, quant=task.noise == "quantizer", tokenizer=task.probe.source != "random")
     model, tokenizer = prep.model, prep.tokenizer
