@@ -221,6 +221,8 @@ def resume_state(cfg: DictConfig, run_dir: Path, identity: str) -> tuple[Path | 
         raise ValueError(f"force={force!r}; allowed: true (rerun a configuration that has a complete record), false")
     complete, partial = prior_runs(output_root(run_dir), identity, run_dir)
     prog = RunProgress(run_dir / PROGRESS_NAME, identity)
+    if complete is not None and not force:
+        return complete, prog  # skipped: an unfinished attempt beside the complete one is not continued (nor written)
     own = partial is not None and partial.parent.resolve() == run_dir.resolve()
     if partial is not None and (own or not force):  # force recomputes, but a requeued job keeps its own progress
         prog.restore(read_json(partial) or {}, partial.parent)
@@ -239,7 +241,6 @@ def main(cfg: DictConfig, run_dir: Path | None = None, choices: dict[str, str] |
 
 def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None) -> StageResult:
     run_dir = Path(run_dir) if run_dir is not None else run_dir_of(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.device)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     stage = get_method(cfg.task._target_)  # fails early, naming the target, if it does not exist
@@ -252,6 +253,7 @@ def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None)
         print(f"[mla-quant] {cfg.task.name}: skipped, this configuration (identity {identity}) already has a "
               f"complete record: {complete}; force=true reruns it")
         return StageResult(metrics=dict((read_json(complete) or {}).get("metrics") or {}), reused=str(complete))
+    run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
     choices = config_choices() if choices is None else dict(choices)
     start = time.perf_counter()

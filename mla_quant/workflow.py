@@ -223,8 +223,8 @@ def check_steps(configs: list[tuple[str, str, DictConfig, dict, list[str]]]) -> 
             continue
         kwargs = {}
         if "data" in inspect.signature(check).parameters:  # evaluate: its tasks' datasets, once per model and eval
-            key = json.dumps(OmegaConf.to_container(OmegaConf.masked_copy(step_cfg, ["model", "eval"]), resolve=True),
-                             sort_keys=True, default=str)
+            plain = OmegaConf.to_container(step_cfg, resolve=True)
+            key = json.dumps([plain.get("model"), plain.get("eval")], sort_keys=True, default=str)
             kwargs["data"] = key not in loaded
             loaded.add(key)
         try:

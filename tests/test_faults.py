@@ -219,6 +219,23 @@ def test_complete_runs_are_skipped_and_force_reruns(in_dir, capsys):
         pipeline.main(_demo_cfg(["force=yes"]))
 
 
+def test_a_skipped_rerun_writes_nothing_even_beside_an_unfinished_attempt(tmp_path, monkeypatch):
+    """A complete record and an unfinished attempt of the same configuration under the output root: the rerun is
+    skipped for the complete one and writes nothing (no progress.json continued into its own new folder)."""
+    root = tmp_path / "outputs"
+    dirs = iter([root / "done", root / "killed", root / "again"])
+    monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: next(dirs))
+    monkeypatch.setattr(pipeline, "output_root", lambda run_dir: root)
+    pipeline.main(_demo_cfg())
+    monkeypatch.setenv("STOP_SIGNAL", "SIGTERM")
+    with pytest.raises(Interrupted):
+        pipeline.main(_demo_cfg(["force=true"]))  # a forced rerun, killed after three units
+    monkeypatch.delenv("STOP_SIGNAL")
+    assert (root / "killed" / "progress.json").is_file()
+    assert pipeline.main(_demo_cfg()).reused == str(root / "done" / "record.json")
+    assert not (root / "again").exists()
+
+
 def test_identity_ignores_outputs_and_trackers_only():
     from omegaconf import OmegaConf
 

@@ -55,6 +55,11 @@ def test_record_has_every_field(tmp_path, run_in):
     assert REQUIRED <= set(rec), REQUIRED - set(rec)
     assert rec["status"] == "ok" and rec["metrics"]["demo/nmse/content"] == 0.01
     assert rec["versions"]["torch"] and rec["versions"]["transformers"] and rec["versions"]["python"]
+    import importlib.metadata as md
+
+    # the engine behind experiment=serving and the peers' quantizers, as installed (the test extras install them)
+    for name, dist in (("vllm", "vllm"), ("hqq", "hqq"), ("optimum-quanto", "optimum-quanto"), ("datasets", "datasets")):
+        assert rec["versions"][name] == md.version(dist), name
     assert rec["config"]["task"]["name"] == "equivalence"
     assert (tmp_path / "table.md").exists()
     assert not list(tmp_path.glob(".*.tmp")), "a temp file was left behind"

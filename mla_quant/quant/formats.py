@@ -118,9 +118,13 @@ class Codec:
         """The stored tensors (..., *) -> x_hat (..., d) in `dtype`; `tensor_scale` broadcast over (...)."""
         raise NotImplementedError
 
-    def fake_quantize(self, fmt: "PathFormat", x: torch.Tensor, tensor_scale: torch.Tensor | None) -> torch.Tensor:
-        """x (..., d) -> x as stored and read back, in x.dtype."""
-        return self.decode(fmt, self.encode(fmt, x, tensor_scale), x.shape[-1], x.dtype, tensor_scale)
+    def fake_quantize(self, fmt: "PathFormat", x: torch.Tensor, tensor_scale: torch.Tensor | None,
+                      where: str = "fake_quantize") -> torch.Tensor:
+        """x (..., d) -> x as stored and read back, in x.dtype; stored scales or zeros that overflow their dtype are
+        refused (`check_finite`, naming `where`), as the cache refuses them, never read back as inf."""
+        parts = self.encode(fmt, x, tensor_scale)
+        check_finite(parts, where)
+        return self.decode(fmt, parts, x.shape[-1], x.dtype, tensor_scale)
 
     def kernel_unsupported(self, fmt: "PathFormat", d: int) -> str | None:
         """Why the Triton decode kernel cannot read this format, or None if it can."""
@@ -209,10 +213,10 @@ class IntCodec(Codec):
         return quantizers.group_dequantize(codes, parts["scales"], parts.get("zeros"), fmt.bits, dtype,
                                            fmt.codebook(required=True, device=codes.device))
 
-    def fake_quantize(self, fmt, x, tensor_scale):
+    def fake_quantize(self, fmt, x, tensor_scale, where="fake_quantize"):
         if fmt.quantizer == "lloyd" and fmt.levels is None:  # a study's quantizer: levels fitted on the x it is given
             return quantizers.fake_quantize(x, fmt.bits, fmt.group_size, fmt.symmetric, fmt.scale_dtype, "lloyd")
-        return super().fake_quantize(fmt, x, tensor_scale)
+        return super().fake_quantize(fmt, x, tensor_scale, where)
 
     def kernel_unsupported(self, fmt, d):
         if fmt.bits not in TRITON_INT_BITS:
@@ -477,7 +481,7 @@ class ChannelBlockCodec(Codec):
         return quantizers.channel_block_dequantize(codes, self._gather(fmt, parts["scales"], d),
                                                    self._gather(fmt, parts["zeros"], d), fmt.bits, dtype)
 
-    def fake_quantize(self, fmt, x, tensor_scale):
+    def fake_quantize(self, fmt, x, tensor_scale, where="fake_quantize"):
         """Whole blocks along dim -2 (from its first token) as stored and read back; the tokens of a last, partial
         block exact, as the cache keeps them until their block fills."""
         if x.dim() < 2:
@@ -485,7 +489,7 @@ class ChannelBlockCodec(Codec):
         full = x.shape[-2] - x.shape[-2] % fmt.token_block
         head = x[..., :full, :]
         if full:
-            head = self.decode(fmt, self.encode(fmt, head, None), x.shape[-1], x.dtype, None)
+            head = super().fake_quantize(fmt, head, None, where)
         return torch.cat([head, x[..., full:, :]], dim=-2)
 
     def describe(self, fmt):
@@ -962,7 +966,7 @@ def fake_quantizer(path_cfg, d: int, path: str = "<path>") -> Callable[[torch.Te
         if x.shape[-1] != d:
             raise ValueError(f"quant.{path}: validated for dimension {d}, got x of shape {tuple(x.shape)}")
         scale = tensor_scale_for(x).expand(x.shape[:-1]) if fmt.tensor_scaled else None
-        return fmt.codec.fake_quantize(fmt, x, scale)
+        return fmt.codec.fake_quantize(fmt, x, scale, f"quant.{path} ({fmt.describe()})")
 
     return quantize
 

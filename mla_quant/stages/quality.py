@@ -102,6 +102,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     t = cfg.task
     torch.set_num_threads(int(t.threads))
     source = check(cfg)  # before any weight is read
+    chunk = t.get("chunk")
     prep = prepare_model(cfg, tokenizer=source in ("toy", "text"))
     model = prep.model
     ids, scored = held_out_ids(t.data, source, prep.tokenizer, int(model.config.vocab_size))
