@@ -110,3 +110,22 @@ def test_the_pipeline_checks_every_step_before_the_first_runs(garbage, tmp_path)
     assert "step evaluate-bf16" in out.stderr and "refused before any step ran" in out.stderr, out.stderr[-2000:]
     assert "eval.limit=0" in out.stderr, out.stderr[-2000:]
     assert not list((tmp_path / "run").glob("0*_*")), sorted(p.name for p in (tmp_path / "run").iterdir())
+
+
+@pytest.mark.parametrize("block", [
+    {"format": "int", "bits": 4, "group_size": 16, "scale_dtype": "fp16"},
+    {"format": "channel_block", "bits": 2, "token_block": 4, "granularity": "channel", "scale_dtype": "fp16"}])
+def test_fake_quantizer_refuses_overflowing_scales_by_path(block):
+    """What task.noise=quantizer, the mixed allocation and the calibration objectives quantize with: values whose
+    zeros overflow an fp16 scale (|x| ~ 1e5) are refused naming the path, never read back as inf (then NaN)."""
+    import torch
+
+    from mla_quant.quant.formats import fake_quantizer
+
+    q = fake_quantizer(block, 32, "content")
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(q(x)).all() and not torch.equal(q(x), x)
+    with pytest.raises(ValueError, match=r"quant.content \(.*\): the stored (zeros|scales) \(float16\) overflow"):
+        q(x * 1e5)
+    fp32 = fake_quantizer({**block, "scale_dtype": "fp32"}, 32, "content")
+    assert torch.isfinite(fp32(x * 1e5)).all()
