@@ -34,7 +34,7 @@ def logits_of(model, ids: torch.Tensor, mask: torch.Tensor, quant) -> torch.Tens
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 480, 200, 200],
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 512, 256, 256],
                         help="needle prompt lengths in the toy's tokens (one prompt each)")
     parser.add_argument("--recent", type=int, default=128, help="quant.protected.recent")
     parser.add_argument("--mode", default="simulated", choices=["simulated", "serving"])
