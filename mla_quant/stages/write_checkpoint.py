@@ -44,6 +44,25 @@ def write_gsm8k_format(folder: Path, n: int, seed: int) -> dict[str, str]:
     return paths
 
 
+def write_text_files(folder: Path, seed: int, docs: int = 400) -> dict[str, str]:
+    """Plain text as JSON lines ({"text": ...}) for calibration (train) and held-out quality (test), from the
+    project's arithmetic generator (GSM8K-format worked problems), through `calib.data_files` /
+    `task.data.data_files` where WikiText-2 cannot be had. -> {split: path}."""
+    import random
+
+    from mla_quant.tasks.arithmetic import make_problem
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split in ("train", "test"):
+        rng = random.Random(f"text-{split}:{seed}")
+        rows = [make_problem(rng, split) for _ in range(docs)]
+        lines = [json.dumps({"text": f"{r['question']}\n{r['answer']}"}) for r in rows]
+        write_text_atomic(folder / f"{split}.jsonl", "".join(f"{line}\n" for line in lines))
+        paths[split] = str(folder / f"{split}.jsonl")
+    return paths
+
+
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
     if task.like not in task.shapes:
@@ -71,6 +90,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     model.save_pretrained(out, max_shard_size=f"{max(1, int(task.shard_mb * 1000))}KB")
     tokenizer.save_pretrained(out)
     data = write_gsm8k_format(out / "data" / "gsm8k", int(task.gsm8k_problems), int(cfg.seed))
+    text_files = write_text_files(out / "data" / "text", int(cfg.seed))
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     params = sum(p.numel() for p in model.parameters())
     text = model.config.get_text_config(decoder=True)
@@ -79,7 +99,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                    "attention": {k: getattr(text, k, None) for k in (
                        "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
                        "q_lora_rank", "hidden_size", "max_position_embeddings")},
-                   "data_files": {"gsm8k": data},
+                   "data_files": {"gsm8k": data, "text": text_files},
                    "rope_parameters": OmegaConf.to_container(source.config.get("rope_parameters"))
                    if source.config.get("rope_parameters") is not None else None}
     write_json_atomic(out / "mla_quant_rehearsal.json", description)
@@ -89,5 +109,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
           f"model.device_map=null ...")
     print(f"  GSM8K-format data for lm-eval's gsm8k task: 'eval.data_files={{gsm8k:{{train:{data['train']},"
           f"test:{data['test']}}}}}'")
+    print(f"  text for calibration and quality: 'calib.data_files={{train:{text_files['train']}}}' "
+          f"'task.data.data_files={{test:{text_files['test']}}}'")
     return StageResult(metrics={"checkpoint/path": str(out), "checkpoint/parameters": params,
                                 "checkpoint/shards": len(shards), "checkpoint/like": task.like})
