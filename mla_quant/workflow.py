@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 from hydra import compose
+from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mla_quant import pipeline
@@ -78,7 +79,11 @@ def step_config(overrides: list[str], passed: list[str], reference: bool,
     per eval option (task.evaluate_per_eval), put before the step's own for the eval option it composes with."""
     probe = compose("config", overrides=overrides)
     mine = [o for o in passed if not (reference and override_group(o) in SELECTS) and reads(probe, o)]
-    cfg = compose("config", overrides=[*overrides, *mine], return_hydra_config=True)
+    try:
+        cfg = compose("config", overrides=[*overrides, *mine], return_hydra_config=True)
+    except ConfigCompositionException:  # a setting of an option this step does not take (transform.fit.* on none)
+        mine = [o for o in mine if _composes([*overrides, o])]
+        cfg = compose("config", overrides=[*overrides, *mine], return_hydra_config=True)
     suite = list((per_eval or {}).get(cfg.hydra.runtime.choices.get("eval")) or [])
     if suite and "eval" in (cfg.task.get("uses") or []):
         overrides = [*suite, *overrides]  # the step's own settings and the command line's come after, and win
@@ -87,6 +92,14 @@ def step_config(overrides: list[str], passed: list[str], reference: bool,
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg, choices, [*mine, *[o for o in overrides if not o.startswith("experiment=")]]
+
+
+def _composes(overrides: list[str]) -> bool:
+    try:
+        compose("config", overrides=overrides)
+    except ConfigCompositionException:
+        return False
+    return True
 
 
 def eval_options() -> list[str]:

@@ -129,3 +129,8 @@ def test_fake_quantizer_refuses_overflowing_scales_by_path(block):
         q(x * 1e5)
     fp32 = fake_quantizer({**block, "scale_dtype": "fp32"}, 32, "content")
     assert torch.isfinite(fp32(x * 1e5)).all()
+
+
+def test_a_probe_too_short_for_its_needle_prompts_is_refused_before_the_weights(garbage):
+    with pytest.raises(ValueError, match=r"task.probe.seq_len=64 \(task.probe.source=auto.*too short"):
+        _stage_check(["experiment=sensitivity", *REAL, f"model.path={garbage}", "task.probe.seq_len=64"])

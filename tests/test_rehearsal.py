@@ -38,6 +38,36 @@ def test_the_folder_is_a_checkpoint(folder):
     rows = [json.loads(line) for line in (folder / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()]
     assert len(rows) == 64 and all(set(r) == {"question", "answer"} and "\n#### " in r["answer"] for r in rows)
     assert meta["data_files"]["gsm8k"]["train"].endswith("data/gsm8k/train.jsonl")
+    text = [json.loads(line) for line in (folder / "data" / "text" / "train.jsonl").read_text().splitlines()]
+    assert len(text) == 400 and all(set(r) == {"text"} and r["text"] for r in text)
+    assert meta["data_files"]["text"]["test"].endswith("data/text/test.jsonl")
+
+
+def test_the_headline_pipeline_runs_on_it_to_its_summary(folder, tmp_path):
+    """`python run.py model=deepseek_v2_lite quant=int4_joint` on the folder, with its local data files: every step
+    (sensitivity, cache bytes, calibration, the BF16 reference and the evaluation with the model's eval=paper, here
+    lm-eval's gsm8k and RULER's niah_single_1) runs, then the tables and the summary."""
+    run_dir = tmp_path / "run"
+    out = run_py("model=deepseek_v2_lite", f"model.path={folder}", "model.dtype=float32", "model.device_map=null",
+                 "model.quant_group_size.wide=16", "model.quant_group_size.narrow=8", "quant=int4_joint",
+                 "transform=quantmla", f"calib.data_files={{train:{folder}/data/text/train.jsonl}}", "calib.samples=2",
+                 "calib.seq_len=64", "calib.batch_size=2", "transform.fit.steps=2",
+                 f"transform.fit.cache_dir={tmp_path / 'calibration'}", "eval.tasks=[gsm8k,niah_single_1]",
+                 f"eval.data_files={{gsm8k:{{train:{folder}/data/gsm8k/train.jsonl,"
+                 f"test:{folder}/data/gsm8k/test.jsonl}}}}", "eval.ruler.lengths=[256]", "eval.limit=2",
+                 "eval.num_fewshot=1", "eval.gen_kwargs={max_gen_toks:4}",
+                 'task.sensitivity=["task.seeds=1","task.sweep_nmse=[]","task.probe.num_sequences=1",'
+                 '"task.rope_pairs=false","task.per_layer=false"]',
+                 f"hydra.run.dir={run_dir}", timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    steps = sorted(p.name for p in run_dir.glob("0*_*"))
+    assert steps == ["01_sensitivity", "02_cache_bytes", "03_calibrate-quantmla-int4_joint", "04_evaluate-bf16",
+                     "05_evaluate-quantmla-int4_joint"], steps
+    ev = json.loads((run_dir / steps[-1] / "record.json").read_text())
+    assert ev["status"] == "ok" and ev["choices"]["eval"] == "paper"
+    assert "eval/gsm8k/exact_match" in ev["metrics"] and "eval/niah_single_1/256" in ev["metrics"]
+    assert "pipeline/accuracy/quantmla/int4_joint" in json.loads((run_dir / "record.json").read_text())["metrics"]
+    assert (run_dir / "summary.md").is_file() and (run_dir / "analysis" / "index.md").is_file()
 
 
 def test_a_stage_runs_on_it_as_a_real_checkpoint(folder, tmp_path):

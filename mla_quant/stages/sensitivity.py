@@ -94,7 +94,19 @@ def check(cfg: DictConfig) -> list[float]:
     """Everything this stage refuses, before any weight is read: the study's options, then the model's settings
     (`preflight`). -> the NMSE targets."""
     targets = validate(cfg)
-    preflight(cfg, quant=cfg.task.noise == "quantizer", tokenizer=cfg.task.probe.source != "random")
+    probe = cfg.task.probe
+    preflight(cfg, quant=cfg.task.noise == "quantizer", tokenizer=probe.source != "random")
+    if probe.source == "tasks" or (probe.source == "auto" and cfg.model.get("tokenizer") is not None):
+        from mla_quant.models.build import load_tokenizer
+        from mla_quant.tasks import niah
+
+        tok = load_tokenizer(cfg.model)  # the needle prompts fit task.probe.seq_len, or are refused by name now
+        try:
+            niah.test_set(probe.get("task", "multikey_1"), [int(probe.seq_len)], 1, int(probe.seed),
+                          lambda text: len(tok(text).input_ids))
+        except ValueError as err:
+            raise ValueError(f"task.probe.seq_len={probe.seq_len} (task.probe.source={probe.source}, needle prompts "
+                             f"of task.probe.task={probe.get('task', 'multikey_1')}): {err}") from err
     return targets
 
 
