@@ -192,6 +192,17 @@ def refuse_idle_calibration(cfg: DictConfig, overrides: list[str] | None = None)
                          f"nothing; drop them")
 
 
+def refuse_idle_plan(cfg: DictConfig) -> None:
+    """memory_plan=... where the experiment has no memory plan (only quality, evaluate, sensitivity, calibrate and the
+    pipeline running them have one)."""
+    from mla_quant.plan import PLANNED
+
+    bad = [o for o in user_overrides() if o.lstrip("+~").split("=", 1)[0] == "memory_plan"]
+    if bad and cfg.task.name not in (*PLANNED, "pipeline"):
+        raise ValueError(f"{bad}: experiment={cfg.task.name} has no memory plan (the stages that have one: "
+                         f"{list(PLANNED)}), so it would do nothing; drop it")
+
+
 def refuse_idle_resources() -> None:
     """model.resources.* only reaches a submitit launcher (hydra/launcher=slurm|local in a --multirun sweep)."""
     bad = [o for o in user_overrides() if o.lstrip("+~").split("=", 1)[0].startswith("model.resources")]
@@ -247,6 +258,7 @@ def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None)
     refuse_unused_groups(cfg.task)  # an override of a group this experiment does not read is refused by name
     refuse_idle_calibration(cfg)
     refuse_idle_resources()
+    refuse_idle_plan(cfg)
     identity = run_identity(resolved)
     complete, prog = resume_state(cfg, run_dir, identity)
     if complete is not None and cfg.task.get("skip_complete", True):  # experiment=pipeline reruns (its steps skip)

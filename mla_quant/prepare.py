@@ -180,6 +180,7 @@ class Prepared:
     calib_report: list | None = None  # per layer and path: objective error without and with the transform
     # quant=mixed: the allocation's file, budget, bits per layer and path; quantizer=lloyd: the codebooks' file
     alloc_metrics: dict | None = None
+    plan_metrics: dict | None = None  # the memory plan's predicted peak and components (mla_quant.plan)
 
     def layer_factory(self):
         return None if self.fmt is None else layer_factory(self.fmt)
@@ -189,7 +190,8 @@ class Prepared:
 
     def metrics(self) -> dict:
         """What this preparation did, for the run record: cache format per path and the transforms."""
-        return {**self.cache_metrics(), **(self.transform_metrics or {}), **(self.alloc_metrics or {})}
+        return {**self.cache_metrics(), **(self.transform_metrics or {}), **(self.alloc_metrics or {}),
+                **(self.plan_metrics or {})}
 
     def cache_metrics(self) -> dict[str, str | float]:
         """What the cache stores per path, with the dtype actually stored (the toy runs in float32, so its
@@ -238,6 +240,9 @@ def preflight(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, ca
     if needs_calibration_data(cfg, quant, calib_report) and resolve_source(cfg.calib, cfg.model.get("_target_")) \
             == "text":
         text_dataset(cfg.calib, "calib")
+    from mla_quant.plan import planned
+
+    planned(cfg)  # the stage's peak memory against the device's: a run that cannot fit is refused now
     return dims, fmt
 
 
@@ -256,6 +261,11 @@ def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True
     quant=False: the stage does not use the quant group. tokenizer=False: do not load one. calib_report=True: report
     the calibration objectives per layer even for transforms that fit nothing (experiment=calibrate)."""
     dims, fmt = preflight(cfg, quant=quant, tokenizer=tokenizer, calib_report=calib_report)
+    from mla_quant.plan import planned
+
+    plan = planned(cfg)
+    if plan is not None:
+        print(plan.table(), flush=True)
     spec = fmt if isinstance(fmt, MixedSpec) else None
     tok = load_tokenizer(cfg.model) if tokenizer or needs_tokenizer(cfg, calib_report) else None  # before weights
     model = build_model(cfg.model, absorbed=False, **build_overrides)
@@ -275,7 +285,8 @@ def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True
     if measured is not None and (measured["d_c"], measured["d_r"]) != (dims["d_c"], dims["d_r"]):
         raise RuntimeError(f"the loaded model has (d_c, d_r) = {(measured['d_c'], measured['d_r'])}, its config "
                            f"said {(dims['d_c'], dims['d_r'])}")
-    return Prepared(model, tok if tokenizer else None, dims, fmt, transform_metrics, report, alloc_metrics)
+    return Prepared(model, tok if tokenizer else None, dims, fmt, transform_metrics, report, alloc_metrics,
+                    plan.metrics() if plan is not None else None)
 
 
 def _calibration_inputs(model, cfg: DictConfig, tokenizer, transform_metrics: dict | None):

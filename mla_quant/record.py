@@ -32,7 +32,7 @@ RECORD_NAME = "record.json"
 PROGRESS_NAME = "progress.json"
 # Left out of a run's identity: where it writes (output folders, the transform store), how it is tracked and
 # scheduled, and the rerun switch; none of them changes a number.
-IDENTITY_IGNORED_TOP = ("logger", "force", "profile_layers")
+IDENTITY_IGNORED_TOP = ("logger", "force", "profile_layers", "memory_plan")
 IDENTITY_IGNORED_KEYS = ("cache_dir", "run_dir", "resources")
 # Every library a record's numbers can depend on (None: not installed): the model and its kernels, the harness and
 # its data, the peers' quantizers (quant=hf_*), the serving engine whose scheduler experiment=serving drives.

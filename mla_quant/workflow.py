@@ -30,7 +30,7 @@ from mla_quant.record import write_text_atomic
 from mla_quant.stages import (GROUPS, StageResult, nested_overrides, override_group, refuse_unused_groups,
                               user_overrides)
 
-ALWAYS = ("seed", "device", "logger", "force", "profile_layers")  # top-level settings every step takes as given
+ALWAYS = ("seed", "device", "logger", "force", "profile_layers", "memory_plan")  # top-level settings every step takes as given
 SELECTS = ("quant", "transform")  # `quant=X` / `transform=Y` on the command line pick the pipeline's formats / methods
 STEP_LOG = "step.log"  # each step's own output (the console shows one line per step and the summary)
 
@@ -60,6 +60,10 @@ def steps(methods: list[str], formats: list[str], t: DictConfig) -> list[tuple[s
 def reads(cfg: DictConfig, override: str) -> bool:
     """Whether the step composed as `cfg` reads the command-line override (else it would do nothing there)."""
     group = override_group(override)
+    if group == "memory_plan":
+        from mla_quant.plan import PLANNED
+
+        return cfg.task.name in PLANNED
     if group in ALWAYS:
         return True
     if group == "quant" and cfg.task.name == "sensitivity" and cfg.task.get("noise") == "gaussian":

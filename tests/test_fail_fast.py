@@ -134,3 +134,47 @@ def test_fake_quantizer_refuses_overflowing_scales_by_path(block):
 def test_a_probe_too_short_for_its_needle_prompts_is_refused_before_the_weights(garbage):
     with pytest.raises(ValueError, match=r"task.probe.seq_len=64 \(task.probe.source=auto.*too short"):
         _stage_check(["experiment=sensitivity", *REAL, f"model.path={garbage}", "task.probe.seq_len=64"])
+
+
+# --- the memory plan --------------------------------------------------------------------------------------------
+
+
+def test_a_run_that_cannot_fit_is_refused_before_the_weights_naming_what_would(garbage, monkeypatch):
+    """128 sequences of 64K tokens: the plan's peak (~70 GB of logits alone) exceeds a machine with 16 GB free; the
+    refusal gives the numbers and a batch that fits, before the garbage weights are touched."""
+    import mla_quant.plan
+
+    monkeypatch.setattr(mla_quant.plan, "available_bytes", lambda device, spread=False: 16e9)
+    available_bytes = mla_quant.plan.available_bytes
+
+    args = ["experiment=quality", *REAL, f"model.path={garbage}", "+model.config.max_position_embeddings=65536",
+            "task.data.source=random", "task.data.seq_len=65536", "task.batch_size=128", "task.data.samples=128"]
+    with pytest.raises(MemoryError, match=r"quality needs about [\d.]+ GB on cpu .* GB are available \(forward "
+                                          r"workspace .*task.batch_size=\d+ fits") as err:
+        _stage_check(args)
+    fits = int(re.search(r"task.batch_size=(\d+) fits", str(err.value)).group(1))
+    from mla_quant.plan import memory_plan
+
+    smaller = memory_plan(compose([*args[:-2], f"task.batch_size={fits}"]))
+    assert 1 <= fits < 128 and smaller.peak <= available_bytes("cpu")
+    assert _stage_check([*args, "memory_plan=report"]) == "random"  # predicted, not refused
+
+
+def test_the_plan_counts_the_parameters_the_model_has():
+    """Counted on the meta device from the config alone, equal to the built model's parameters, for every family."""
+    from mla_quant.plan import parameter_count
+    from mla_quant.prepare import build_model, model_config
+
+    for model in ("toy_mla", "tiny_deepseek_v2", "tiny_deepseek_v3", "tiny_minicpm3", "tiny_longcat_flash"):
+        cfg = compose([f"model={model}"])
+        built = build_model(cfg.model, absorbed=False)
+        assert parameter_count(model_config(cfg.model)) == sum(p.numel() for p in built.parameters()), model
+
+
+def test_memory_plan_is_refused_where_nothing_reads_it(tmp_path):
+    out = run_py("experiment=cache_bytes", "memory_plan=report", f"hydra.run.dir={tmp_path}")
+    assert out.returncode != 0 and "experiment=cache_bytes has no memory plan" in out.stderr, out.stderr[-2000:]
+    with pytest.raises(ValueError, match=r"memory_plan='maybe'; allowed: \['check', 'report', 'off'\]"):
+        from mla_quant.plan import planned
+
+        planned(compose(["experiment=quality", "memory_plan=maybe"]))

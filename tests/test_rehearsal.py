@@ -80,6 +80,7 @@ def test_a_stage_runs_on_it_as_a_real_checkpoint(folder, tmp_path):
     m = record["metrics"]
     assert record["status"] == "ok" and record["choices"]["model"] == "deepseek_v2_lite"
     assert m["quality/kl"] > 0, m  # tokens past the protected region were read back quantized
+    assert m["plan/peak_gb"] > m["plan/weights_gb"] > 0 and "memory plan (quality, cpu)" in out.stdout  # predicted
     assert record["memory"]["peak_gb"] > 0 and record["memory"]["measured"] == "cpu_resident"
     assert record["seconds"] > 0
 

@@ -1,0 +1,258 @@
+"""A memory plan before any weight is read: what a stage will hold at its peak, from the config and the checkpoint's
+config.json alone, against what the device has; a run that cannot fit is refused with the numbers and the settings
+that would make it fit.
+
+    plan = memory_plan(cfg, "quality")      # rows: weights, cache, activations, workspace, logits (bytes)
+    print(plan.table())                     # one table at the start of the run (and `memory_plan` in its record)
+    plan.check()                            # ValueError when the predicted peak exceeds what the device has
+
+The parameters are counted on the meta device (the model built from its config, no storage); the cache takes the
+configured format's bytes per token (quantized region, protected region, scales); a forward's activations follow
+the model's shapes at the stage's batch and context: the residual stream, the absorbed attention's per-head
+queries and outputs in the latent (d_c) or expanded form with its score blocks (`attention.*`), the MLP's (or the
+routed experts') intermediate, the logits. Predicted peaks were checked against the measured
+`peak_added_allocated_gb` of the CPU runs (docs/scale.md, "Memory plan").
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import DictConfig
+
+GB = 1e9
+PLANNED = ("quality", "evaluate", "sensitivity", "calibrate")  # the stages with a plan (task.name)
+
+
+@dataclass
+class MemoryPlan:
+    stage: str
+    device: str
+    rows: list[tuple[str, float, str]] = field(default_factory=list)  # (component, bytes, how it was counted)
+    available: float | None = None  # bytes the device has for this run (None: unknown)
+    hints: list[str] = field(default_factory=list)  # settings that lower the peak, most effective first
+
+    def add(self, name: str, nbytes: float, how: str) -> None:
+        self.rows.append((name, float(nbytes), how))
+
+    @property
+    def peak(self) -> float:
+        return sum(b for _, b, _ in self.rows)
+
+    def table(self) -> str:
+        lines = [f"memory plan ({self.stage}, {self.device}):", "| component | GB | counted as |", "|---|---|---|"]
+        lines += [f"| {name} | {b / GB:.3f} | {how} |" for name, b, how in self.rows]
+        have = "unknown" if self.available is None else f"{self.available / GB:.1f} GB available"
+        lines.append(f"| **peak** | **{self.peak / GB:.3f}** | {have} |")
+        return "\n".join(lines)
+
+    def metrics(self) -> dict[str, float]:
+        """For the run record: plan/peak_gb, plan/available_gb and plan/<component>_gb."""
+        out = {"plan/peak_gb": self.peak / GB, **{f"plan/{name.replace(' ', '_')}_gb": b / GB
+                                                  for name, b, _ in self.rows}}
+        if self.available is not None:
+            out["plan/available_gb"] = self.available / GB
+        return out
+
+    def check(self) -> None:
+        """Refuse a run whose predicted peak exceeds what the device has, with the numbers and what would fit."""
+        if self.available is None or self.peak <= self.available:
+            return
+        biggest = sorted(self.rows, key=lambda r: -r[1])[:3]
+        raise MemoryError(
+            f"{self.stage} needs about {self.peak / GB:.1f} GB on {self.device} at its peak and {self.available / GB:.1f}"
+            f" GB are available ({', '.join(f'{n} {b / GB:.1f} GB' for n, b, _ in biggest)}). It would not fit; "
+            f"before any weight is read: {'; '.join(self.hints) or 'a smaller batch or context'}. "
+            f"(the plan: mla_quant/plan.py; memory_plan=report prints it without refusing)")
+
+
+def available_bytes(device: str, spread: bool = False) -> float | None:
+    """Free memory of a CUDA device (spread=True: of every visible GPU, as device_map=auto fills them), or the
+    host's MemAvailable for the CPU (None where unknown)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        devices = range(torch.cuda.device_count()) if spread else [torch.device(device)]
+        return float(sum(torch.cuda.mem_get_info(d)[0] for d in devices))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _parameters(config_json: str, family: str) -> int:
+    from transformers import AutoConfig  # noqa: F401 - the config classes register with it
+
+    from mla_quant.models.families import get_family
+
+    fam = get_family(family)
+    config = fam.config_class.from_dict(json.loads(config_json))
+    with torch.device("meta"):
+        model = fam.model_class(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def parameter_count(config) -> int:
+    """The model's parameters, counted on the meta device from its config alone."""
+    from mla_quant.models.families import family_for_config
+
+    return _parameters(config.to_json_string(use_diff=False), family_for_config(config).name)
+
+
+def _dtype_bytes(name: str | None) -> int:
+    return {"float32": 4, "float16": 2, "bfloat16": 2, None: 4}.get(name, 4)
+
+
+def _text(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def forward_bytes(text, batch: int, tokens: int, act: int, blocks, logits_float: bool = True) -> dict[str, float]:
+    """A prefill forward of `batch` x `tokens` through one decoder layer at a time (what lives at its peak), and the
+    logits: {component: bytes}."""
+    bt = batch * tokens
+    h, heads = text.hidden_size, text.num_attention_heads
+    d_c, d_r = text.kv_lora_rank, text.qk_rope_head_dim
+    d_nope, d_v = text.qk_nope_head_dim, text.v_head_dim
+    residual = bt * h * act * 2  # the residual stream and the sublayer's output
+    q = bt * heads * (d_nope + d_r) * act  # the per-head queries
+    expanded = blocks.expand_from is not None and tokens >= blocks.expand_from
+    # scores per head and sequence: query x key tokens per block (the bound AttentionBlocks keeps), T x T unblocked
+    per_head = min(tokens * tokens, blocks.query * blocks.key) if blocks.blocked else tokens * tokens
+    if expanded:  # per-head K and V up-projected from the latent
+        attn = q + bt * heads * (d_nope + d_r + d_v) * act + bt * heads * d_v * act
+        scores = batch * heads * per_head * 4 * 2
+    else:  # q_nope absorbed into the latent one query block at a time (d_c per head), the output per head (d_v)
+        q_block = tokens if not blocks.blocked else min(tokens, blocks.queries_per_block(tokens))
+        attn = (q + bt * heads * d_v * act + bt * (d_c + d_r) * act * 2
+                + batch * heads * q_block * d_c * act * 2)
+        scores = batch * heads * per_head * 4 * 3  # scores, their exponent, the block's mask
+    inter = max(int(getattr(text, "intermediate_size", 0) or 0),
+                int(getattr(text, "moe_intermediate_size", 0) or 0) * int(getattr(text, "num_experts_per_tok", 1) or 1))
+    mlp = bt * inter * act * 3  # gate, up and their product
+    logits = bt * text.vocab_size * (act + (4 if logits_float else 0))
+    return {"activations": residual + max(attn + scores, mlp), "logits": logits}
+
+
+def cache_bytes(fmt, text, batch: int, tokens: int, act: int) -> float:
+    """The latent cache of `batch` sequences of `tokens` over every layer, in `fmt` (None: unquantized)."""
+    d_c, d_r, layers = text.kv_lora_rank, text.qk_rope_head_dim, text.num_hidden_layers
+    full = (d_c + d_r) * act
+    if fmt is None or not getattr(fmt, "quantized", False):
+        return batch * tokens * layers * full
+    protected = min(tokens, int(getattr(fmt, "n_sink", 0)) + int(getattr(fmt, "recent", 0)))
+    if hasattr(fmt, "content") and hasattr(fmt, "rope"):  # one format for every layer: its two paths
+        per_token = fmt.content.bytes_per_token(d_c, act) + fmt.rope.bytes_per_token(d_r, act)
+    else:  # per layer (mixed), or a peer's nominal bytes
+        per_token = fmt.bytes_per_token(act)
+        per_token = sum(per_token) / len(per_token) if isinstance(per_token, (list, tuple)) else float(per_token)
+    return batch * layers * (protected * full + (tokens - protected) * per_token)
+
+
+BATCH_SETTING = {"quality": "task.batch_size", "evaluate": "eval.batch_size", "sensitivity": "task.probe.num_sequences",
+                 "calibrate": "calib.batch_size"}
+
+
+def stage_shape(cfg: DictConfig, stage: str) -> tuple[int, int]:
+    """(batch, tokens per sequence) of a stage's largest forward, from its settings."""
+    t = cfg.task
+    if stage == "quality":
+        return int(t.batch_size), int(t.data.seq_len)
+    if stage == "evaluate":
+        ev = cfg.eval
+        lengths = [int(n) for n in (ev.get("ruler") or {}).get("lengths") or []]
+        if ev.get("data") is not None:
+            lengths += [int(n) for n in ev.data.niah_lengths]
+        return int(ev.batch_size), max(lengths or [2048])  # GSM8K's 5-shot prompts: ~1K tokens
+    if stage == "sensitivity":
+        return int(t.probe.num_sequences), int(t.probe.seq_len)
+    if stage == "calibrate":
+        return int(cfg.calib.batch_size), int(cfg.calib.seq_len)
+    raise ValueError(f"no memory plan for stage {stage!r}; planned: {list(PLANNED)}")
+
+
+def memory_plan(cfg: DictConfig, fmt=None, device: str = "cpu") -> MemoryPlan:
+    """The plan of `cfg`'s stage (task.name) on `device` with the validated cache format `fmt`, from the config and
+    config.json alone."""
+    from mla_quant.models.absorbed import attention_blocks
+    from mla_quant.prepare import model_config
+
+    stage = cfg.task.name
+    config = model_config(cfg.model)
+    text = _text(config)
+    model_dtype = cfg.model.get("dtype")
+    act = _dtype_bytes(model_dtype)
+    blocks = attention_blocks(cfg.get("attention"))
+    batch, tokens = stage_shape(cfg, stage)
+    spread = cfg.model.get("device_map") == "auto"
+    plan = MemoryPlan(stage, device + (" (every GPU)" if spread and device.startswith("cuda") else ""),
+                      available=available_bytes(device, spread))
+    params = parameter_count(config)
+    plan.add("weights", params * act, f"{params / 1e9:.3g}B parameters x {act} B ({model_dtype or 'float32'})")
+    fwd = forward_bytes(text, batch, tokens, act, blocks)
+    cache = cache_bytes(fmt if stage != "calibrate" else None, text, batch, tokens, act)
+    shape = f"{batch} x {tokens} tokens"
+    quant = (cfg.get("quant") or {}).get("name") if fmt is not None else None
+    plan.add("latent cache", cache, f"{shape}, {text.num_hidden_layers} layers, {quant or 'unquantized'}")
+    v, bt = text.vocab_size, batch * tokens
+    if stage == "quality":  # the unquantized pass's float logits are kept while the quantized pass runs
+        plan.add("held", bt * v * 4, f"the unquantized pass's logits ({shape} x {v} vocab, float32)")
+    elif stage == "sensitivity":  # the clean run's outputs per layer and logits, beside an injected run's
+        plan.add("held", 2 * text.num_hidden_layers * bt * text.hidden_size * 4 + bt * v * 4,
+                 "the clean run's attention and layer outputs per layer and its logits (float32)")
+    elif stage == "calibrate":  # one layer's capture over every calibration sequence
+        n = int(cfg.calib.samples)
+        q = int(cfg.calib.get("query_tokens") or cfg.calib.seq_len)
+        plan.add("held", n * tokens * (text.hidden_size + text.kv_lora_rank + text.qk_rope_head_dim) * 4 * 2
+                 + n * q * text.num_attention_heads * (text.kv_lora_rank + text.qk_rope_head_dim) * 4,
+                 f"one layer's capture of {n} sequences: its inputs and latents, {q} queries per sequence")
+    layer, head = fwd["activations"], fwd["logits"]
+    plan.add("forward workspace", max(layer, head),
+             f"the larger of one layer's forward at {shape} ({layer / GB:.3f} GB, attention "
+             f"{'expanded' if blocks.expand_from is not None else 'latent'} blocks) and the logits ({head / GB:.3f} GB,"
+             f" {v} vocab, and in float32)")
+    per_sequence = (plan.peak - plan.rows[0][1]) / max(batch, 1)
+    if plan.available is not None and per_sequence > 0:
+        fits = int((plan.available - plan.rows[0][1]) // per_sequence)
+        if 1 <= fits < batch:
+            plan.hints.append(f"{BATCH_SETTING[stage]}={fits} fits")
+    if blocks.expand_from is not None and stage != "calibrate":
+        plan.hints.append("attention=blocked (the latent form's workspace does not grow with the heads' K/V)")
+    if plan.available is not None and plan.rows[0][1] > plan.available:
+        plan.hints.append("the weights alone do not fit: more GPUs (model.device_map=auto over them) or a smaller "
+                          "model.dtype")
+    plan.hints.append("a shorter context")
+    return plan
+
+
+MODES = ("check", "report", "off")
+
+
+def planned(cfg: DictConfig) -> MemoryPlan | None:
+    """The plan of `cfg`'s run where its stage has one and `memory_plan` is not off; `check` refuses a run that
+    would not fit (MemoryError), `report` only predicts."""
+    mode = cfg.get("memory_plan", "check")
+    if mode not in MODES:
+        raise ValueError(f"memory_plan={mode!r}; allowed: {list(MODES)} (check: predict each stage's peak memory "
+                         f"before any weight is read and refuse a run that cannot fit; report: predict only)")
+    if mode == "off" or cfg.task.name not in PLANNED:
+        return None
+    return plan_of(cfg)
+
+
+def plan_of(cfg: DictConfig) -> MemoryPlan:
+    from mla_quant.models.build import resolve_device
+    from mla_quant.prepare import model_dims, validate
+
+    fmt = validate(cfg, model_dims(cfg.model), quant="quant" in (cfg.task.get("uses") or []))
+    fmt = getattr(fmt, "budget_format", fmt)  # quant=mixed: the named option of its budget's bytes
+    plan = memory_plan(cfg, fmt, resolve_device(str(cfg.get("device", "auto"))))
+    if cfg.get("memory_plan", "check") == "check":
+        plan.check()
+    return plan
