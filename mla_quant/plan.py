@@ -212,6 +212,17 @@ def memory_plan(cfg: DictConfig, fmt=None, device: str = "cpu") -> MemoryPlan:
         plan.add("held", n * tokens * (text.hidden_size + text.kv_lora_rank + text.qk_rope_head_dim) * 4 * 2
                  + n * q * text.num_attention_heads * (text.kv_lora_rank + text.qk_rope_head_dim) * 4,
                  f"one layer's capture of {n} sequences: its inputs and latents, {q} queries per sequence")
+        from mla_quant.calibration import fitted_paths
+
+        heads = text.num_attention_heads
+        if fitted_paths(cfg.transform):  # a step's scores over every key, reference and quantized, with gradients
+            b = min(n, int(cfg.transform.fit.get("batch", n)))
+            plan.add("fit workspace", b * heads * q * tokens * 4 * 6,
+                     f"{b} sequences x {heads} heads x {q} queries x {tokens} keys of scores per step: the "
+                     f"reference's and the quantized cache's, their softmax and gradients (float32)")
+        else:  # the objective measured without and with the format: scores of a batch, no gradients
+            plan.add("fit workspace", batch * heads * q * tokens * 4 * 2,
+                     f"{batch} sequences x {heads} heads x {q} queries x {tokens} keys of scores (float32)")
     layer, head = fwd["activations"], fwd["logits"]
     plan.add("forward workspace", max(layer, head),
              f"the larger of one layer's forward at {shape} ({layer / GB:.3f} GB, attention "

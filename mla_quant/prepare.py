@@ -24,7 +24,7 @@ from torch import nn
 from mla_quant.cache import layer_factory
 from mla_quant.calibration import calibrated_transforms, check_transform, transformed_format, weights_sha256
 from mla_quant.calibration.codebooks import fitted_codebooks, uses_lloyd
-from mla_quant.calibration.data import calibration_ids, check_calib, resolve_source, text_dataset
+from mla_quant.calibration.data import calibration_ids, check_calib, resolve_source, text_ids
 from mla_quant.calibration.options import check_layered_transform
 from mla_quant.eval.harness import ContextTooLong
 from mla_quant.models.absorbed import absorb, attention_blocks, latent_dims, new_cache
@@ -238,8 +238,9 @@ def preflight(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, ca
     if tokenizer or needs_tokenizer(cfg, calib_report):
         check_tokenizer_files(cfg.model.get("tokenizer"))
     if needs_calibration_data(cfg, quant, calib_report) and resolve_source(cfg.calib, cfg.model.get("_target_")) \
-            == "text":
-        text_dataset(cfg.calib, "calib")
+            == "text":  # loaded and cut into calib.samples x calib.seq_len tokens now, not after the weights
+        check_calib(cfg.calib, "text")
+        text_ids(cfg.calib, load_tokenizer(cfg.model), int(cfg.calib.samples), int(cfg.calib.seq_len))
     from mla_quant.plan import planned
 
     planned(cfg)  # the stage's peak memory against the device's: a run that cannot fit is refused now

@@ -93,7 +93,7 @@ def test_local_text_files_pass_the_check(garbage, tmp_path):
     text = tmp_path / "train.jsonl"
     text.write_text("".join(json.dumps({"text": f"line {i} of local text"}) + "\n" for i in range(20)))
     assert _stage_check(["experiment=quality", *REAL, f"model.path={garbage}", "task.data.source=text",
-                         f"task.data.data_files={{test:{text}}}"]) == "text"
+                         f"task.data.data_files={{test:{text}}}", "task.data.samples=2", "task.data.seq_len=64"]) == "text"
     with pytest.raises(ValueError, match="task.data.data_files is set but task.data.source resolves to 'random'"):
         _stage_check(["experiment=quality", *REAL, f"model.path={garbage}", "task.data.source=random",
                       f"task.data.data_files={{test:{text}}}"])
@@ -105,7 +105,7 @@ def test_the_pipeline_checks_every_step_before_the_first_runs(garbage, tmp_path)
     text = tmp_path / "train.jsonl"
     text.write_text("".join(json.dumps({"text": f"line {i} of local text"}) + "\n" for i in range(20)))
     out = run_py(*REAL, f"model.path={garbage}", "quant=int4_joint", f"calib.data_files={{train:{text}}}",
-                 "eval=gsm8k", "eval.limit=0", f"hydra.run.dir={tmp_path / 'run'}")
+                 "calib.samples=2", "calib.seq_len=64", "eval=gsm8k", "eval.limit=0", f"hydra.run.dir={tmp_path / 'run'}")
     assert out.returncode != 0
     assert "step evaluate-bf16" in out.stderr and "refused before any step ran" in out.stderr, out.stderr[-2000:]
     assert "eval.limit=0" in out.stderr, out.stderr[-2000:]
@@ -178,3 +178,12 @@ def test_memory_plan_is_refused_where_nothing_reads_it(tmp_path):
         from mla_quant.plan import planned
 
         planned(compose(["experiment=quality", "memory_plan=maybe"]))
+
+
+def test_too_little_local_text_is_refused_before_the_weights(garbage, tmp_path):
+    text = tmp_path / "train.jsonl"
+    text.write_text("".join(json.dumps({"text": f"line {i} of local text"}) + "\n" for i in range(20)))
+    with pytest.raises(ValueError, match=r"the calibration text from the local files calib.data_files has \d+ tokens "
+                                         r"in all; calib.samples x calib.seq_len = 8 x 256 needs 2048"):
+        _stage_check(["experiment=calibrate", *REAL, f"model.path={garbage}", "transform=quantmla", "quant=int4_joint",
+                      f"calib.data_files={{train:{text}}}", "calib.samples=8", "calib.seq_len=256"])

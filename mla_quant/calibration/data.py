@@ -126,10 +126,17 @@ def text_ids(calib_cfg, tokenizer, n: int, t: int, purpose: str = "calibration",
     texts = [x for x in data[calib_cfg.get("text_field", "text")] if x and x.strip()]
     rng = random.Random(int(calib_cfg.seed))
     rng.shuffle(texts)
-    ids = tokenizer("\n\n".join(texts[: 40 * n]), return_tensors="pt").input_ids[0]
+    take = 40 * n  # texts joined; twice as many while they give fewer than n x t tokens (long sequences)
+    while True:
+        ids = tokenizer("\n\n".join(texts[:take]), return_tensors="pt").input_ids[0]
+        if ids.numel() >= n * t or take >= len(texts):
+            break
+        take *= 2
     if ids.numel() < n * t:
-        raise ValueError(f"{purpose} dataset {calib_cfg.dataset!r} gave {ids.numel()} tokens; samples x "
-                         f"seq_len needs {n * t}")
+        where = (f"the local files {key}.data_files" if calib_cfg.get("data_files") else
+                 f"{key}.dataset={calib_cfg.dataset!r}")
+        raise ValueError(f"the {purpose} text from {where} has {ids.numel()} tokens in all; {key}.samples x "
+                         f"{key}.seq_len = {n} x {t} needs {n * t}: fewer or shorter sequences, or more text")
     return ids[: n * t].view(n, t)
 
 

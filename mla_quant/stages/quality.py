@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from mla_quant.calibration.data import resolve_source, text_dataset, text_ids, toy_ids
+from mla_quant.calibration.data import resolve_source, text_ids, toy_ids
 from mla_quant.models.absorbed import cache_kwargs, new_cache
 from mla_quant.prepare import check_context, model_dims, preflight, prepare_model
 from mla_quant.record import write_text_atomic
@@ -92,8 +92,10 @@ def check(cfg: DictConfig) -> str:
         raise ValueError(f"task.data.data_files is set but task.data.source resolves to {source!r}, which reads no "
                          f"files; set task.data.source=text or drop it")
     check_context("task.data.seq_len", t.data.seq_len, model_dims(cfg.model))
-    if source == "text":
-        text_dataset(t.data, "task.data", "quality")
+    if source == "text":  # the held-out text, loaded and cut into samples x seq_len tokens before the weights
+        from mla_quant.models.build import load_tokenizer
+
+        text_ids(t.data, load_tokenizer(cfg.model), int(t.data.samples), int(t.data.seq_len), "quality", "task.data")
     preflight(cfg, tokenizer=source in ("toy", "text"))
     return source
 

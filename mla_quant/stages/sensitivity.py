@@ -179,7 +179,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     with atomic_path(run_dir / "sensitivity_rows.csv") as tmp:
         df.to_csv(tmp, index=False)
     metrics, tables = summarise(df, specs, clean, headline, n_layers, attention_layer_of=clean.layer_of_attention)
-    metrics = {**(prep.transform_metrics or {}), **metrics}
+    metrics = {**(prep.transform_metrics or {}), **(prep.plan_metrics or {}), **metrics}
     write_text_atomic(run_dir / "sensitivity.md", tables)
     figures(df, metrics, headline, n_layers, run_dir)
     print(tables)
