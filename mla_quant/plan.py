@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig
 
 GB = 1e9
+RUNTIME_BYTES = 0.04 * GB  # what a first forward allocates once beyond its tensors (measured on the CPU, toy and V2-Lite dims)
 PLANNED = ("quality", "evaluate", "sensitivity", "calibrate")  # the stages with a plan (task.name)
 
 
@@ -120,7 +121,7 @@ def forward_bytes(text, batch: int, tokens: int, act: int, blocks, logits_float:
     h, heads = text.hidden_size, text.num_attention_heads
     d_c, d_r = text.kv_lora_rank, text.qk_rope_head_dim
     d_nope, d_v = text.qk_nope_head_dim, text.v_head_dim
-    residual = bt * h * act * 2  # the residual stream and the sublayer's output
+    residual = bt * h * act * 3  # the residual stream, the normed input and the sublayer's output
     q = bt * heads * (d_nope + d_r) * act  # the per-head queries
     expanded = blocks.expand_from is not None and tokens >= blocks.expand_from
     # scores per head and sequence: query x key tokens per block (the bound AttentionBlocks keeps), T x T unblocked
@@ -204,8 +205,9 @@ def memory_plan(cfg: DictConfig, fmt=None, device: str = "cpu") -> MemoryPlan:
     if stage == "quality":  # the unquantized pass's float logits are kept while the quantized pass runs
         plan.add("held", bt * v * 4, f"the unquantized pass's logits ({shape} x {v} vocab, float32)")
     elif stage == "sensitivity":  # the clean run's outputs per layer and logits, beside an injected run's
-        plan.add("held", 2 * text.num_hidden_layers * bt * text.hidden_size * 4 + bt * v * 4,
-                 "the clean run's attention and layer outputs per layer and its logits (float32)")
+        plan.add("held", 2 * (2 * text.num_hidden_layers * bt * text.hidden_size * 4 + bt * v * 4),
+                 "the clean run's attention and layer outputs per layer and its logits (float32), and the injected "
+                 "run's as they are captured")
     elif stage == "calibrate":  # one layer's capture over every calibration sequence
         n = int(cfg.calib.samples)
         q = int(cfg.calib.get("query_tokens") or cfg.calib.seq_len)
@@ -223,6 +225,8 @@ def memory_plan(cfg: DictConfig, fmt=None, device: str = "cpu") -> MemoryPlan:
         else:  # the objective measured without and with the format: scores of a batch, no gradients
             plan.add("fit workspace", batch * heads * q * tokens * 4 * 2,
                      f"{batch} sequences x {heads} heads x {q} queries x {tokens} keys of scores (float32)")
+    plan.add("runtime", RUNTIME_BYTES, "one-time allocations of the first forward (thread pools, kernel "
+                                       "workspaces; 0.03-0.04 GB measured on the CPU)")
     layer, head = fwd["activations"], fwd["logits"]
     plan.add("forward workspace", max(layer, head),
              f"the larger of one layer's forward at {shape} ({layer / GB:.3f} GB, attention "
