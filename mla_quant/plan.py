@@ -2,9 +2,11 @@
 config.json alone, against what the device has; a run that cannot fit is refused with the numbers and the settings
 that would make it fit.
 
-    plan = memory_plan(cfg, "quality")      # rows: weights, cache, activations, workspace, logits (bytes)
-    print(plan.table())                     # one table at the start of the run (and `memory_plan` in its record)
-    plan.check()                            # ValueError when the predicted peak exceeds what the device has
+    plan = memory_plan(cfg, config, fmt)   # cfg.task.name's plan: rows of (component, bytes, how counted)
+    print(plan.table())                     # one table at the start of the run (plan/* in its record)
+    plan.check()                            # MemoryError when the predicted peak exceeds what the device has
+
+`mla_quant.prepare.preflight` makes it for every stage in PLANNED (memory_plan=check|report; off: none).
 
 The parameters are counted on the meta device (the model built from its config, no storage); the cache takes the
 configured format's bytes per token (quantized region, protected region, scales); a forward's activations follow
@@ -51,12 +53,10 @@ class MemoryPlan:
         return "\n".join(lines)
 
     def metrics(self) -> dict[str, float]:
-        """For the run record: plan/peak_gb, plan/available_gb and plan/<component>_gb."""
-        out = {"plan/peak_gb": self.peak / GB, **{f"plan/{name.replace(' ', '_')}_gb": b / GB
-                                                  for name, b, _ in self.rows}}
-        if self.available is not None:
-            out["plan/available_gb"] = self.available / GB
-        return out
+        """For the run record: plan/peak_gb and plan/<component>_gb (what the device has is in the table only: it is
+        the machine's state, not the run's result)."""
+        return {"plan/peak_gb": self.peak / GB, **{f"plan/{name.replace(' ', '_')}_gb": b / GB
+                                                   for name, b, _ in self.rows}}
 
     def check(self) -> None:
         """Refuse a run whose predicted peak exceeds what the device has, with the numbers and what would fit."""
@@ -178,14 +178,12 @@ def stage_shape(cfg: DictConfig, stage: str) -> tuple[int, int]:
     raise ValueError(f"no memory plan for stage {stage!r}; planned: {list(PLANNED)}")
 
 
-def memory_plan(cfg: DictConfig, fmt=None, device: str = "cpu") -> MemoryPlan:
-    """The plan of `cfg`'s stage (task.name) on `device` with the validated cache format `fmt`, from the config and
-    config.json alone."""
+def memory_plan(cfg: DictConfig, config, fmt=None, device: str = "cpu", fitted: bool = False) -> MemoryPlan:
+    """The plan of `cfg`'s stage (task.name) on `device`: `config` the model's transformers config (read without
+    weights), `fmt` the validated cache format, `fitted` whether calibration fits a transform (its workspace)."""
     from mla_quant.models.absorbed import attention_blocks
-    from mla_quant.prepare import model_config
 
     stage = cfg.task.name
-    config = model_config(cfg.model)
     text = _text(config)
     model_dtype = cfg.model.get("dtype")
     act = _dtype_bytes(model_dtype)
@@ -214,10 +212,8 @@ def memory_plan(cfg: DictConfig, fmt=None, device: str = "cpu") -> MemoryPlan:
         plan.add("held", n * tokens * (text.hidden_size + text.kv_lora_rank + text.qk_rope_head_dim) * 4 * 2
                  + n * q * text.num_attention_heads * (text.kv_lora_rank + text.qk_rope_head_dim) * 4,
                  f"one layer's capture of {n} sequences: its inputs and latents, {q} queries per sequence")
-        from mla_quant.calibration import fitted_paths
-
         heads = text.num_attention_heads
-        if fitted_paths(cfg.transform):  # a step's scores over every key, reference and quantized, with gradients
+        if fitted:  # a step's scores over every key, reference and quantized, with gradients
             b = min(n, int(cfg.transform.fit.get("batch", n)))
             plan.add("fit workspace", b * heads * q * tokens * 4 * 6,
                      f"{b} sequences x {heads} heads x {q} queries x {tokens} keys of scores per step: the "
@@ -249,25 +245,10 @@ def memory_plan(cfg: DictConfig, fmt=None, device: str = "cpu") -> MemoryPlan:
 MODES = ("check", "report", "off")
 
 
-def planned(cfg: DictConfig) -> MemoryPlan | None:
-    """The plan of `cfg`'s run where its stage has one and `memory_plan` is not off; `check` refuses a run that
-    would not fit (MemoryError), `report` only predicts."""
+def mode_of(cfg: DictConfig) -> str | None:
+    """`memory_plan` of a run whose stage has a plan (check | report), else None (off, or no plan)."""
     mode = cfg.get("memory_plan", "check")
     if mode not in MODES:
         raise ValueError(f"memory_plan={mode!r}; allowed: {list(MODES)} (check: predict each stage's peak memory "
                          f"before any weight is read and refuse a run that cannot fit; report: predict only)")
-    if mode == "off" or cfg.task.name not in PLANNED:
-        return None
-    return plan_of(cfg)
-
-
-def plan_of(cfg: DictConfig) -> MemoryPlan:
-    from mla_quant.models.build import resolve_device
-    from mla_quant.prepare import model_dims, validate
-
-    fmt = validate(cfg, model_dims(cfg.model), quant="quant" in (cfg.task.get("uses") or []))
-    fmt = getattr(fmt, "budget_format", fmt)  # quant=mixed: the named option of its budget's bytes
-    plan = memory_plan(cfg, fmt, resolve_device(str(cfg.get("device", "auto"))))
-    if cfg.get("memory_plan", "check") == "check":
-        plan.check()
-    return plan
+    return None if mode == "off" or cfg.task.name not in PLANNED else mode

@@ -32,6 +32,8 @@ from mla_quant.models.build import (_plain, check_tokenizer_files, load_tokenize
                                     tiny_config)
 from mla_quant.models.families import family_for_config
 from mla_quant.models.fp8 import check_fp8_config
+from mla_quant.plan import MemoryPlan, memory_plan
+from mla_quant.plan import mode_of as plan_mode
 from mla_quant.quant.formats import CacheFormat, LayeredFormat, cache_format
 from mla_quant.quant.peers import PeerFormat
 from mla_quant.sensitivity.allocation import MixedSpec, allocate, is_mixed, mixed_spec
@@ -241,10 +243,25 @@ def preflight(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, ca
             == "text":  # loaded and cut into calib.samples x calib.seq_len tokens now, not after the weights
         check_calib(cfg.calib, "text")
         text_ids(cfg.calib, load_tokenizer(cfg.model), int(cfg.calib.samples), int(cfg.calib.seq_len))
-    from mla_quant.plan import planned
-
-    planned(cfg)  # the stage's peak memory against the device's: a run that cannot fit is refused now
+    plan_memory(cfg, fmt)  # the stage's peak memory against the device's: a run that cannot fit is refused now
     return dims, fmt
+
+
+def plan_memory(cfg: DictConfig, fmt) -> MemoryPlan | None:
+    """The memory plan of `cfg`'s stage with the validated format `fmt` (None where it has none or memory_plan=off);
+    memory_plan=check refuses a run that cannot fit (MemoryError)."""
+    from mla_quant.calibration import fitted_paths
+    from mla_quant.models.build import resolve_device
+
+    mode = plan_mode(cfg)
+    if mode is None:
+        return None
+    fmt = getattr(fmt, "budget_format", fmt)  # quant=mixed: the named option of its budget's bytes
+    plan = memory_plan(cfg, model_config(cfg.model), fmt, resolve_device(str(cfg.get("device", "auto"))),
+                       fitted=bool(fitted_paths(cfg.get("transform"))))
+    if mode == "check":
+        plan.check()
+    return plan
 
 
 def needs_calibration_data(cfg: DictConfig, quant: bool = True, calib_report: bool = False) -> bool:
@@ -262,9 +279,7 @@ def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True
     quant=False: the stage does not use the quant group. tokenizer=False: do not load one. calib_report=True: report
     the calibration objectives per layer even for transforms that fit nothing (experiment=calibrate)."""
     dims, fmt = preflight(cfg, quant=quant, tokenizer=tokenizer, calib_report=calib_report)
-    from mla_quant.plan import planned
-
-    plan = planned(cfg)
+    plan = plan_memory(cfg, fmt)
     if plan is not None:
         print(plan.table(), flush=True)
     spec = fmt if isinstance(fmt, MixedSpec) else None

@@ -154,8 +154,10 @@ def test_a_run_that_cannot_fit_is_refused_before_the_weights_naming_what_would(g
         _stage_check(args)
     fits = int(re.search(r"task.batch_size=(\d+) fits", str(err.value)).group(1))
     from mla_quant.plan import memory_plan
+    from mla_quant.prepare import model_config
 
-    smaller = memory_plan(compose([*args[:-2], f"task.batch_size={fits}"]))
+    cfg = compose([*args[:-2], f"task.batch_size={fits}"])
+    smaller = memory_plan(cfg, model_config(cfg.model))
     assert 1 <= fits < 128 and smaller.peak <= available_bytes("cpu")
     assert _stage_check([*args, "memory_plan=report"]) == "random"  # predicted, not refused
 
@@ -175,9 +177,9 @@ def test_memory_plan_is_refused_where_nothing_reads_it(tmp_path):
     out = run_py("experiment=cache_bytes", "memory_plan=report", f"hydra.run.dir={tmp_path}")
     assert out.returncode != 0 and "experiment=cache_bytes has no memory plan" in out.stderr, out.stderr[-2000:]
     with pytest.raises(ValueError, match=r"memory_plan='maybe'; allowed: \['check', 'report', 'off'\]"):
-        from mla_quant.plan import planned
+        from mla_quant.plan import mode_of
 
-        planned(compose(["experiment=quality", "memory_plan=maybe"]))
+        mode_of(compose(["experiment=quality", "memory_plan=maybe"]))
 
 
 def test_too_little_local_text_is_refused_before_the_weights(garbage, tmp_path):
