@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig
 
 GB = 1e9
-RUNTIME_BYTES = 0.04 * GB  # what a first forward allocates once beyond its tensors (measured on the CPU, toy and V2-Lite dims)
+RUNTIME_BYTES = 0.04 * GB  # a first forward's one-time allocations beyond its tensors (CPU, toy and V2-Lite dims)
 PLANNED = ("quality", "evaluate", "sensitivity", "calibrate")  # the stages with a plan (task.name)
 
 
@@ -64,8 +64,8 @@ class MemoryPlan:
             return
         biggest = sorted(self.rows, key=lambda r: -r[1])[:3]
         raise MemoryError(
-            f"{self.stage} needs about {self.peak / GB:.1f} GB on {self.device} at its peak and {self.available / GB:.1f}"
-            f" GB are available ({', '.join(f'{n} {b / GB:.1f} GB' for n, b, _ in biggest)}). It would not fit; "
+            f"{self.stage} needs about {self.peak / GB:.1f} GB on {self.device} at its peak and "
+            f"{self.available / GB:.1f} GB are available ({', '.join(f'{n} {b / GB:.1f} GB' for n, b, _ in biggest)}). It would not fit; "
             f"before any weight is read: {'; '.join(self.hints) or 'a smaller batch or context'}. "
             f"(the plan: mla_quant/plan.py; memory_plan=report prints it without refusing)")
 

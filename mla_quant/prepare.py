@@ -230,11 +230,11 @@ class Prepared:
 
 
 def preflight(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, calib_report: bool = False
-              ) -> tuple[dict[str, int], CacheFormat | LayeredFormat | MixedSpec | None]:
+              ) -> tuple[dict[str, int], CacheFormat | LayeredFormat | MixedSpec | None, MemoryPlan | None]:
     """Everything `prepare_model` refuses, done without reading any weight: the model's dims from its config alone,
     the quant/transform/objective/calib settings against them, the tokenizer's files (before loading it), and the
-    calibration data (a text dataset loaded, so an offline machine is told now, naming the setting). -> (dims, the
-    validated format). Pipelines call it for every step before the first one runs."""
+    calibration data (a text dataset loaded, so an offline machine is told now, naming the setting), the memory plan.
+    -> (dims, the validated format, the plan or None). Pipelines call it for every step before the first one runs."""
     dims = model_dims(cfg.model)
     fmt = validate(cfg, dims, quant=quant, calib_report=calib_report)
     if tokenizer or needs_tokenizer(cfg, calib_report):
@@ -243,8 +243,8 @@ def preflight(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, ca
             == "text":  # loaded and cut into calib.samples x calib.seq_len tokens now, not after the weights
         check_calib(cfg.calib, "text")
         text_ids(cfg.calib, load_tokenizer(cfg.model), int(cfg.calib.samples), int(cfg.calib.seq_len))
-    plan_memory(cfg, fmt)  # the stage's peak memory against the device's: a run that cannot fit is refused now
-    return dims, fmt
+    plan = plan_memory(cfg, fmt)  # the stage's peak memory against the device's: a run that cannot fit is refused now
+    return dims, fmt, plan
 
 
 def plan_memory(cfg: DictConfig, fmt) -> MemoryPlan | None:
@@ -278,8 +278,7 @@ def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True
     """Validate, then load, transform, absorb and place the model of `cfg.model` (see the module docstring).
     quant=False: the stage does not use the quant group. tokenizer=False: do not load one. calib_report=True: report
     the calibration objectives per layer even for transforms that fit nothing (experiment=calibrate)."""
-    dims, fmt = preflight(cfg, quant=quant, tokenizer=tokenizer, calib_report=calib_report)
-    plan = plan_memory(cfg, fmt)
+    dims, fmt, plan = preflight(cfg, quant=quant, tokenizer=tokenizer, calib_report=calib_report)
     if plan is not None:
         print(plan.table(), flush=True)
     spec = fmt if isinstance(fmt, MixedSpec) else None

@@ -30,7 +30,8 @@ from mla_quant.record import write_text_atomic
 from mla_quant.stages import (GROUPS, StageResult, nested_overrides, override_group, refuse_unused_groups,
                               user_overrides)
 
-ALWAYS = ("seed", "device", "logger", "force", "profile_layers", "memory_plan")  # top-level settings every step takes as given
+# top-level settings every step takes as given (memory_plan: the steps whose stage has a plan, `reads`)
+ALWAYS = ("seed", "device", "logger", "force", "profile_layers", "memory_plan")
 SELECTS = ("quant", "transform")  # `quant=X` / `transform=Y` on the command line pick the pipeline's formats / methods
 STEP_LOG = "step.log"  # each step's own output (the console shows one line per step and the summary)
 

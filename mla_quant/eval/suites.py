@@ -18,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from mla_quant.checks import int_setting
+
 RULER_PREFIXES = ("niah_", "ruler_")
 CODE_STOCK_TASKS = ("humaneval",)  # stock tasks that execute model-written code
 # Datasets stock tasks read through their own code rather than `dataset_path` (named in the offline error).
@@ -84,12 +86,6 @@ def plan_tasks(ev, toy_tasks: list[str]) -> TaskPlan:
     return plan
 
 
-def _count(ev, key: str, least: int, allowed: str, node=None) -> None:
-    value = (ev if node is None else node).get(key.rsplit(".", 1)[-1])
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"eval.{key}={value!r}; allowed: {allowed}")
-
-
 def check_eval(ev) -> None:
     """Every eval.* value, before any model work: each refused by name with what is allowed (lm-eval would take a
     limit of 0 or -1, a batch of 0, a negative shot count, and fail only after the model is prepared)."""
@@ -103,16 +99,17 @@ def check_eval(ev) -> None:
                               or (isinstance(limit, float) and limit > 1)):
         raise ValueError(f"eval.limit={limit!r}; allowed: null (every example), an integer >= 1 (examples per task) "
                          f"or a fraction in (0, 1] of each task's examples")
-    _count(ev, "batch_size", 1, "an integer >= 1 (sequences per forward)")
-    _count(ev, "threads", 1, "an integer >= 1 (CPU threads)")
+    int_setting(ev.get("batch_size"), "eval.batch_size", allowed="an integer >= 1 (sequences per forward)")
+    int_setting(ev.get("threads"), "eval.threads", allowed="an integer >= 1 (CPU threads)")
     if ev.get("num_fewshot") is not None:
-        _count(ev, "num_fewshot", 0, "null (each task's own count) or an integer >= 0")
+        int_setting(ev.num_fewshot, "eval.num_fewshot", 0, "null (each task's own count) or an integer >= 0")
     gen = ev.get("gen_kwargs")
     if gen is not None and not isinstance(gen, (dict, DictConfig)):
         raise ValueError(f"eval.gen_kwargs={gen!r}; allowed: null or a mapping of generation settings, e.g. "
                          f"{{max_gen_toks: 32}}")
     if gen is not None and gen.get("max_gen_toks") is not None:
-        _count(ev, "gen_kwargs.max_gen_toks", 1, "an integer >= 1 (tokens generated per answer)", gen)
+        int_setting(gen.max_gen_toks, "eval.gen_kwargs.max_gen_toks", allowed="an integer >= 1 (tokens generated "
+                                                                               "per answer)")
     for key in ("allow_code_execution", "log_samples"):
         if not isinstance(ev.get(key, False), bool):
             raise ValueError(f"eval.{key}={ev.get(key)!r}; allowed: true, false")
@@ -124,8 +121,8 @@ def check_eval(ev) -> None:
     data = ev.get("data")
     if data is not None:
         for key in ("niah_per_length", "arithmetic_n", "code_n", "gsm8k_max_gen_toks", "code_max_gen_toks"):
-            _count(ev, f"data.{key}", 1, "an integer >= 1", data)
-        _count(ev, "data.seed", 0, "an integer >= 0", data)
+            int_setting(data.get(key), f"eval.data.{key}")
+        int_setting(data.get("seed"), "eval.data.seed", 0)
         n = data.get("niah_lengths")
         if not isinstance(n, (list, ListConfig)) or not n or not all(
                 isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in n):

@@ -127,10 +127,11 @@ def check(cfg: DictConfig, data_folder: Path | None = None, data: bool = True) -
     # (RULER builds its samples with the tokenizer; no other stock task reads it before the model is prepared)
     if not data:
         return plan, {}
+    tokenizer = load_tokenizer(cfg.model) if plan.ruler else None
     if data_folder is None:
         with tempfile.TemporaryDirectory() as tmp:
-            return plan, load_stock_tasks(plan, ev, load_tokenizer(cfg.model) if plan.ruler else None, Path(tmp))
-    return plan, load_stock_tasks(plan, ev, load_tokenizer(cfg.model) if plan.ruler else None, data_folder)
+            return plan, load_stock_tasks(plan, ev, tokenizer, Path(tmp))
+    return plan, load_stock_tasks(plan, ev, tokenizer, data_folder)
 
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:

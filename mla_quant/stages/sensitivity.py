@@ -98,12 +98,9 @@ def check(cfg: DictConfig) -> list[float]:
     preflight(cfg, quant=cfg.task.noise == "quantizer", tokenizer=probe.source != "random")
     if probe.source == "tasks" or (probe.source == "auto" and cfg.model.get("tokenizer") is not None):
         from mla_quant.models.build import load_tokenizer
-        from mla_quant.tasks import niah
 
-        tok = load_tokenizer(cfg.model)  # the needle prompts fit task.probe.seq_len, or are refused by name now
-        try:
-            niah.test_set(probe.get("task", "multikey_1"), [int(probe.seq_len)], 1, int(probe.seed),
-                          lambda text: len(tok(text).input_ids))
+        try:  # the needle prompts the run will probe with fit task.probe.seq_len, or are refused by name now
+            probe_ids(OmegaConf.merge(probe, {"source": "tasks"}), None, load_tokenizer(cfg.model))
         except ValueError as err:
             raise ValueError(f"task.probe.seq_len={probe.seq_len} (task.probe.source={probe.source}, needle prompts "
                              f"of task.probe.task={probe.get('task', 'multikey_1')}): {err}") from err
