@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 GB = 1e9
 RUNTIME_BYTES = 0.04 * GB  # a first forward's one-time allocations beyond its tensors (CPU, toy and V2-Lite dims)
+RUNTIME_HOW = "one-time allocations of the first forward (thread pools, kernel workspaces; 0.02-0.04 GB measured)"
 PLANNED = ("quality", "evaluate", "sensitivity", "calibrate")  # the stages with a plan (task.name)
 
 
@@ -37,6 +38,7 @@ class MemoryPlan:
     rows: list[tuple[str, float, str]] = field(default_factory=list)  # (component, bytes, how it was counted)
     available: float | None = None  # bytes the device has for this run (None: unknown)
     hints: list[str] = field(default_factory=list)  # settings that lower the peak, most effective first
+    measured: set[str] = field(default_factory=set)  # rows measured on this machine, not predicted from the config
 
     def add(self, name: str, nbytes: float, how: str) -> None:
         self.rows.append((name, float(nbytes), how))
@@ -53,10 +55,12 @@ class MemoryPlan:
         return "\n".join(lines)
 
     def metrics(self) -> dict[str, float]:
-        """For the run record: plan/peak_gb and plan/<component>_gb (what the device has is in the table only: it is
-        the machine's state, not the run's result)."""
-        return {"plan/peak_gb": self.peak / GB, **{f"plan/{name.replace(' ', '_')}_gb": b / GB
-                                                   for name, b, _ in self.rows}}
+        """For the run record: plan/peak_gb and plan/<component>_gb of the rows predicted from the config (what the
+        device has and the rows measured on it are in the table only: the machine's state, not the run's result; a
+        resumed run's metrics equal an uninterrupted one's)."""
+        rows = [(name, b) for name, b, _ in self.rows if name not in self.measured]
+        return {"plan/peak_gb": sum(b for _, b in rows) / GB,
+                **{f"plan/{name.replace(' ', '_')}_gb": b / GB for name, b in rows}}
 
     def check(self) -> None:
         """Refuse a run whose predicted peak exceeds what the device has, with the numbers and what would fit."""
@@ -114,9 +118,10 @@ def _text(config):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
-def forward_bytes(text, batch: int, tokens: int, act: int, blocks, logits_float: bool = True) -> dict[str, float]:
+def forward_bytes(text, batch: int, tokens: int, act: int, blocks, logits_float: bool = True, flash: bool = False
+                  ) -> dict[str, float]:
     """A prefill forward of `batch` x `tokens` through one decoder layer at a time (what lives at its peak), and the
-    logits: {component: bytes}."""
+    logits: {component: bytes}. flash=True: the attention through a flash kernel (a tile of scores, not counted)."""
     bt = batch * tokens
     h, heads = text.hidden_size, text.num_attention_heads
     d_c, d_r = text.kv_lora_rank, text.qk_rope_head_dim
@@ -137,6 +142,7 @@ def forward_bytes(text, batch: int, tokens: int, act: int, blocks, logits_float:
     inter = max(int(getattr(text, "intermediate_size", 0) or 0),
                 int(getattr(text, "moe_intermediate_size", 0) or 0) * int(getattr(text, "num_experts_per_tok", 1) or 1))
     mlp = bt * inter * act * 3  # gate, up and their product
+    scores = 0 if flash else scores
     logits = bt * text.vocab_size * (act + (4 if logits_float else 0))
     return {"activations": residual + max(attn + scores, mlp), "logits": logits}
 
@@ -178,9 +184,77 @@ def stage_shape(cfg: DictConfig, stage: str) -> tuple[int, int]:
     raise ValueError(f"no memory plan for stage {stage!r}; planned: {list(PLANNED)}")
 
 
-def memory_plan(cfg: DictConfig, config, fmt=None, device: str = "cpu", fitted: bool = False) -> MemoryPlan:
+def _stage_rows(plan: MemoryPlan, cfg, stage: str, text, batch: int, tokens: int, act: int, fmt, blocks) -> None:
+    """quality, evaluate, sensitivity: the cache, what the stage holds, and the larger of a layer's forward and the
+    logits."""
+    shape = f"{batch} x {tokens} tokens"
+    quant = (cfg.get("quant") or {}).get("name") if fmt is not None else None
+    plan.add("latent cache", cache_bytes(fmt, text, batch, tokens, act),
+             f"{shape}, {text.num_hidden_layers} layers, {quant or 'unquantized'}")
+    v, bt = text.vocab_size, batch * tokens
+    if stage == "quality":  # the unquantized pass's float logits are kept while the quantized pass runs
+        plan.add("held", bt * v * 4, f"the unquantized pass's logits ({shape} x {v} vocab, float32)")
+    elif stage == "sensitivity":  # the clean run's outputs per layer and logits, beside an injected run's
+        plan.add("held", 2 * (2 * text.num_hidden_layers * bt * text.hidden_size * 4 + bt * v * 4),
+                 "the clean run's attention and layer outputs per layer and its logits (float32), and the injected "
+                 "run's as they are captured")
+    plan.add("runtime", RUNTIME_BYTES, RUNTIME_HOW)
+    fwd = forward_bytes(text, batch, tokens, act, blocks)
+    layer, head = fwd["activations"], fwd["logits"]
+    plan.add("forward workspace", max(layer, head),
+             f"the larger of one layer's forward at {shape} ({layer / GB:.3f} GB, attention "
+             f"{'expanded' if blocks.expand_from is not None else 'latent'} blocks) and the logits ({head / GB:.3f} GB,"
+             f" {v} vocab, and in float32)")
+
+
+def capture_bytes(text, sequences: int, tokens: int, queries: int) -> int:
+    """One layer's calibration capture (float32): the latents and RoPE keys of every token, the per-head queries and
+    reference outputs at `queries` positions per sequence."""
+    d_c, d_r, d_v, heads = text.kv_lora_rank, text.qk_rope_head_dim, text.v_head_dim, text.num_attention_heads
+    return sequences * tokens * (d_c + d_r) * 4 + sequences * heads * queries * (d_c + d_r + d_v) * 4
+
+
+def _calibrate_rows(plan: MemoryPlan, cfg, text, batch: int, tokens: int, act: int, blocks, fitted: bool,
+                    eval_chunk: int | None, device: str) -> None:
+    """calibrate sweeps the decoder layers once over every calibration sequence (no cache, no logits), holding the
+    hidden states between layers and one layer's capture; its peak is the larger of making the next layer's
+    capture (the previous one still held, one batch's forward) and fitting on it (a minibatch's copy and the
+    default objectives' workspace: the content path's attention, the RoPE path's cumulative key products)."""
+    n, heads, h, d_r = int(cfg.calib.samples), text.num_attention_heads, text.hidden_size, text.qk_rope_head_dim
+    q = min(tokens, int(cfg.calib.get("query_tokens") or tokens))
+    hidden = (n + batch) * tokens * h * act
+    capture = capture_bytes(text, n, tokens, q)
+    plan.add("held", hidden + capture,
+             f"the hidden states of {n} sequences x {tokens} tokens between layers and one batch's input "
+             f"({hidden / GB:.3f} GB), one layer's capture: latents, {q} queries per sequence and their reference "
+             f"outputs ({capture / GB:.3f} GB, float32)")
+    plan.add("runtime", RUNTIME_BYTES, RUNTIME_HOW)
+    # every query, causal, on the CPU: causal_latent_attention's flash form (the capture's, in float32, and the fit's)
+    flash = device.startswith("cpu") and q == tokens
+    making = capture + forward_bytes(text, batch, tokens, act, blocks, flash=flash and act == 4)["activations"]
+    b = min(n, int(cfg.transform.fit.get("batch", n))) if fitted else min(n, eval_chunk or n)
+    if flash:  # PyTorch's flash kernel holds a tile of scores; its queries, keys, values and outputs per head (the
+        # shared latent made contiguous), with their gradients when fitted
+        attention = b * heads * tokens * (text.kv_lora_rank + d_r) * 4 * (8 if fitted else 4)
+        what = "queries, keys, values and outputs per head through the flash kernel"
+    else:  # sampled queries under a mask: every score of a query over its keys
+        attention = b * heads * q * tokens * 4 * (6 if fitted else 2)
+        what = "scores over every key, reference and quantized, their softmax"
+    what = f"{b} sequences per {'step' if fitted else 'evaluation'}: {what}{' and gradients' if fitted else ''}"
+    products = b * tokens * d_r * d_r * 4 * (4 if fitted else 2)
+    fitting = capture * b / n + max(attention, products)
+    plan.add("workspace", max(making, fitting),
+             f"the larger of making the next layer's capture (the previous one held, one batch of {batch}'s forward:"
+             f" {making / GB:.3f} GB) and fitting ({what}, the RoPE path's cumulative key products, the minibatch's "
+             f"copy: {fitting / GB:.3f} GB)")
+
+
+def memory_plan(cfg: DictConfig, config, fmt=None, device: str = "cpu", fitted: bool = False,
+                eval_chunk: int | None = None, host: dict[str, float] | None = None) -> MemoryPlan:
     """The plan of `cfg`'s stage (task.name) on `device`: `config` the model's transformers config (read without
-    weights), `fmt` the validated cache format, `fitted` whether calibration fits a transform (its workspace)."""
+    weights), `fmt` the validated cache format, `fitted` whether calibration fits a transform (its workspace) and
+    `eval_chunk` the sequences per evaluation of its objectives (None: all at once),
+    `host` {component: bytes} the stage holds already, measured (lm-eval's loaded tasks; counted on the CPU only)."""
     from mla_quant.models.absorbed import attention_blocks
 
     stage = cfg.task.name
@@ -194,40 +268,14 @@ def memory_plan(cfg: DictConfig, config, fmt=None, device: str = "cpu", fitted: 
                       available=available_bytes(device, spread))
     params = parameter_count(config)
     plan.add("weights", params * act, f"{params / 1e9:.3g}B parameters x {act} B ({model_dtype or 'float32'})")
-    fwd = forward_bytes(text, batch, tokens, act, blocks)
-    cache = cache_bytes(fmt if stage != "calibrate" else None, text, batch, tokens, act)
-    shape = f"{batch} x {tokens} tokens"
-    quant = (cfg.get("quant") or {}).get("name") if fmt is not None else None
-    plan.add("latent cache", cache, f"{shape}, {text.num_hidden_layers} layers, {quant or 'unquantized'}")
-    v, bt = text.vocab_size, batch * tokens
-    if stage == "quality":  # the unquantized pass's float logits are kept while the quantized pass runs
-        plan.add("held", bt * v * 4, f"the unquantized pass's logits ({shape} x {v} vocab, float32)")
-    elif stage == "sensitivity":  # the clean run's outputs per layer and logits, beside an injected run's
-        plan.add("held", 2 * (2 * text.num_hidden_layers * bt * text.hidden_size * 4 + bt * v * 4),
-                 "the clean run's attention and layer outputs per layer and its logits (float32), and the injected "
-                 "run's as they are captured")
-    elif stage == "calibrate":  # one layer's capture over every calibration sequence
-        n = int(cfg.calib.samples)
-        q = int(cfg.calib.get("query_tokens") or cfg.calib.seq_len)
-        plan.add("held", n * tokens * (text.hidden_size + text.kv_lora_rank + text.qk_rope_head_dim) * 4 * 2
-                 + n * q * text.num_attention_heads * (text.kv_lora_rank + text.qk_rope_head_dim) * 4,
-                 f"one layer's capture of {n} sequences: its inputs and latents, {q} queries per sequence")
-        heads = text.num_attention_heads
-        if fitted:  # a step's scores over every key, reference and quantized, with gradients
-            b = min(n, int(cfg.transform.fit.get("batch", n)))
-            plan.add("fit workspace", b * heads * q * tokens * 4 * 6,
-                     f"{b} sequences x {heads} heads x {q} queries x {tokens} keys of scores per step: the "
-                     f"reference's and the quantized cache's, their softmax and gradients (float32)")
-        else:  # the objective measured without and with the format: scores of a batch, no gradients
-            plan.add("fit workspace", batch * heads * q * tokens * 4 * 2,
-                     f"{batch} sequences x {heads} heads x {q} queries x {tokens} keys of scores (float32)")
-    plan.add("runtime", RUNTIME_BYTES, "one-time allocations of the first forward (thread pools, kernel "
-                                       "workspaces; 0.03-0.04 GB measured on the CPU)")
-    layer, head = fwd["activations"], fwd["logits"]
-    plan.add("forward workspace", max(layer, head),
-             f"the larger of one layer's forward at {shape} ({layer / GB:.3f} GB, attention "
-             f"{'expanded' if blocks.expand_from is not None else 'latent'} blocks) and the logits ({head / GB:.3f} GB,"
-             f" {v} vocab, and in float32)")
+    if stage == "calibrate":
+        _calibrate_rows(plan, cfg, text, batch, tokens, act, blocks, fitted, eval_chunk, device)
+    else:
+        _stage_rows(plan, cfg, stage, text, batch, tokens, act, fmt, blocks)
+    for name, nbytes in (host or {}).items():  # what the stage already holds on the host (measured)
+        if not device.startswith("cuda"):
+            plan.add(name, nbytes, "measured as it was loaded, before the weights (host memory)")
+            plan.measured.add(name)
     per_sequence = (plan.peak - plan.rows[0][1]) / max(batch, 1)
     if plan.available is not None and per_sequence > 0:
         fits = int((plan.available - plan.rows[0][1]) // per_sequence)

@@ -229,8 +229,8 @@ class Prepared:
         return {**out, **backends}
 
 
-def preflight(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, calib_report: bool = False
-              ) -> tuple[dict[str, int], CacheFormat | LayeredFormat | MixedSpec | None, MemoryPlan | None]:
+def preflight(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, calib_report: bool = False,
+              host: dict[str, float] | None = None) -> tuple[dict[str, int], CacheFormat | LayeredFormat | MixedSpec | None, MemoryPlan | None]:
     """Everything `prepare_model` refuses, done without reading any weight: the model's dims from its config alone,
     the quant/transform/objective/calib settings against them, the tokenizer's files (before loading it), and the
     calibration data (a text dataset loaded, so an offline machine is told now, naming the setting), the memory plan.
@@ -243,14 +243,15 @@ def preflight(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, ca
             == "text":  # loaded and cut into calib.samples x calib.seq_len tokens now, not after the weights
         check_calib(cfg.calib, "text")
         text_ids(cfg.calib, load_tokenizer(cfg.model), int(cfg.calib.samples), int(cfg.calib.seq_len))
-    plan = plan_memory(cfg, fmt)  # the stage's peak memory against the device's: a run that cannot fit is refused now
+    plan = plan_memory(cfg, fmt, host)  # the stage's peak memory against the device's: a run that cannot fit is refused now
     return dims, fmt, plan
 
 
-def plan_memory(cfg: DictConfig, fmt) -> MemoryPlan | None:
-    """The memory plan of `cfg`'s stage with the validated format `fmt` (None where it has none or memory_plan=off);
-    memory_plan=check refuses a run that cannot fit (MemoryError)."""
+def plan_memory(cfg: DictConfig, fmt, host: dict[str, float] | None = None) -> MemoryPlan | None:
+    """The memory plan of `cfg`'s stage with the validated format `fmt` (None where it has none or memory_plan=off),
+    `host` what the stage holds already (measured); memory_plan=check refuses a run that cannot fit (MemoryError)."""
     from mla_quant.calibration import fitted_paths
+    from mla_quant.calibration.capture import EVAL_CHUNK
     from mla_quant.models.build import resolve_device
 
     mode = plan_mode(cfg)
@@ -258,7 +259,7 @@ def plan_memory(cfg: DictConfig, fmt) -> MemoryPlan | None:
         return None
     fmt = getattr(fmt, "budget_format", fmt)  # quant=mixed: the named option of its budget's bytes
     plan = memory_plan(cfg, model_config(cfg.model), fmt, resolve_device(str(cfg.get("device", "auto"))),
-                       fitted=bool(fitted_paths(cfg.get("transform"))))
+                       fitted=bool(fitted_paths(cfg.get("transform"))), eval_chunk=EVAL_CHUNK, host=host)
     if mode == "check":
         plan.check()
     return plan
@@ -274,11 +275,12 @@ def needs_calibration_data(cfg: DictConfig, quant: bool = True, calib_report: bo
 
 
 def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, absorbed: bool = True,
-                  calib_report: bool = False, **build_overrides) -> Prepared:
+                  calib_report: bool = False, host: dict[str, float] | None = None, **build_overrides) -> Prepared:
     """Validate, then load, transform, absorb and place the model of `cfg.model` (see the module docstring).
     quant=False: the stage does not use the quant group. tokenizer=False: do not load one. calib_report=True: report
-    the calibration objectives per layer even for transforms that fit nothing (experiment=calibrate)."""
-    dims, fmt, plan = preflight(cfg, quant=quant, tokenizer=tokenizer, calib_report=calib_report)
+    the calibration objectives per layer even for transforms that fit nothing (experiment=calibrate). host: {what:
+    bytes} the stage holds already on the host (measured; the memory plan counts it on the CPU)."""
+    dims, fmt, plan = preflight(cfg, quant=quant, tokenizer=tokenizer, calib_report=calib_report, host=host)
     if plan is not None:
         print(plan.table(), flush=True)
     spec = fmt if isinstance(fmt, MixedSpec) else None

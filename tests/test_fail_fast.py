@@ -173,6 +173,39 @@ def test_the_plan_counts_the_parameters_the_model_has():
         assert parameter_count(model_config(cfg.model)) == sum(p.numel() for p in built.parameters()), model
 
 
+@pytest.mark.parametrize("queries", [None, 8])
+def test_the_calibrate_plan_counts_the_capture_calibration_holds(queries):
+    """The plan's capture bytes equal the tensors of a real capture (all queries, or calib.query_tokens of them),
+    reference outputs included."""
+    import torch
+
+    from mla_quant.calibration.capture import capture_layers
+    from mla_quant.calibration.objectives import reference_output
+    from mla_quant.plan import capture_bytes
+    from mla_quant.prepare import build_model
+
+    model = build_model(compose(["model=tiny_deepseek_v2"]).model, absorbed=False, dtype="float32")
+    ids = torch.randint(3, model.config.vocab_size, (3, 32), generator=torch.Generator().manual_seed(0))
+    cap = next(iter(capture_layers(model, ids, batch_size=2, query_tokens=queries)))
+    reference_output(cap)
+    held = sum(t.numel() * t.element_size() for t in (cap.x_hat, cap.q_latent, cap.q_rope, cap.k_rope, cap.ref_out))
+    assert held == capture_bytes(model.config, 3, 32, queries or 32)
+
+
+def test_what_a_stage_holds_on_the_host_counts_on_the_cpu_only():
+    """lm-eval's loaded tasks (measured before the weights) are part of a CPU run's peak, not of a GPU's."""
+    from mla_quant.plan import memory_plan
+    from mla_quant.prepare import model_config
+
+    cfg = compose(["experiment=evaluate", "model=toy_mla"])
+    config = model_config(cfg.model)
+    cpu = memory_plan(cfg, config, host={"lm-eval tasks": 1e8})
+    assert cpu.peak - memory_plan(cfg, config).peak == pytest.approx(1e8) and "| lm-eval tasks | 0.100 |" in cpu.table()
+    assert cpu.metrics() == memory_plan(cfg, config).metrics()  # measured on this machine: not a run's metric
+    assert memory_plan(cfg, config, device="cuda:0", host={"lm-eval tasks": 1e8}).peak == \
+        pytest.approx(memory_plan(cfg, config, device="cuda:0").peak)
+
+
 def test_memory_plan_is_refused_where_nothing_reads_it(tmp_path):
     out = run_py("experiment=cache_bytes", "memory_plan=report", f"hydra.run.dir={tmp_path}")
     assert out.returncode != 0 and "experiment=cache_bytes has no memory plan" in out.stderr, out.stderr[-2000:]

@@ -27,6 +27,7 @@ from mla_quant.eval.harness import LatentCacheHFLM, compact_samples, evaluate_ta
 from mla_quant.eval.task_files import CODE_TASKS, TOY_TASKS, write_task_files
 from mla_quant.eval.task_utils import ALLOW_ENV, OPT_IN_HINT
 from mla_quant.eval.suites import CODE_STOCK_TASKS, TaskPlan, check_eval, load_stock_tasks, plan_tasks
+from mla_quant.memory import allocated_bytes
 from mla_quant.models.build import load_tokenizer
 from mla_quant.prepare import check_context, model_dims, preflight, prepare_model
 from mla_quant.stages import StageResult
@@ -137,10 +138,13 @@ def check(cfg: DictConfig, data_folder: Path | None = None, data: bool = True) -
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     ev = cfg.eval
     torch.set_num_threads(int(ev.get("threads", 2)))
+    before = allocated_bytes()
     plan, stock = check(cfg, run_dir / "lm_eval_tasks" / "local")
+    after = allocated_bytes()  # lm-eval, its loaded tasks (RULER's haystacks: ~0.15 GB) are held through the run
     allow = bool(ev.get("allow_code_execution", False))
 
-    prep = prepare_model(cfg)  # validates quant/transform/objective against the model before loading weights
+    # validates quant/transform/objective against the model before loading weights; plans memory with the tasks
+    prep = prepare_model(cfg, host=None if after is None else {"lm-eval tasks": max(0, after - before)})
     model, tokenizer = prep.model, prep.tokenizer
     folder = (write_task_files(run_dir / "lm_eval_tasks", tokenizer, **OmegaConf.to_container(ev.data, resolve=True))
               if plan.toy else None)
