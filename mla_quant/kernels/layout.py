@@ -1,7 +1,7 @@
 """The storage layout that the kernels read and write: integer codes as whole int32 words, chunked along channels,
 and one page per block and path holding its codes, scales and zeros.
 
-One spec for the encoder (mla_quant/quant/formats.py), the decode and store kernels and the byte accounting:
+One spec for the encoder (mla_quant/quant/codecs/), the decode and store kernels and the byte accounting:
 
     layout = WordLayout(bits=4, d=512)      # P = 32 // bits codes per word, W = ceil(d / P) words per token
     words = layout.pack(codes)              # codes (..., d) uint8 < 2^bits -> (..., W) int32

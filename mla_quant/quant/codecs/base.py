@@ -1,0 +1,107 @@
+"""The codec interface: how one path of the cache is stored (encode, decode, bytes, what the kernels read), and
+the byte sizes and dtype codes every codec shares. The registry is `mla_quant.quant.codecs.CODECS`."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import torch
+
+from mla_quant.kernels.layout import WORD_BITS
+from mla_quant.quant import quantizers
+
+GRANULARITIES = ("group", "tensor")
+SCALE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "pow2": 1}
+ZERO_BYTES = {name: torch.empty(0, dtype=dt).element_size() for name, dt in quantizers.ZERO_DTYPES.items()}
+TRITON_INT_BITS = WORD_BITS  # what the decode kernel unpacks: the int32 word layout (kernels/layout.py)
+# dtype codes of the decode kernel's typed reads from a page of bytes (format=pairs)
+DTYPE_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.int8: 3}
+CODEBOOK_LEVEL_BYTES = 4  # quantizer=lloyd: each level of a layer's codebook is one float32
+
+
+CODECS: dict[str, Codec] = {}  # the registry: format name -> codec (filled by `register`, see codecs/__init__.py)
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: one instance of the codec in `CODECS` under its name (a name is registered once)."""
+    if cls.name in CODECS:
+        raise ValueError(f"codec {cls.name!r} is registered twice ({type(CODECS[cls.name]).__name__}, {cls.__name__})")
+    CODECS[cls.name] = cls()
+    return cls
+
+
+class Codec:
+    """How one path is stored. Subclasses fill in the hooks; `PathFormat` delegates to its codec."""
+
+    name = "?"
+    widths: tuple[int, ...] = ()
+    granularities: tuple[str, ...] = ("group",)
+    token_blocks = False  # True: encode/decode take whole blocks of `token_block` tokens along dim -2
+
+    def check(self, fmt: "PathFormat", where: str) -> None:
+        """Format-specific checks (widths, granularity, scale dtype), independent of the dimension."""
+        if fmt.token_block is not None and not self.token_blocks:
+            raise ValueError(f"{where}.token_block={fmt.token_block!r}: format={self.name} quantizes each token on its "
+                             f"own; allowed: null (format=channel_block quantizes over blocks of tokens)")
+        if fmt.bits not in self.widths:
+            raise ValueError(f"{where}.bits={fmt.bits!r} is not a width of format={self.name}; allowed: "
+                             f"{list(self.widths)} (formats and their widths: "
+                             f"{ {n: list(c.widths) for n, c in CODECS.items()} })")
+        if fmt.granularity not in self.granularities:
+            raise ValueError(f"{where}.granularity={fmt.granularity!r}: format={self.name} takes "
+                             f"{list(self.granularities)}")
+
+    def n_groups(self, fmt: "PathFormat", d: int) -> int:
+        return 0
+
+    def bytes_per_token(self, fmt: "PathFormat", d: int, act_bytes: int) -> float:
+        raise NotImplementedError
+
+    def encode(self, fmt: "PathFormat", x: torch.Tensor, tensor_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """x (N, d) -> the stored tensors of N tokens, each (N, *). `tensor_scale`: (N,) per-token view of the
+        per-sequence scale (fp8 tensor granularity) or None."""
+        raise NotImplementedError
+
+    def decode(self, fmt: "PathFormat", parts: Mapping[str, torch.Tensor], d: int, dtype: torch.dtype,
+               tensor_scale: torch.Tensor | None) -> torch.Tensor:
+        """The stored tensors (..., *) -> x_hat (..., d) in `dtype`; `tensor_scale` broadcast over (...)."""
+        raise NotImplementedError
+
+    def fake_quantize(self, fmt: "PathFormat", x: torch.Tensor, tensor_scale: torch.Tensor | None,
+                      where: str = "fake_quantize") -> torch.Tensor:
+        """x (..., d) -> x as stored and read back, in x.dtype; stored scales or zeros that overflow their dtype are
+        refused (`check_finite`, naming `where`), as the cache refuses them, never read back as inf."""
+        parts = self.encode(fmt, x, tensor_scale)
+        check_finite(parts, where)
+        return self.decode(fmt, parts, x.shape[-1], x.dtype, tensor_scale)
+
+    def kernel_unsupported(self, fmt: "PathFormat", d: int) -> str | None:
+        """Why the Triton decode kernel cannot read this format, or None if it can."""
+        return f"format={self.name}"
+
+    def kernel_spec(self, fmt: "PathFormat", d: int) -> dict:
+        """The kernel's compile-time description of the stored tensors (see kernels/latent_decode.py)."""
+        raise NotImplementedError
+
+    def describe(self, fmt: "PathFormat") -> str:
+        return self.name
+
+    uses_tensor_scale = staticmethod(lambda fmt: False)
+
+
+def check_finite(parts: Mapping[str, torch.Tensor], where: str) -> None:
+    """Refuse stored scales/zeros/values that overflowed their dtype (inf or NaN would decode to inf silently)."""
+    for name, t in parts.items():
+        if t.is_floating_point() and not quantizers.all_finite(t):
+            dtype = str(t.dtype).replace("torch.", "")
+            raise ValueError(f"{where}: the stored {name} ({dtype}) overflow to inf/NaN (the latent holds values "
+                             f"beyond the {dtype} range, or is itself not finite); use scale_dtype=fp32 for this "
+                             f"path, or find where the model overflows")
+
+
+@functools.lru_cache(maxsize=256)
+def _levels_tensor(levels: tuple[float, ...], device: str) -> torch.Tensor:
+    """A codebook's levels as one float32 tensor per distinct codebook and device (read, never written), so a decode
+    step does not copy them to its device again."""
+    return torch.tensor(levels, dtype=torch.float32, device=device)

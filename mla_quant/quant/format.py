@@ -1,0 +1,203 @@
+"""The cache format of the whole `quant` group (`CacheFormat`), one per cache layer (`LayeredFormat`), and the bytes
+a cache in a format holds per token."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+
+from mla_quant.quant.path import PathFormat
+
+MODES = ("simulated", "serving")
+BACKENDS = ("auto", "torch", "triton", "cpu")  # auto: decode steps through the Triton kernel on a CUDA device and
+# through the fused C++ kernel on the CPU where the kernel reads the format (and, on the CPU, builds here), PyTorch
+# otherwise; prefill and multi-token steps always in PyTorch
+STEP_TYPES = ("prefill", "decode")  # multi-token steps (prefill, scoring) / one query token per sequence
+TENSOR_SCALE_BYTES = 4  # one float32 per tensor-granularity path (or one shared by both paths), per sequence and layer
+
+
+@dataclass(frozen=True)
+class CacheFormat:
+    """The whole `quant` group, validated against (d_c, d_r)."""
+
+    name: str
+    mode: str
+    backend: str
+    n_sink: int
+    recent: int
+    block_size: int
+    content: PathFormat
+    rope: PathFormat
+    shared_scale: bool
+    d_c: int
+    d_r: int
+
+    @property
+    def quantized(self) -> bool:
+        return self.content.quantized or self.rope.quantized
+
+    def path(self, name: str) -> PathFormat:
+        return {"content": self.content, "rope": self.rope}[name]
+
+    def dim(self, name: str) -> int:
+        return {"content": self.d_c, "rope": self.d_r}[name]
+
+    @property
+    def token_block(self) -> int | None:
+        """Tokens per block of a path quantized over blocks of tokens (channel_block), else None: a sequence's
+        tokens that left the recent window wait unquantized (both paths) until they fill a block."""
+        blocks = {p.blocked for p in (self.content, self.rope)} - {None}
+        return blocks.pop() if blocks else None
+
+    def codebook_bytes(self) -> int:
+        """Per layer constant bytes, shared by every sequence: the lloyd codebooks of both paths."""
+        return self.content.codebook_bytes() + self.rope.codebook_bytes()
+
+    def tensor_scale_bytes(self) -> int:
+        """Per sequence and layer constant bytes: float32 per-tensor fp8 scales (one if shared)."""
+        n = sum(p.tensor_scaled for p in (self.content, self.rope))
+        return TENSOR_SCALE_BYTES * (min(n, 1) if self.shared_scale else n)
+
+    def kernel_unsupported(self) -> str | None:
+        """Why the Triton decode kernel cannot read this format (naming the setting), or None."""
+        for path in ("content", "rope"):
+            why = self.path(path).kernel_unsupported(self.dim(path))
+            if why is not None:
+                return f"quant.{path}.{why}"
+        return None
+
+    def cpu_kernel_unsupported(self) -> str | None:
+        """Why the C++ CPU decode kernel cannot read this format (naming the setting), or None: what the Triton
+        kernel cannot read, and a RoPE key of several widths (format=pairs)."""
+        why = self.kernel_unsupported()
+        if why is None and self.rope.format == "pairs":
+            why = "quant.rope.format=pairs"
+        return why
+
+    def step_backends(self, device_type: str) -> dict[str, str]:
+        """Which backend runs each step type (STEP_TYPES) on a device of `device_type` ("cpu", "cuda"): prefill
+        and multi-token steps always in PyTorch; decode steps through the Triton kernel with backend=triton, the C++
+        kernel with backend=cpu, and with backend=auto the Triton kernel on a CUDA device and the C++ kernel on the
+        CPU where the kernel reads the format (and the C++ one builds here: `cpu_kernel_usable`)."""
+        if self.backend == "triton" or (self.backend == "auto" and device_type == "cuda"
+                                        and self.kernel_unsupported() is None):
+            decode = "triton"
+        elif self.backend == "cpu" or (self.backend == "auto" and device_type == "cpu"
+                                       and self.cpu_kernel_unsupported() is None and cpu_kernel_usable()):
+            decode = "cpu"
+        else:
+            decode = "torch"
+        return {"prefill": "torch", "decode": decode}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernel_usable() -> bool:
+    """True when the C++ decode kernel builds and loads here (built on the first call); otherwise a warning says why
+    once, and backend=auto decodes in PyTorch on the CPU."""
+    from mla_quant.kernels.cpu_decode import cpu_kernel_unavailable
+
+    why = cpu_kernel_unavailable()
+    if why is not None:
+        warnings.warn(f"the C++ CPU decode kernel is unavailable ({why}); quant.backend=auto decodes CPU tensors in "
+                      f"PyTorch", stacklevel=2)
+    return why is None
+
+
+TOP_KEYS = ("name", "mode", "backend", "protected", "content", "rope", "shared_scale", "block_size", "layers")
+MIXED_KEYS = ("budget", "choices", "allocation")  # quant=mixed: allocated per layer by the preparation step
+LAYER_KEYS = ("content", "rope")  # what one entry of quant.layers may change
+COMMON = ("mode", "backend", "n_sink", "recent", "block_size", "d_c", "d_r")  # one value for every layer
+
+
+@dataclass(frozen=True)
+class LayeredFormat:
+    """A cache format per cache layer (`quant.layers`, or the allocation of `quant=mixed`): each layer its own
+    validated `CacheFormat`, with the protected region, mode, backend and block size common to all. Duck-types
+    what stages read of a `CacheFormat` that holds for every layer (name, quantized, mode, backend, step_backends,
+    kernel_unsupported); what differs per layer is read per layer (`layer(i)`), and a stage that reads one format
+    for the whole model refuses it by name (`refuse_layered`)."""
+
+    name: str
+    layers: tuple[CacheFormat, ...]
+    source: str = "quant.layers"  # where the per-layer formats came from (an allocation file for quant=mixed)
+
+    def __post_init__(self):
+        if not self.layers:
+            raise ValueError(f"quant={self.name}: quant.layers is empty; allowed: one entry per cache layer")
+        for key in COMMON:
+            values = {getattr(f, key) for f in self.layers}
+            if len(values) > 1:
+                raise ValueError(f"quant={self.name}: {key} differs between layers ({sorted(values)}); it is "
+                                 f"common to all layers")
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def layer(self, idx: int) -> CacheFormat:
+        return self.layers[idx]
+
+    def __getattr__(self, key):  # the settings common to all layers
+        if key in COMMON:
+            return getattr(self.layers[0], key)
+        raise AttributeError(f"{type(self).__name__} has no {key!r}: it differs per layer (use .layer(i))")
+
+    @property
+    def quantized(self) -> bool:
+        return any(f.quantized for f in self.layers)
+
+    @property
+    def token_block(self) -> int | None:
+        blocks = {f.token_block for f in self.layers} - {None}
+        return blocks.pop() if len(blocks) == 1 else None
+
+    def kernel_unsupported(self) -> str | None:
+        return self._first_refusal("kernel_unsupported")
+
+    def cpu_kernel_unsupported(self) -> str | None:
+        return self._first_refusal("cpu_kernel_unsupported")
+
+    def _first_refusal(self, check: str) -> str | None:
+        """The first layer's reason from its `check` method (naming the layer), or None when every layer passes."""
+        for i, f in enumerate(self.layers):
+            why = getattr(f, check)()
+            if why is not None:
+                return f"layers[{i}]: {why}"
+        return None
+
+    def step_backends(self, device_type: str) -> dict[str, str]:
+        per_layer = [f.step_backends(device_type) for f in self.layers]
+        return {step: "+".join(sorted({b[step] for b in per_layer})) for step in STEP_TYPES}
+
+    def bytes_per_token(self, act_bytes: int = 2) -> list[float]:
+        """Per layer: bytes one token takes in the quantized region (both paths; unquantized ones at `act_bytes`)."""
+        return [f.content.bytes_per_token(f.d_c, act_bytes) + f.rope.bytes_per_token(f.d_r, act_bytes)
+                for f in self.layers]
+
+    def describe(self) -> list[dict[str, str]]:
+        return [{"content": f.content.describe(), "rope": f.rope.describe()} for f in self.layers]
+
+
+def refuse_layered(fmt, what: str) -> None:
+    """Where `what` reads one cache format for the whole model, a per-layer format is refused by name."""
+    if isinstance(fmt, LayeredFormat):
+        raise ValueError(f"quant={fmt.name} gives each cache layer its own format ({fmt.source}): {what} reads one "
+                         f"format for the whole model; use a uniform option (e.g. int2_content_int4_rope)")
+
+
+def cache_bytes_per_token(fmt: CacheFormat, d_c: int, d_r: int, context: int, batch: int = 1,
+                          act_bytes: int = 2) -> float:
+    """Formula: bytes per token per layer of a cache holding `context` tokens per sequence for `batch` sequences,
+    protected region (n_sink + recent tokens, in the activation dtype), per-sequence tensor scales and the layer's
+    codebooks (lloyd: shared by the batch) included. With a token block (channel_block), the tokens past the last
+    whole block wait in the activation dtype too."""
+    if context <= 0:
+        raise ValueError(f"context={context}: need at least one token")
+    if not fmt.quantized:
+        return float((d_c + d_r) * act_bytes)
+    protected = min(context, fmt.n_sink + fmt.recent)
+    if fmt.token_block:
+        protected += (context - protected) % fmt.token_block  # the pending tokens of a block not yet full
+    per_quantized = fmt.content.bytes_per_token(d_c, act_bytes) + fmt.rope.bytes_per_token(d_r, act_bytes)
+    per_sequence = protected * (d_c + d_r) * act_bytes + (context - protected) * per_quantized
+    return (per_sequence + fmt.tensor_scale_bytes() + fmt.codebook_bytes() / batch) / context
