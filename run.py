@@ -10,7 +10,7 @@ import hydra
 from omegaconf import DictConfig
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="mla_quant/conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from mla_quant.pipeline import main as run_pipeline  # imported late so --help stays fast
 

@@ -34,7 +34,7 @@ from mla_quant.models.families import family_for_config
 from mla_quant.models.fp8 import check_fp8_config
 from mla_quant.plan import MemoryPlan, memory_plan
 from mla_quant.plan import mode_of as plan_mode
-from mla_quant.quant.formats import CacheFormat, LayeredFormat, cache_format
+from mla_quant.quant.formats import PATHS, CacheFormat, LayeredFormat, cache_format
 from mla_quant.quant.peers import PeerFormat
 from mla_quant.sensitivity.allocation import MixedSpec, allocate, is_mixed, mixed_spec
 from mla_quant.transforms import apply_transforms
@@ -118,7 +118,7 @@ def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True, calib
             raise ValueError(f"transform={cfg.transform.get('name')!r} needs calibration data: add calib=<option>")
         check_calib(cfg.calib, resolve_source(cfg.calib, cfg.model.get("_target_")))
         check_context("calib.seq_len", cfg.calib.seq_len, dims)
-        objectives = {(cfg.get("objective") or {}).get(p, {}).get("kind") for p in ("content", "rope")}
+        objectives = {(cfg.get("objective") or {}).get(p, {}).get("kind") for p in PATHS}
         if cfg.calib.get("query_tokens") is not None and "next_token_kl" in objectives:
             raise ValueError(f"calib.query_tokens={cfg.calib.query_tokens}: objective next_token_kl replaces the "
                              "attention output at every token and needs every query; set calib.query_tokens=null")
@@ -142,9 +142,9 @@ def quant_uses_lloyd(quant_cfg) -> bool:
     if quant_cfg is None:
         return False
     cfg = _plain(quant_cfg)
-    blocks = [cfg.get(p) for p in ("content", "rope")]
-    blocks += [(entry or {}).get(p) for entry in (cfg.get("layers") or []) for p in ("content", "rope")]
-    blocks += [c for p in ("content", "rope") for c in ((cfg.get("choices") or {}).get(p) or [])]
+    blocks = [cfg.get(p) for p in PATHS]
+    blocks += [(entry or {}).get(p) for entry in (cfg.get("layers") or []) for p in PATHS]
+    blocks += [c for p in PATHS for c in ((cfg.get("choices") or {}).get(p) or [])]
     return any(isinstance(b, Mapping) and b.get("quantizer") == "lloyd" for b in blocks)
 
 
@@ -221,7 +221,7 @@ class Prepared:
                 out[f"cache/layer{i}/bytes_per_token"] = float(b)
             return {**out, **backends}
         out = {f"cache/{p}": (self.fmt.path(p).describe() if self.fmt.path(p).quantized else f"{dtype} values")
-               for p in ("content", "rope")}
+               for p in PATHS}
         out["cache/protected"] = f"{self.fmt.n_sink} sinks + {self.fmt.recent} recent per sequence, {dtype}"
         # outside the protected region, with BF16 for unquantized paths (as stored on real checkpoints)
         out["cache/bytes_per_token_per_layer"] = float(self.fmt.content.bytes_per_token(d_c, 2)

@@ -16,7 +16,7 @@ from mla_quant.cache.factory import layer_factory
 from mla_quant.quant.formats import cache_bytes_per_token, cache_format, refuse_layered
 from mla_quant.quant.peers import refuse_peer
 
-QUANT_DIR = Path(__file__).resolve().parents[2] / "conf" / "quant"
+QUANT_DIR = Path(__file__).resolve().parents[1] / "conf" / "quant"  # package data: read from an installed package too
 BYTE_TABLE_OPTIONS = ("bf16", "fp8_flat", "fp8_ds_mla", "int8_joint", "int4_content", "int4_joint",
                       "int2_content_int4_rope", "int2_joint", "kivi_int2", "kivi_int4")
 # Content group sizes of the release options at real dims (the model YAMLs' quant_group_size for d_c = 512).

@@ -35,10 +35,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from mla_quant.cache.paged import PagedStore
 from mla_quant.kernels.attention import DEFAULT_BLOCKS, CausalMask, latent_attention, segment_attention, visible
 from mla_quant.kernels.layout import PagedPath, Segment
-from mla_quant.quant.formats import PathFormat, check_finite
+from mla_quant.quant.formats import PATHS, PathFormat, check_finite
 from mla_quant.quant.quantizers import FP8_MAX
 
-PATHS = ("content", "rope")
 
 
 def check_latents(content: torch.Tensor, rope: torch.Tensor) -> None:

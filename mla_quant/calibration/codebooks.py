@@ -24,11 +24,10 @@ import torch
 from tqdm.auto import tqdm
 
 from mla_quant.models.absorbed import cached_latents, num_cache_layers
-from mla_quant.quant.formats import CacheFormat, LayeredFormat
+from mla_quant.quant.formats import PATHS, CacheFormat, LayeredFormat
 from mla_quant.quant.quantizers import LLOYD_MAX_VALUES, check_levels, fit_levels
 from mla_quant.record import config_sha256, write_json_atomic
 
-PATHS = ("content", "rope")
 CODEBOOK_VERSION = 2  # 2: the fit starts from clip's ranges
 
 

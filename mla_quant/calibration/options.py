@@ -6,7 +6,7 @@ from __future__ import annotations
 from mla_quant.calibration.fit import FitOptions
 from mla_quant.calibration.objectives import CONTENT_OBJECTIVES, ROPE_OBJECTIVES
 from mla_quant.models.build import _plain
-from mla_quant.quant.formats import CacheFormat, LayeredFormat, cache_format
+from mla_quant.quant.formats import PATHS, CacheFormat, LayeredFormat, cache_format
 from mla_quant.quant.peers import PeerFormat
 from mla_quant.transforms import KINDS
 from mla_quant.transforms import kind as transform_kind
@@ -20,19 +20,19 @@ CONTENT_CODECS = (None, "codebook")  # transform.content.codec: store the conten
 
 def kinds(transform_cfg) -> dict[str, str]:
     t = _plain(transform_cfg)
-    return {p: (t.get(p) or {}).get("kind", "none") for p in ("content", "rope")}
+    return {p: (t.get(p) or {}).get("kind", "none") for p in PATHS}
 
 
 def fitted_paths(transform_cfg) -> list[str]:
     """The paths whose kind is fitted (read from the registry, so a kind registered later counts)."""
     k = kinds(transform_cfg)
-    return [p for p in ("content", "rope") if getattr(KINDS[p].get(k[p]), "fitted", False)]
+    return [p for p in PATHS if getattr(KINDS[p].get(k[p]), "fitted", False)]
 
 
 def needs_data(transform_cfg) -> bool:
     """Whether a path's kind needs calibration data (an unknown kind counts as needing it; it is refused later)."""
     k = kinds(transform_cfg)
-    return any(not getattr(KINDS[p].get(k[p]), "data_free", False) for p in ("content", "rope"))
+    return any(not getattr(KINDS[p].get(k[p]), "data_free", False) for p in PATHS)
 
 
 def check_transform(transform_cfg, objective_cfg=None) -> None:
@@ -42,7 +42,7 @@ def check_transform(transform_cfg, objective_cfg=None) -> None:
     unknown = sorted(set(t) - set(TRANSFORM_KEYS))
     if unknown:
         raise ValueError(f"transform: unknown key(s) {unknown}; allowed: {list(TRANSFORM_KEYS)}")
-    for path in ("content", "rope"):
+    for path in PATHS:
         node = t.get(path) or {}
         allowed = ["kind", "codec"] if path == "content" else ["kind"]
         extra = sorted(set(node) - set(allowed))
@@ -60,7 +60,7 @@ def check_transform(transform_cfg, objective_cfg=None) -> None:
     extra = sorted(set(o) - {"name", "content", "rope"})
     if extra:
         raise ValueError(f"objective: unknown key(s) {extra}; allowed: ['name', 'content', 'rope']")
-    for path in ("content", "rope"):
+    for path in PATHS:
         kind = (o.get(path) or {}).get("kind")
         if kind is not None and kind not in OBJECTIVES[path]:
             raise ValueError(f"objective.{path}.kind={kind!r}; allowed: {list(OBJECTIVES[path])}")

@@ -16,7 +16,7 @@ from mla_quant.calibration.objectives import rope_output_bound, ste_quantizer
 from mla_quant.calibration.options import OBJECTIVES, fit_options, kinds
 from mla_quant.models.absorbed import absorbed_view, attention_modules
 from mla_quant.models.build import _plain
-from mla_quant.quant.formats import CacheFormat
+from mla_quant.quant.formats import PATHS, CacheFormat
 from mla_quant.transforms import KINDS, LayerTransform, TransformSet
 
 def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: CacheFormat, seed: int,
@@ -29,10 +29,10 @@ def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: 
     if capture not in CAPTURES:
         raise ValueError(f"capture={capture!r}; allowed: {sorted(CAPTURES)}")
     k = kinds(transform_cfg)
-    objectives = {p: (_plain(objective_cfg).get(p) or {}).get("kind") or OBJECTIVES[p][0] for p in ("content", "rope")}
+    objectives = {p: (_plain(objective_cfg).get(p) or {}).get("kind") or OBJECTIVES[p][0] for p in PATHS}
     opts = fit_options(transform_cfg, seed)
     # one quantizer per layer and path (a lloyd path's levels are fitted on its own layer's latents)
-    quant = lambda: {p: ste_quantizer(fmt.path(p), fmt.dim(p)) for p in ("content", "rope")}  # noqa: E731
+    quant = lambda: {p: ste_quantizer(fmt.path(p), fmt.dim(p)) for p in PATHS}  # noqa: E731
     modules = attention_modules(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.requires_grad_(False)  # end-to-end objectives backpropagate through the model, never into its weights

@@ -13,6 +13,7 @@ MODES = ("simulated", "serving")
 BACKENDS = ("auto", "torch", "triton", "cpu")  # auto: decode steps through the Triton kernel on a CUDA device and
 # through the fused C++ kernel on the CPU where the kernel reads the format (and, on the CPU, builds here), PyTorch
 # otherwise; prefill and multi-token steps always in PyTorch
+PATHS = ("content", "rope")  # the latent cache's two paths: the content latent c and the decoupled RoPE key k
 STEP_TYPES = ("prefill", "decode")  # multi-token steps (prefill, scoring) / one query token per sequence
 TENSOR_SCALE_BYTES = 4  # one float32 per tensor-granularity path (or one shared by both paths), per sequence and layer
 
@@ -61,7 +62,7 @@ class CacheFormat:
 
     def kernel_unsupported(self) -> str | None:
         """Why the Triton decode kernel cannot read this format (naming the setting), or None."""
-        for path in ("content", "rope"):
+        for path in PATHS:
             why = self.path(path).kernel_unsupported(self.dim(path))
             if why is not None:
                 return f"quant.{path}.{why}"
@@ -106,7 +107,7 @@ def cpu_kernel_usable() -> bool:
 
 TOP_KEYS = ("name", "mode", "backend", "protected", "content", "rope", "shared_scale", "block_size", "layers")
 MIXED_KEYS = ("budget", "choices", "allocation")  # quant=mixed: allocated per layer by the preparation step
-LAYER_KEYS = ("content", "rope")  # what one entry of quant.layers may change
+LAYER_KEYS = PATHS  # what one entry of quant.layers may change
 COMMON = ("mode", "backend", "n_sink", "recent", "block_size", "d_c", "d_r")  # one value for every layer
 
 

@@ -53,6 +53,7 @@ from mla_quant.quant.format import (
     LAYER_KEYS,
     MIXED_KEYS,
     MODES,
+    PATHS,
     STEP_TYPES,
     TENSOR_SCALE_BYTES,
     TOP_KEYS,
@@ -75,7 +76,7 @@ from mla_quant.quant.path import (
 )
 
 __all__ = ["BACKENDS", "CODEBOOK_LEVEL_BYTES", "CODECS", "COMMON", "DERIVED_KEYS", "DTYPE_KINDS", "FORMATS",
-           "GRANULARITIES", "LAYER_KEYS", "MIXED_KEYS", "MODES", "PAIR_LAYOUTS", "SCALE_BYTES", "STEP_TYPES",
+           "GRANULARITIES", "LAYER_KEYS", "MIXED_KEYS", "MODES", "PAIR_LAYOUTS", "PATHS", "SCALE_BYTES", "STEP_TYPES",
            "TENSOR_SCALE_BYTES", "TOP_KEYS", "TRITON_INT_BITS", "ZERO_BYTES", "CacheFormat", "Codec", "LayeredFormat",
            "PathFormat", "_check_keys", "_plain", "cache_bytes_per_token", "cache_format", "check_finite",
            "cpu_kernel_usable", "decode_path", "encode_path", "fake_quantizer", "layered_format", "pair_channels",

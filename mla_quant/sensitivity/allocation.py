@@ -37,6 +37,7 @@ from mla_quant.models.absorbed import cached_latents, new_cache
 from mla_quant.quant.formats import (
     CODECS,
     MIXED_KEYS,
+    PATHS,
     CacheFormat,
     LayeredFormat,
     PathFormat,
@@ -51,7 +52,6 @@ from mla_quant.record import config_sha256, write_json_atomic
 from mla_quant.sensitivity.injection import InjectionSpec, check_nmse_target, injection_factory, nmse
 from mla_quant.sensitivity.study import capture
 
-PATHS = ("content", "rope")
 BY = ("sensitivity", "cache_nmse", "random")
 ALLOCATION_DEFAULTS = {"by": "sensitivity", "seed": 0, "sensitivity": None, "nmse": 0.01, "seeds": 2, "sequences": 8,
                        "rope_groups": 1, "file": None, "reuse": True, "cache_dir": "outputs/calibration"}

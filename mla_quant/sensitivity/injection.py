@@ -20,8 +20,8 @@ import torch
 from mla_quant.cache import LatentCacheLayer
 from mla_quant.kernels.attention import latent_attention
 from mla_quant.models.families import rope_pair
+from mla_quant.quant.formats import PATHS
 
-PATHS = ("content", "rope")
 SIDES = ("both", "score", "value")
 
 

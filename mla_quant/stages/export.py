@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mla_quant.models.families import family_for_config
 from mla_quant.prepare import build_model, prepare_model
-from mla_quant.quant.formats import LayeredFormat
+from mla_quant.quant.formats import PATHS, LayeredFormat
 from mla_quant.quant.peers import refuse_peer
 from mla_quant.record import write_json_atomic
 from mla_quant.stages import StageResult
@@ -34,7 +34,7 @@ def cache_description(prep) -> dict:
         out = {"format": fmt.name, "mode": fmt.mode, "layers": fmt.describe(),
                "bytes_per_token_per_layer": fmt.bytes_per_token(2), "allocation": fmt.source,
                "protected": {"n_sink": fmt.n_sink, "recent": fmt.recent}, "d_c": fmt.d_c, "d_r": fmt.d_r}
-        books = [{p: list(f.path(p).levels) for p in ("content", "rope") if f.path(p).levels is not None}
+        books = [{p: list(f.path(p).levels) for p in PATHS if f.path(p).levels is not None}
                  for f in fmt.layers]
         if any(books):  # quantizer=lloyd: each layer's levels, x = levels[q] s + z
             out["codebooks"] = books

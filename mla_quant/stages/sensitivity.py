@@ -27,6 +27,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from mla_quant.models.absorbed import new_cache  # noqa: E402
 from mla_quant.prepare import check_context, model_dims, preflight, prepare_model  # noqa: E402
+from mla_quant.quant.formats import PATHS  # noqa: E402
 from mla_quant.stages import StageResult, refuse_overrides  # noqa: E402
 from mla_quant.record import atomic_path, progress, write_text_atomic  # noqa: E402
 from mla_quant.sensitivity.injection import InjectionSpec, check_nmse_target, injection_factory  # noqa: E402
@@ -52,11 +53,11 @@ def noise_quantizers(cfg: DictConfig, dims: dict[str, int]) -> dict:
         raise ValueError(f"task.noise=quantizer injects one format's error shape, rescaled, into every layer; "
                          f"quant={cfg.quant.name} sets formats per layer (quant.{per_layer[0]}): use a uniform "
                          f"option (e.g. int2_content_int4_rope)")
-    for path in ("content", "rope"):
+    for path in PATHS:
         if cfg.quant[path].format == "bf16":
             raise ValueError(f"task.noise=quantizer needs quant.{path}.format int or fp8; quant={cfg.quant.name} "
                              f"keeps the {path} path in bf16 (lossless), e.g. use quant=int4_joint")
-    return {path: fake_quantizer(cfg.quant[path], dims[path], path=path) for path in ("content", "rope")}
+    return {path: fake_quantizer(cfg.quant[path], dims[path], path=path) for path in PATHS}
 
 
 def validate(cfg: DictConfig) -> list[float]:
@@ -154,10 +155,10 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         rows.extend(done["rows"])
         specs.append((done["key"], spec))
 
-    jobs = [("all_layers", dict(path=p, nmse=t, seed=s)) for t in targets for s in seeds for p in ("content", "rope")]
+    jobs = [("all_layers", dict(path=p, nmse=t, seed=s)) for t in targets for s in seeds for p in PATHS]
     if task.per_layer:
         jobs += [("one_layer", dict(path=p, nmse=headline, seed=s, layers={i}))
-                 for i in range(n_layers) for s in seeds for p in ("content", "rope")]
+                 for i in range(n_layers) for s in seeds for p in PATHS]
     if task.mechanism:
         jobs += [("mechanism", dict(path="content", nmse=headline, seed=s, side=side))
                  for side in ("score", "value") for s in seeds]
@@ -199,7 +200,7 @@ def _match(df, where):
 def summarise(df, specs, clean, headline, n_layers, attention_layer_of):
     m: dict[str, float] = {}
     allh = dict(kind="all_layers", nmse_target=headline)
-    for path in ("content", "rope"):
+    for path in PATHS:
         achieved = [v for key, spec in specs if key["path"] == path and key["nmse_target"] == headline
                     for v in spec.achieved.values()]
         m[f"sensitivity/achieved_nmse/{path}"] = sum(achieved) / len(achieved)
@@ -215,7 +216,7 @@ def summarise(df, specs, clean, headline, n_layers, attention_layer_of):
     for t in sorted(df.nmse_target.unique()):
         a = _ratio_over_seeds(df, "logits", kind="all_layers", nmse_target=t)
         m[f"sensitivity/sweep/nmse_{t:g}/amplification/logits"] = a.mean()
-        for path in ("content", "rope"):
+        for path in PATHS:
             sel = df[(df.site == "logits") & (df.path == path) & _match(df, dict(kind="all_layers", nmse_target=t))]
             m[f"sensitivity/sweep/nmse_{t:g}/{path}/logits"] = sel.value.mean()
 

@@ -25,7 +25,7 @@ from mla_quant.record import write_text_atomic
 from mla_quant.stages import StageResult
 from mla_quant.transforms import TransformSet, apply_transforms, sample_layer_transform
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def transform_kinds(name: str) -> tuple[str, str]:
