@@ -36,6 +36,7 @@ from mla_quant.plan import MemoryPlan, memory_plan
 from mla_quant.plan import mode_of as plan_mode
 from mla_quant.quant.formats import PATHS, CacheFormat, LayeredFormat, cache_format
 from mla_quant.quant.peers import PeerFormat
+from mla_quant.quant.quantizers import FITTED
 from mla_quant.sensitivity.allocation import MixedSpec, allocate, is_mixed, mixed_spec
 from mla_quant.transforms import apply_transforms
 
@@ -145,7 +146,7 @@ def quant_uses_lloyd(quant_cfg) -> bool:
     blocks = [cfg.get(p) for p in PATHS]
     blocks += [(entry or {}).get(p) for entry in (cfg.get("layers") or []) for p in PATHS]
     blocks += [c for p in PATHS for c in ((cfg.get("choices") or {}).get(p) or [])]
-    return any(isinstance(b, Mapping) and b.get("quantizer") == "lloyd" for b in blocks)
+    return any(isinstance(b, Mapping) and b.get("quantizer") in FITTED for b in blocks)
 
 
 def check_context(key: str, value, dims: Mapping[str, int]) -> None:
@@ -230,7 +231,8 @@ class Prepared:
 
 
 def preflight(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, calib_report: bool = False,
-              host: dict[str, float] | None = None) -> tuple[dict[str, int], CacheFormat | LayeredFormat | MixedSpec | None, MemoryPlan | None]:
+              host: dict[str, float] | None = None
+              ) -> tuple[dict[str, int], CacheFormat | LayeredFormat | MixedSpec | None, MemoryPlan | None]:
     """Everything `prepare_model` refuses, done without reading any weight: the model's dims from its config alone,
     the quant/transform/objective/calib settings against them, the tokenizer's files (before loading it), and the
     calibration data (a text dataset loaded, so an offline machine is told now, naming the setting), the memory plan.
@@ -243,7 +245,7 @@ def preflight(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, ca
             == "text":  # loaded and cut into calib.samples x calib.seq_len tokens now, not after the weights
         check_calib(cfg.calib, "text")
         text_ids(cfg.calib, load_tokenizer(cfg.model), int(cfg.calib.samples), int(cfg.calib.seq_len))
-    plan = plan_memory(cfg, fmt, host)  # the stage's peak memory against the device's: a run that cannot fit is refused now
+    plan = plan_memory(cfg, fmt, host)  # the stage's peak against the device's: one that cannot fit is refused now
     return dims, fmt, plan
 
 

@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from mla_quant.eval import task_utils  # noqa: E402
-from mla_quant.eval.harness import ContextTooLong, LatentCacheHFLM, cache_layer_factory, evaluate_tasks, rope_zeroed  # noqa: E402,E501
+from mla_quant.eval.harness import ContextTooLong, LatentCacheHFLM, evaluate_tasks, rope_zeroed  # noqa: E402
+from mla_quant.models.absorbed import model_layer_factory  # noqa: E402
 from mla_quant.eval.task_files import CODE_TASKS, NIAH_TASKS, TOY_TASKS, write_task_files  # noqa: E402
 from mla_quant.cache import LatentCacheLayer  # noqa: E402
 from mla_quant.toy.model import load_toy_model, load_toy_tokenizer  # noqa: E402
@@ -119,16 +120,16 @@ def test_rope_zeroed_changes_logits_and_restores(model, tok):
     assert (ref - zeroed).abs().max() > 1e-3 and torch.allclose(ref, again)
 
 
-def test_cache_layer_factory_hook(model):
+def test_model_layer_factory_hook(model):
     import hydra
 
     with hydra.initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = hydra.compose("config", overrides=["experiment=evaluate", "logger=none"])
-        layer = cache_layer_factory(cfg, model)()
+        layer = model_layer_factory(model, cfg.quant)()
         assert cfg.quant.name == "bf16" and isinstance(layer, LatentCacheLayer) and not layer.quantized  # exact
         # the release option as written: its content groups come from the toy's quant_group_size (32 | d_c = 96)
         cfg = hydra.compose("config", overrides=["experiment=evaluate", "logger=none", "quant=int4_joint"])
-        factory = cache_layer_factory(cfg, model)
+        factory = model_layer_factory(model, cfg.quant)
         assert factory is not None and callable(factory)
         from mla_quant.models.absorbed import cache_kwargs, new_cache
 

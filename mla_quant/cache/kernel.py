@@ -90,12 +90,11 @@ class KernelDecode:
 
     def _store_unsupported(self, path: str) -> str | None:
         fmt = self.path_format(path)
-        if fmt.format == "bf16":
+        if not fmt.quantized:
             return None
-        if fmt.format != "int":
-            return f"format={fmt.format}"
-        if fmt.quantizer != "rtn":  # the store kernel rounds to the group's min/max range: PyTorch encodes these
-            return f"quantizer={fmt.quantizer}"
+        why = fmt.store_kernel_unsupported()  # the codec's and the quantizer's (PyTorch encodes what it refuses)
+        if why is not None:
+            return why
         from mla_quant.kernels.quant_store import kernel_store_unsupported
 
         return kernel_store_unsupported(fmt.bits, self._dim(path), fmt.group_size)

@@ -496,7 +496,7 @@ class LatentCacheLayer(LatentLayerContract):
                 fmt = self.path_format(p)
                 spec = fmt.kernel_spec(self._dim(p))
                 pool = {k.split("/", 1)[1]: v for k, v in store.pool.items() if k.startswith(p + "/")}  # page views
-                if fmt.format == "pairs":  # parts of several widths: the kernel reads the whole page
+                if fmt.whole_page:  # parts of several widths: the kernel reads the whole page
                     paths[p] = self._pairs_path(p, fmt, pool)
                     continue
                 data = pool["values"] if spec["bits"] == 0 else pool["codes"]

@@ -39,7 +39,7 @@ def uses_lloyd(fmt) -> bool:
     """True when some path of some layer of `fmt` (a CacheFormat or LayeredFormat) is quantizer=lloyd."""
     if not isinstance(fmt, (CacheFormat, LayeredFormat)):
         return False
-    return any(f.path(p).quantizer == "lloyd" for f in _layers(fmt) for p in PATHS)  # (lloyd: format int only)
+    return any(f.path(p).fitted_levels for f in _layers(fmt) for p in PATHS)
 
 
 def _per_layer(fmt, num_layers: int) -> list[CacheFormat]:
@@ -52,7 +52,7 @@ def _per_layer(fmt, num_layers: int) -> list[CacheFormat]:
 
 
 def _wanted(layers: list[CacheFormat]) -> list[tuple[int, str]]:
-    return [(i, p) for i, f in enumerate(layers) for p in PATHS if f.path(p).quantizer == "lloyd"]
+    return [(i, p) for i, f in enumerate(layers) for p in PATHS if f.path(p).fitted_levels]
 
 
 def capture_latents(model, ids: torch.Tensor, wanted: list[tuple[int, str]], dims: dict[str, int], batch: int = 8
@@ -104,7 +104,7 @@ def fitted_on(fmt: CacheFormat, content: torch.Tensor, rope: torch.Tensor) -> Ca
     paths = {}
     for p, x in (("content", content), ("rope", rope)):
         pf = fmt.path(p)
-        if pf.quantizer == "lloyd":
+        if pf.fitted_levels:
             paths[p] = dataclasses.replace(pf, levels=tuple(fit_levels(x, pf.bits, pf.group_size,
                                                                        pf.scale_dtype).tolist()))
     return dataclasses.replace(fmt, **paths)

@@ -41,7 +41,7 @@ def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Ten
     float copy of the integer grid: for rtn and hqq the min/max grid (rounding straight-through, group ranges
     differentiable); for clip and lloyd straight through inside the grid each group's search chose, zero where it
     clips (`searched`); for fp8 and bf16 straight through."""
-    if fmt.format != "int" or fmt.granularity != "group":
+    if not fmt.integer_groups:
         cast = fake_quantizer(fmt, d)
         return lambda x: x + (cast(x.detach()) - x).detach()
     bits, group = int(fmt.bits), fmt.group_size or d
@@ -49,7 +49,7 @@ def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Ten
     codebook = [fmt.codebook()]  # quantizer=lloyd without fitted levels: fitted on the first values quantized
 
     def levels(x: torch.Tensor) -> torch.Tensor | None:  # lloyd's codebook, fitted on the first values without one
-        if fmt.quantizer == "lloyd" and codebook[0] is None:
+        if fmt.fitted_levels and codebook[0] is None:
             codebook[0] = fit_levels(x.detach(), bits, fmt.group_size, fmt.scale_dtype)
         return codebook[0]
 
@@ -89,7 +89,7 @@ def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Ten
     def quantize(x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():  # an evaluation: the cache's values themselves
             return exact(x)
-        if fmt.quantizer in ("clip", "lloyd"):
+        if fmt.searched:
             return searched(x)
         a = approx(x)
         return a + (exact(x.detach()) - a).detach()

@@ -82,7 +82,7 @@ def transformed_format(transform_cfg, fmt: CacheFormat | None) -> CacheFormat | 
 
     from mla_quant.quant.formats import PathFormat
 
-    if fmt.content.format != "int":
+    if not fmt.content.integer_groups:
         raise ValueError(f"transform.content.codec={codec} re-encodes an integer content path at its bit width; "
                          f"quant={fmt.name} stores content as {fmt.content.format} (use an int option, e.g. "
                          f"int4_joint)")

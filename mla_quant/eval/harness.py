@@ -2,10 +2,10 @@
 
 `LatentCacheHFLM` is lm-eval's HFLM with two changes: every forward (`_model_call`) and generate
 (`_model_generate`) runs over `new_cache(model, layer_factory)`, so a quantized cache format plugs in through
-`layer_factory` (see `cache_layer_factory`); and a context longer than the model's positions raises
-`ContextTooLong` naming the limit instead of HFLM's silent left truncation.
+`layer_factory` (`mla_quant.models.absorbed.model_layer_factory`); and a context longer than the model's positions
+raises `ContextTooLong` naming the limit instead of HFLM's silent left truncation.
 
-    lm = LatentCacheHFLM(model, tokenizer, layer_factory=cache_layer_factory(cfg, model), batch_size=16)
+    lm = LatentCacheHFLM(model, tokenizer, layer_factory=model_layer_factory(model, cfg.quant), batch_size=16)
     results = evaluate_tasks(lm, ["toy_gsm8k"], include_path=folder, limit=None)
     with rope_zeroed(model): ...            # every RoPE angle 0: positions are invisible to attention
 """
@@ -25,14 +25,6 @@ log = logging.getLogger(__name__)
 
 class ContextTooLong(ValueError):
     pass
-
-
-def cache_layer_factory(cfg, model):
-    """The cache layer constructor for `cfg.quant` on `model` (validated for the model's d_c, d_r)."""
-    from mla_quant.models.absorbed import model_layer_factory
-
-    quant = cfg.get("quant")
-    return None if quant is None else model_layer_factory(model, quant)
 
 
 def trailing_padding_mask(inps: torch.Tensor, pad_id: int = 0) -> torch.Tensor | None:

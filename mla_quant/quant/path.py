@@ -109,12 +109,37 @@ class PathFormat:
 
     @property
     def quantized(self) -> bool:
-        return self.format != "bf16"
+        return self.codec.quantized
+
+    @property
+    def fitted_levels(self) -> bool:
+        """Its codes index levels fitted on calibration latents (quantizer=lloyd: a codebook per layer and path)."""
+        return self.quantizer in quantizers.FITTED
+
+    @property
+    def searched(self) -> bool:
+        """Its codes are chosen by a search over ranges or levels (clip, lloyd), not rounded in closed form."""
+        return self.quantizer in quantizers.SEARCHED
+
+    @property
+    def integer_groups(self) -> bool:
+        """Integer codes per group of each token's values, on a uniform grid or a codebook (format=int)."""
+        return self.codec.integer_groups and self.granularity == "group"
+
+    @property
+    def whole_page(self) -> bool:
+        """The kernel reads this path's page as a whole (parts of several widths: format=pairs)."""
+        return self.codec.whole_page
+
+    def store_kernel_unsupported(self) -> str | None:
+        """Why the Triton store kernel cannot encode this path (naming the setting), or None (bf16: nothing to
+        encode; its values are stored as they are)."""
+        return self.codec.store_unsupported(self)
 
     def codebook(self, required: bool = False, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """quantizer=lloyd: the levels as a float32 tensor on `device` (None for other quantizers). required=True: a
         lloyd path without fitted levels is refused (the cache stores codes against one fixed codebook)."""
-        if self.quantizer != "lloyd":
+        if not self.fitted_levels:
             return None
         if self.levels is None:
             if required:
@@ -126,7 +151,7 @@ class PathFormat:
 
     def codebook_bytes(self) -> int:
         """Bytes of this path's codebook in one cache layer (constant, shared by every sequence): 0 unless lloyd."""
-        return CODEBOOK_LEVEL_BYTES * 2**self.bits if self.quantizer == "lloyd" else 0
+        return CODEBOOK_LEVEL_BYTES * 2**self.bits if self.fitted_levels else 0
 
     @property
     def tensor_scaled(self) -> bool:

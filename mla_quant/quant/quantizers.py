@@ -111,6 +111,9 @@ def _round_zero(z: torch.Tensor, scale_dtype: str) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- integer groups
 QUANTIZERS = ("rtn", "clip", "hqq", "lloyd")  # how a group's codes are chosen; the stored layout is the same
+FITTED = ("lloyd",)  # levels fitted on calibration latents: a codebook per layer and path
+SEARCHED = ("clip", "lloyd")  # codes chosen by a search over ranges or levels (no closed-form rounding)
+STORED_BY_KERNEL = ("rtn",)  # what the store kernel rounds to: the group's min/max range
 LLOYD_BITS = (2, 3, 4)  # lloyd: non-uniform levels at these widths (a codebook of 2^bits levels per layer and path)
 LLOYD_ROUNDS = 3  # levels and per-group ranges fitted in turn
 LLOYD_ITERS = 40  # Lloyd iterations of `fit_levels` (each lowers the fitted values' squared error, or keeps it)

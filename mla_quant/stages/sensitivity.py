@@ -44,7 +44,7 @@ SITES = ("logits", "kl")
 
 def noise_quantizers(cfg: DictConfig, dims: dict[str, int]) -> dict:
     """Per path, x -> fake-quantized x in the format `quant.<path>` describes (for task.noise=quantizer)."""
-    from mla_quant.quant.formats import fake_quantizer  # the quantized-cache formats
+    from mla_quant.quant.formats import PathFormat, fake_quantizer  # the quantized-cache formats
     from mla_quant.quant.peers import refuse_peer
 
     refuse_peer(cfg.quant, "task.noise=quantizer (noise of the format's own error shape)")
@@ -54,7 +54,7 @@ def noise_quantizers(cfg: DictConfig, dims: dict[str, int]) -> dict:
                          f"quant={cfg.quant.name} sets formats per layer (quant.{per_layer[0]}): use a uniform "
                          f"option (e.g. int2_content_int4_rope)")
     for path in PATHS:
-        if cfg.quant[path].format == "bf16":
+        if not PathFormat.from_cfg(cfg.quant[path], f"quant.{path}").quantized:
             raise ValueError(f"task.noise=quantizer needs quant.{path}.format int or fp8; quant={cfg.quant.name} "
                              f"keeps the {path} path in bf16 (lossless), e.g. use quant=int4_joint")
     return {path: fake_quantizer(cfg.quant[path], dims[path], path=path) for path in PATHS}

@@ -38,6 +38,9 @@ class Codec:
     widths: tuple[int, ...] = ()
     granularities: tuple[str, ...] = ("group",)
     token_blocks = False  # True: encode/decode take whole blocks of `token_block` tokens along dim -2
+    quantized = True  # False: the values kept as they are (bf16)
+    integer_groups = False  # True: integer codes per group of each token's values (the objectives' closed-form STE)
+    whole_page = False  # True: parts of several widths, the kernel reads the whole page (pairs)
 
     def check(self, fmt: "PathFormat", where: str) -> None:
         """Format-specific checks (widths, granularity, scale dtype), independent of the dimension."""
@@ -78,6 +81,10 @@ class Codec:
 
     def kernel_unsupported(self, fmt: "PathFormat", d: int) -> str | None:
         """Why the Triton decode kernel cannot read this format, or None if it can."""
+        return f"format={self.name}"
+
+    def store_unsupported(self, fmt: "PathFormat") -> str | None:
+        """Why the Triton store kernel cannot encode this format, or None if it can (or nothing is encoded)."""
         return f"format={self.name}"
 
     def kernel_spec(self, fmt: "PathFormat", d: int) -> dict:

@@ -14,6 +14,12 @@ class IntCodec(Codec):
 
     name = "int"
     widths = quantizers.INT_BITS
+    integer_groups = True
+
+    def store_unsupported(self, fmt):
+        if fmt.quantizer not in quantizers.STORED_BY_KERNEL:  # PyTorch encodes the searched and fitted quantizers
+            return f"quantizer={fmt.quantizer}"
+        return None
 
     def check(self, fmt, where):
         super().check(fmt, where)

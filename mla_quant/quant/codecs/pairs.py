@@ -32,6 +32,7 @@ class PairsCodec(Codec):
     from the model's family when the format is built for it)."""
 
     name = "pairs"
+    whole_page = True
     widths = (*quantizers.INT_BITS, 16)
 
     def check(self, fmt, where):

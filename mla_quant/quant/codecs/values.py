@@ -11,6 +11,10 @@ class ValuesCodec(Codec):
 
     name = "bf16"
     widths = (16,)
+    quantized = False
+
+    def store_unsupported(self, fmt):
+        return None  # nothing to encode
 
     def bytes_per_token(self, fmt, d, act_bytes):
         return d * act_bytes
