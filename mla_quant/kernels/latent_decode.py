@@ -45,11 +45,12 @@ import triton.language as tl
 
 from mla_quant.kernels.attention import reference_attention
 from mla_quant.kernels.layout import (  # noqa: F401 (Segment, the checks: part of this API)
-    FLOAT_DTYPES, KERNEL_BITS, PagedPath, Segment, WordLayout, check_inputs, rows_contiguous,
+    FLOAT_DTYPES, KERNEL_BITS, POW2_CODE, PagedPath, Segment, WordLayout, check_inputs, rows_contiguous,
 )
 
 MAX_SEGMENTS = 3  # segments one stage-1 launch reads (the paged store, the sinks, the recent window)
 DOTS = ("auto", "ieee", "bf16")
+_POW2 = tl.constexpr(POW2_CODE)  # the code of int8 (power-of-two exponent) scales, as the kernels read it
 
 
 def require_triton(what: str = "quant.backend=triton", hint: str = "") -> None:
@@ -198,7 +199,7 @@ def _dequant_tile(base, sc_base, z_base, lv_base, blk, slot, ok_t, stride, sc_st
 
 @triton.jit
 def _typed(p, KIND: tl.constexpr):
-    """A byte pointer (block) as a pointer to the dtype of DTYPE_KINDS code KIND (fp16, bf16, fp32, int8)."""
+    """A byte pointer (block) as a pointer to the dtype of DTYPE_CODES code KIND (fp16, bf16, fp32, int8)."""
     if KIND == 0:
         out = p.to(tl.pointer_type(tl.float16))
     elif KIND == 1:
@@ -250,7 +251,7 @@ def _pairs_tile(page_base, blk, slot, ok_t, page_stride, D: tl.constexpr, BLOCK_
             hi = tl.load(byte + 1, mask=m & (at + 1 < ROW)[None, :], other=0).to(tl.int32)
             q = (((lo | (hi << 8)) >> ((j * BITS) % 8)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
             s = tl.load(_typed(page + GROUPS[g][3], GROUPS[g][6]) + slot, mask=ok_t, other=0)
-            if GROUPS[g][6] == 3:
+            if GROUPS[g][6] == _POW2:  # int8 scales: power-of-two exponents
                 s = tl.exp2(s.to(tl.float32))
             else:
                 s = s.to(tl.float32)

@@ -38,6 +38,12 @@ from dataclasses import dataclass
 import torch
 
 WORD_BITS = (2, 4, 8)
+# A scale dtype's name -> the stored scales' dtype (pow2: an int8 power-of-two exponent) and the asymmetric zeros'
+# (a value in the data's range, so a float type; pow2 keeps it in fp16): what the encoders and the kernels store.
+SCALE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "pow2": torch.int8}
+ZERO_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "pow2": torch.float16}
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.int8: 3}  # the kernels' typed reads
+POW2_CODE = DTYPE_CODES[SCALE_DTYPES["pow2"]]  # int8 scales are power-of-two exponents
 
 
 @dataclass(frozen=True)

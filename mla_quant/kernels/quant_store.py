@@ -24,11 +24,9 @@ import triton
 import triton.language as tl
 
 from mla_quant.kernels.latent_decode import _layout, require_triton, rows_contiguous
-from mla_quant.kernels.layout import WORD_BITS, WordLayout
+from mla_quant.kernels.layout import DTYPE_CODES, SCALE_DTYPES, WORD_BITS, ZERO_DTYPES, WordLayout
 
-SCALE_KINDS = {"fp16": 0, "bf16": 1, "fp32": 2, "pow2": 3}
-STORE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "pow2": torch.int8}
-ZERO_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "pow2": torch.float16}
+SCALE_KINDS = {name: DTYPE_CODES[dtype] for name, dtype in SCALE_DTYPES.items()}  # the kernel's KIND per scale dtype
 MAX_GROUPS = 64  # groups per token one program unrolls
 _RNE = 12582912.0  # 1.5 * 2^23: (v + _RNE) - _RNE rounds |v| < 2^22 to the nearest integer, ties to even
 
@@ -159,7 +157,7 @@ def quantize_append(x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, bloc
     if d % group:
         raise ValueError(f"quantize_append: group={group} does not divide d={d}")
     layout = WordLayout(bits, d)
-    expect = {"codes": (codes, torch.int32, layout.words), "scales": (scales, STORE_DTYPES[scale_dtype], d // group)}
+    expect = {"codes": (codes, torch.int32, layout.words), "scales": (scales, SCALE_DTYPES[scale_dtype], d // group)}
     if not symmetric:
         expect["zeros"] = (zeros, ZERO_DTYPES[scale_dtype], d // group)
     for name, (t, dtype, width) in expect.items():

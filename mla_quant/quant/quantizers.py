@@ -31,10 +31,9 @@ from typing import NamedTuple
 
 import torch
 
+from mla_quant.kernels.layout import SCALE_DTYPES, ZERO_DTYPES
+
 INT_BITS = (2, 3, 4, 8)
-SCALE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "pow2": torch.int8}
-# The asymmetric zero is a value in the data's range, so it needs a float type; pow2 keeps it in fp16.
-ZERO_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "pow2": torch.float16}
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 _POW2_MIN_EXP, _POW2_MAX_EXP = -126, 127  # int8 exponent range kept inside normal float32

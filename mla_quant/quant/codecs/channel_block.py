@@ -6,7 +6,7 @@ import torch
 
 from mla_quant.checks import int_setting
 from mla_quant.quant import quantizers
-from mla_quant.quant.codecs.base import register, SCALE_BYTES, ZERO_BYTES, Codec
+from mla_quant.quant.codecs.base import SCALE_BYTES, ZERO_BYTES, Codec, register
 from mla_quant.quant.codecs.integer import IntCodec
 
 

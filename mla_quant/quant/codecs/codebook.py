@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mla_quant.quant import packing, quantizers
-from mla_quant.quant.codecs.base import register, SCALE_BYTES, Codec
+from mla_quant.quant.codecs.base import SCALE_BYTES, Codec, register
 
 
 @register

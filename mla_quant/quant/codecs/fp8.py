@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mla_quant.quant import quantizers
-from mla_quant.quant.codecs.base import register, GRANULARITIES, SCALE_BYTES, Codec
+from mla_quant.quant.codecs.base import GRANULARITIES, SCALE_BYTES, Codec, register
 
 
 @register

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mla_quant.kernels.layout import WORD_BITS, WordLayout
 from mla_quant.quant import packing, quantizers
-from mla_quant.quant.codecs.base import register, SCALE_BYTES, TRITON_INT_BITS, ZERO_BYTES, Codec
+from mla_quant.quant.codecs.base import SCALE_BYTES, TRITON_INT_BITS, ZERO_BYTES, Codec, register
 
 
 @register

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mla_quant.quant import packing, quantizers
-from mla_quant.quant.codecs.base import register, DTYPE_KINDS, SCALE_BYTES, ZERO_BYTES, Codec
+from mla_quant.quant.codecs.base import DTYPE_KINDS, SCALE_BYTES, ZERO_BYTES, Codec, register
 
 PAIR_LAYOUTS = ("half", "interleaved")  # which channels of the RoPE key form a frequency pair (format=pairs)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mla_quant.quant.codecs.base import register, Codec
+from mla_quant.quant.codecs.base import Codec, register
 
 
 @register
