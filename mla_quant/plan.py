@@ -69,7 +69,8 @@ class MemoryPlan:
         biggest = sorted(self.rows, key=lambda r: -r[1])[:3]
         raise MemoryError(
             f"{self.stage} needs about {self.peak / GB:.1f} GB on {self.device} at its peak and "
-            f"{self.available / GB:.1f} GB are available ({', '.join(f'{n} {b / GB:.1f} GB' for n, b, _ in biggest)}). It would not fit; "
+            f"{self.available / GB:.1f} GB are available "
+            f"({', '.join(f'{n} {b / GB:.1f} GB' for n, b, _ in biggest)}). It would not fit; "
             f"before any weight is read: {'; '.join(self.hints) or 'a smaller batch or context'}. "
             f"(the plan: mla_quant/plan.py; memory_plan=report prints it without refusing)")
 
@@ -198,7 +199,6 @@ def _stage_rows(plan: MemoryPlan, cfg, stage: str, text, batch: int, tokens: int
         plan.add("held", 2 * (2 * text.num_hidden_layers * bt * text.hidden_size * 4 + bt * v * 4),
                  "the clean run's attention and layer outputs per layer and its logits (float32), and the injected "
                  "run's as they are captured")
-    plan.add("runtime", RUNTIME_BYTES, RUNTIME_HOW)
     fwd = forward_bytes(text, batch, tokens, act, blocks)
     layer, head = fwd["activations"], fwd["logits"]
     plan.add("forward workspace", max(layer, head),
@@ -228,7 +228,6 @@ def _calibrate_rows(plan: MemoryPlan, cfg, text, batch: int, tokens: int, act: i
              f"the hidden states of {n} sequences x {tokens} tokens between layers and one batch's input "
              f"({hidden / GB:.3f} GB), one layer's capture: latents, {q} queries per sequence and their reference "
              f"outputs ({capture / GB:.3f} GB, float32)")
-    plan.add("runtime", RUNTIME_BYTES, RUNTIME_HOW)
     # every query, causal, on the CPU: causal_latent_attention's flash form (the capture's, in float32, and the fit's)
     flash = device.startswith("cpu") and q == tokens
     making = capture + forward_bytes(text, batch, tokens, act, blocks, flash=flash and act == 4)["activations"]
@@ -272,6 +271,7 @@ def memory_plan(cfg: DictConfig, config, fmt=None, device: str = "cpu", fitted: 
         _calibrate_rows(plan, cfg, text, batch, tokens, act, blocks, fitted, eval_chunk, device)
     else:
         _stage_rows(plan, cfg, stage, text, batch, tokens, act, fmt, blocks)
+    plan.add("runtime", RUNTIME_BYTES, RUNTIME_HOW)
     for name, nbytes in (host or {}).items():  # what the stage already holds on the host (measured)
         if not device.startswith("cuda"):
             plan.add(name, nbytes, "measured as it was loaded, before the weights (host memory)")

@@ -39,7 +39,6 @@ from mla_quant.quant.formats import PATHS, PathFormat, check_finite
 from mla_quant.quant.quantizers import FP8_MAX
 
 
-
 def check_latents(content: torch.Tensor, rope: torch.Tensor) -> None:
     """content (B, T, d_c) and rope (B, T, d_r) with the same B and T."""
     if content.dim() != 3 or rope.dim() != 3 or content.shape[:2] != rope.shape[:2]:

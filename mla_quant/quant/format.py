@@ -72,8 +72,8 @@ class CacheFormat:
         """Why the C++ CPU decode kernel cannot read this format (naming the setting), or None: what the Triton
         kernel cannot read, and a RoPE key of several widths (format=pairs)."""
         why = self.kernel_unsupported()
-        if why is None and self.rope.format == "pairs":
-            why = "quant.rope.format=pairs"
+        if why is None and self.rope.whole_page:
+            why = f"quant.rope.format={self.rope.format}"
         return why
 
     def step_backends(self, device_type: str) -> dict[str, str]:

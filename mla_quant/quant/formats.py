@@ -41,7 +41,6 @@ A `layers` list gives each cache layer its own paths (`LayeredFormat`).
 from mla_quant.quant.codecs import CODECS, FORMATS, PAIR_LAYOUTS, Codec, check_finite, pair_channels
 from mla_quant.quant.codecs.base import (
     CODEBOOK_LEVEL_BYTES,
-    DTYPE_KINDS,
     GRANULARITIES,
     SCALE_BYTES,
     TRITON_INT_BITS,
@@ -75,7 +74,7 @@ from mla_quant.quant.path import (
     tensor_scale_for,
 )
 
-__all__ = ["BACKENDS", "CODEBOOK_LEVEL_BYTES", "CODECS", "COMMON", "DERIVED_KEYS", "DTYPE_KINDS", "FORMATS",
+__all__ = ["BACKENDS", "CODEBOOK_LEVEL_BYTES", "CODECS", "COMMON", "DERIVED_KEYS", "FORMATS",
            "GRANULARITIES", "LAYER_KEYS", "MIXED_KEYS", "MODES", "PAIR_LAYOUTS", "PATHS", "SCALE_BYTES", "STEP_TYPES",
            "TENSOR_SCALE_BYTES", "TOP_KEYS", "TRITON_INT_BITS", "ZERO_BYTES", "CacheFormat", "Codec", "LayeredFormat",
            "PathFormat", "_check_keys", "_plain", "cache_bytes_per_token", "cache_format", "check_finite",

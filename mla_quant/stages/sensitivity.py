@@ -53,11 +53,12 @@ def noise_quantizers(cfg: DictConfig, dims: dict[str, int]) -> dict:
         raise ValueError(f"task.noise=quantizer injects one format's error shape, rescaled, into every layer; "
                          f"quant={cfg.quant.name} sets formats per layer (quant.{per_layer[0]}): use a uniform "
                          f"option (e.g. int2_content_int4_rope)")
-    for path in PATHS:
-        if not PathFormat.from_cfg(cfg.quant[path], f"quant.{path}").quantized:
+    fmts = {path: PathFormat.from_cfg(cfg.quant[path], f"quant.{path}") for path in PATHS}
+    for path, fmt in fmts.items():
+        if not fmt.quantized:
             raise ValueError(f"task.noise=quantizer needs quant.{path}.format int or fp8; quant={cfg.quant.name} "
                              f"keeps the {path} path in bf16 (lossless), e.g. use quant=int4_joint")
-    return {path: fake_quantizer(cfg.quant[path], dims[path], path=path) for path in PATHS}
+    return {path: fake_quantizer(fmt, dims[path], path=path) for path, fmt in fmts.items()}
 
 
 def validate(cfg: DictConfig) -> list[float]:

@@ -8,14 +8,13 @@ from collections.abc import Mapping
 
 import torch
 
-from mla_quant.kernels.layout import DTYPE_CODES, SCALE_DTYPES, WORD_BITS, ZERO_DTYPES
+from mla_quant.kernels.layout import SCALE_DTYPES, WORD_BITS, ZERO_DTYPES
 from mla_quant.quant import quantizers
 
 GRANULARITIES = ("group", "tensor")
 SCALE_BYTES = {name: torch.empty(0, dtype=dt).element_size() for name, dt in SCALE_DTYPES.items()}  # pow2: 1
 ZERO_BYTES = {name: torch.empty(0, dtype=dt).element_size() for name, dt in ZERO_DTYPES.items()}
 TRITON_INT_BITS = WORD_BITS  # what the decode kernel unpacks: the int32 word layout (kernels/layout.py)
-DTYPE_KINDS = DTYPE_CODES  # the decode kernel's codes of a page's typed parts (format=pairs; kernels/layout.py)
 CODEBOOK_LEVEL_BYTES = 4  # quantizer=lloyd: each level of a layer's codebook is one float32
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from mla_quant.kernels.layout import DTYPE_CODES
 from mla_quant.quant import packing, quantizers
-from mla_quant.quant.codecs.base import DTYPE_KINDS, SCALE_BYTES, ZERO_BYTES, Codec, register
+from mla_quant.quant.codecs.base import SCALE_BYTES, ZERO_BYTES, Codec, register
 
 PAIR_LAYOUTS = ("half", "interleaved")  # which channels of the RoPE key form a frequency pair (format=pairs)
 
@@ -107,16 +108,16 @@ class PairsCodec(Codec):
         """The decode kernel's static description of a page of this path (kernels/latent_decode.py `_pairs_tile`):
         (1, interleaved, pairs per group, symmetric, groups), each group (bits, row bytes, data offset, scales
         offset, zeros offset, data kind, scale kind, zero kind) with byte offsets in the page (`offset(part)`,
-        parts named as the codec's: g0/codes, g0/scales, ...) and kinds `DTYPE_KINDS[dtype_of(part)]`."""
+        parts named as the codec's: g0/codes, g0/scales, ...) and kinds `DTYPE_CODES[dtype_of(part)]`."""
         groups = []
         for g, (bits, channels) in enumerate(self._groups(fmt, d)):
             if bits == 16:
                 dt = dtype_of(f"g{g}/values")
-                groups.append((16, len(channels) * dt.itemsize, offset(f"g{g}/values"), 0, 0, DTYPE_KINDS[dt], 0, 0))
+                groups.append((16, len(channels) * dt.itemsize, offset(f"g{g}/values"), 0, 0, DTYPE_CODES[dt], 0, 0))
                 continue
-            zero = (0, 0) if fmt.symmetric else (offset(f"g{g}/zeros"), DTYPE_KINDS[dtype_of(f"g{g}/zeros")])
+            zero = (0, 0) if fmt.symmetric else (offset(f"g{g}/zeros"), DTYPE_CODES[dtype_of(f"g{g}/zeros")])
             groups.append((bits, packing.packed_dim(len(channels), bits), offset(f"g{g}/codes"),
-                           offset(f"g{g}/scales"), zero[0], 0, DTYPE_KINDS[dtype_of(f"g{g}/scales")], zero[1]))
+                           offset(f"g{g}/scales"), zero[0], 0, DTYPE_CODES[dtype_of(f"g{g}/scales")], zero[1]))
         return (1, int(fmt.pair_layout == "interleaved"), d // 2 // len(fmt.bits), int(fmt.symmetric), tuple(groups))
 
     def describe(self, fmt):
