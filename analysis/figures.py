@@ -144,20 +144,20 @@ def memory_figures(t: Table) -> dict:
 def accuracy_vs_bytes(t: Table) -> dict:
     if t.empty:
         return {}
-    long = t.long[(t.long["run as"] == "model") & t.long["bytes/token/layer"].notna()]
+    long = t.long[(t.long["run as"] == "model") & t.long["B held"].notna()]
     if long.empty:
         return {}
-    key = ["model", "method", "cache", "protected", "bytes/token/layer"]
+    key = ["model", "method", "cache", "protected", "B held"]
     mean = long.groupby(key, sort=False)["score"].mean().reset_index()
     fig, ax = plt.subplots(figsize=(5.6, 3.8))
     markers = dict(zip(mean["model"].unique(), "osD^v<>"))
     for (method, model), g in mean.groupby(["method", "model"], sort=False):
-        ax.scatter(g["bytes/token/layer"], g["score"], marker=markers[model], label=f"{method} ({model})")
+        ax.scatter(g["B held"], g["score"], marker=markers[model], label=f"{method} ({model})")
         for r in g.itertuples():
             ax.annotate(f"{r.cache} {r.protected}", (r._5, r.score), fontsize=5, xytext=(2, 2),
                         textcoords="offset points")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("cache bytes per token per layer (outside the protected region)")
+    ax.set_xlabel("cache bytes held per token per layer (BF16 values; protected region included)")
     ax.set_ylabel("accuracy (mean over tasks)")
     ax.set_title("Accuracy vs cache bytes, every method and format", fontsize=9)
     _legend_right(ax)

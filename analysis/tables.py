@@ -8,7 +8,9 @@ formatted, standard errors beside the scores), the numeric long form the figures
                     its paired standard error, examples won and lost, share of the RTN -> BF16 gap closed
                     (per-example scores from <run>/samples/, eval.log_samples)
     peers           each cache against each peer (transformers' QuantizedCache, quant=hf_*) of the same model on the
-                    same examples, all tasks together: difference ± paired standard error, won and lost, bytes of both
+                    same examples, all tasks together and the needles both stored quantized: difference ± paired
+                    standard error, won and lost, bytes of both (per quantized token and held)
+    needles         needle accuracy by where the asked needle sat in the cache (quantized, protected, straddling)
     memory          bytes per token per layer, used and held, per format and context (cache_bytes runs)
     calibration     mean objective error per path without (RTN) and with each transform (calibrate runs)
     quality         perplexity and next-token KL against the unquantized cache (quality runs)
@@ -150,19 +152,27 @@ def _eval_base(r) -> dict:
     elif "peer" in quant:  # transformers' QuantizedCache (conf/quant/hf_*.yaml): one format on both paths
         peer = quant["peer"]
         content = rope = f"{peer.get('library')} int{peer.get('bits')} g{peer.get('group_size')}"
-        protected = f"residual {peer.get('residual_length')}"
+        protected = f"prompt none, new < {peer.get('residual_length')}"  # transformers quantizes the whole prompt
     else:
         content, rope = path_format(quant.get("content") or {}), path_format(quant.get("rope") or {})
         shield = quant.get("protected") or {}
         protected = f"{shield.get('n_sink', 0)}+{shield.get('recent', 0)}"
         if quant.get("mode") == "serving":  # the appending step sees its own tokens fresh: another semantics
             cache = f"{cache} serving"
+    data = (r.config.get("eval") or {}).get("data") or {}
+    eval_set = data.get("split", "test")
+    if data.get("needle_outside") is not None:  # the asked needle placed where such a cache quantizes it
+        eval_set += " needle outside {}+{}".format(*data["needle_outside"])
     return {"model": r.model, "method": r["transform"] or "none", "cache": cache, "content": content, "rope": rope,
-            "protected": protected, "peer": "peer" in quant, "budget": budget,
-            "bytes/token/layer": r.metrics.get("cache/bytes_per_token_per_layer"), "source": r.source}
+            "protected": protected, "eval set": eval_set, "peer": "peer" in quant, "budget": budget,
+            "B quantized": r.metrics.get("cache/bytes_per_token_per_layer"),
+            "B held": r.metrics.get("cache/bf16_B_per_token_per_layer"), "source": r.source}
 
 
-EVAL_KEY = ["model", "method", "cache", "content", "rope", "protected", "run as", "task"]
+# Bytes per token and layer at BF16 (2 bytes per unquantized value): "B quantized" counts a token of the quantized
+# region (codes, scales, zeros); "B held" is what the run's caches held on average over the lengths it evaluated
+# (protected region, pending tokens, codebooks and per-sequence scales included), measured from their tensors.
+EVAL_KEY = ["model", "method", "cache", "content", "rope", "protected", "eval set", "run as", "task"]
 
 
 def accuracy_long(df: pd.DataFrame) -> pd.DataFrame:
@@ -194,8 +204,14 @@ def accuracy(df: pd.DataFrame) -> Table:
     long["paper"] = [next((p.value for p in paper.itertuples() if (p.model, p.method, p.cache, p.task, p.metric)
                            == (r.model, r.method, r.cache, r.task, r.metric)), None) for r in long.itertuples()]
     long["cell"] = [_pm(s, e) for s, e in zip(long["score"], long["stderr"])]
-    index = ["model", "method", "cache", "content", "rope", "protected", "run as"]
+    index = ["model", "method", "cache", "content", "rope", "protected", "eval set", "run as"]
     shown = long.pivot_table(index=index, columns="task", values="cell", aggfunc="last", sort=False).reset_index()
+    held = long.groupby(index, sort=False, dropna=False)[["B quantized", "B held"]].last().reset_index()
+    for c in ("B quantized", "B held"):  # per quantized token / held over the lengths the run evaluated (BF16)
+        held[c] = held[c].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.1f}")
+    shown = shown.merge(held, on=index, how="left")
+    shown = shown[[*index, "B quantized", "B held", *[c for c in shown.columns if c not in index
+                                                       and c not in ("B quantized", "B held")]]]
     if long["paper"].notna().any():
         ref = long.dropna(subset=["paper"]).pivot_table(index=index, columns="task", values="paper", aggfunc="last")
         ref.columns = [f"paper {c}" for c in ref.columns]
@@ -225,6 +241,34 @@ def example_scores(source: str, task: str, metric: str) -> pd.Series | None:
     return values[~values.index.duplicated(keep="first")]
 
 
+def example_regions(source: str, task: str) -> pd.Series | None:
+    """Where the asked needle sat in the cache per example of one task (quantized, protected, straddling,
+    unquantized), indexed as `example_scores`; None for a run or task without needle regions."""
+    path = Path(source).parent / "samples" / f"{task}.jsonl"
+    if not path.is_file():
+        return None
+    import json
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("filter") in SAMPLE_FILTERS and "needle" in r]
+    if not rows:
+        return None
+    index = pd.MultiIndex.from_tuples([(r["doc_id"], r.get("doc_hash")) for r in rows], names=["doc_id", "doc_hash"])
+    values = pd.Series([r["needle"] for r in rows], index=index, dtype=object)
+    return values[~values.index.duplicated(keep="first")]
+
+
+def needle_quantized(scores: pd.Series, *regions: pd.Series | None) -> pd.Series:
+    """`scores` on the examples whose asked needle every compared cache that quantizes anything stored quantized
+    (a BF16 cache's "unquantized" does not count against an example); empty where a run has no needle regions."""
+    keep = scores.index
+    for r in regions:
+        if r is None:
+            return scores.iloc[:0]
+        keep = keep.intersection(r.index[r.isin(["quantized", "unquantized"])])
+    return scores[keep]
+
+
 def _paired_row(base: dict, task: str, method: pd.Series, rtn: pd.Series, ref: pd.Series | None) -> dict | None:
     both = method.index.intersection(rtn.index)
     if len(both) < 2:
@@ -244,19 +288,52 @@ def _paired_row(base: dict, task: str, method: pd.Series, rtn: pd.Series, ref: p
     return row
 
 
+def _with_samples(long: pd.DataFrame) -> pd.DataFrame:
+    """The model rows of `accuracy_long` that logged per-example scores, with their scores and needle regions."""
+    long = long[long["run as"] == "model"]
+    long = long.assign(samples=[example_scores(r.source, r.task, r.metric) for r in long.itertuples()],
+                       regions=[example_regions(r.source, r.task) for r in long.itertuples()])
+    return long[long["samples"].notna()]
+
+
+def _tagged(series: pd.Series | None, task: str) -> pd.Series | None:
+    """An example-indexed series with its task put into the doc_id level (to pool tasks without collisions)."""
+    return None if series is None else series.rename(index=lambda i: f"{task}:{i}", level=0)
+
+
+def _pooled_rows(base: dict, pooled: list) -> list[dict]:
+    """Rows over every task together: all examples, and (where the runs logged needle regions) the examples whose
+    asked needle every quantizing cache stored quantized. pooled: per task (method, other, reference or None,
+    method regions, other regions)."""
+    rows = []
+    cat = [pd.concat([p[k] for p in pooled]) if all(p[k] is not None for p in pooled) else None for k in range(3)]
+    if len(pooled) > 1:
+        row = _paired_row({**base, "sources": []}, "all tasks", *cat)
+        if row is not None:
+            rows.append(row)
+    flagged = [p for p in pooled if p[3] is not None and p[4] is not None]
+    if flagged:
+        a = needle_quantized(pd.concat([p[0] for p in flagged]), *(pd.concat([p[k] for p in flagged]) for k in (3, 4)))
+        b = pd.concat([p[1] for p in flagged])[a.index]
+        refs = [p[2] for p in flagged]
+        ref = pd.concat(refs) if all(r is not None for r in refs) else None
+        row = _paired_row({**base, "sources": []}, "needle tasks, needle quantized", a, b, ref)
+        if row is not None:
+            rows.append(row)
+    return rows
+
+
 def paired(df: pd.DataFrame) -> Table:
-    """Each method against RTN of the same model, format and protected region, example by example: on the same
-    examples the two runs' scores are paired, so the standard error of their difference, sd(d) / sqrt(n), is far
-    smaller than the two unpaired standard errors combined when both runs get most examples right."""
+    """Each method against RTN of the same model, format, protected region and eval set, example by example: on the
+    same examples the two runs' scores are paired, so the standard error of their difference, sd(d) / sqrt(n), is far
+    smaller than the two unpaired standard errors combined when both runs get most examples right. Per task, over
+    all tasks, and over the needle examples whose needle both caches stored quantized."""
     long = accuracy_long(df)
     if long.empty:
         return Table("paired", "Paired comparison with RTN", pd.DataFrame())
-    long = long[long["run as"] == "model"]
-    scores = {r.Index: example_scores(r.source, r.task, r.metric) for r in long.itertuples()}
-    long = long.assign(samples=[scores[i] for i in long.index])
-    long = long[long["samples"].notna()]
+    long = _with_samples(long)
     rows = []
-    group = ["model", "cache", "content", "rope", "protected"]
+    group = ["model", "cache", "content", "rope", "protected", "eval set"]
     refs = long[long["cache"] == "bf16"]
     for key, g in long.groupby(group, sort=False):
         rtn = g[g["method"] == "none"]
@@ -264,25 +341,21 @@ def paired(df: pd.DataFrame) -> Table:
             continue
         base_of = dict(zip(group, key))
         for method, m in g[g["method"] != "none"].groupby("method", sort=False):
-            pooled: list[tuple[pd.Series, pd.Series, pd.Series | None]] = []
+            pooled: list = []
+            base = {**base_of, "method": method, "B quantized": m["B quantized"].iloc[-1], "B held": m["B held"].mean()}
             for t in m.itertuples():
                 r = rtn[rtn["task"] == t.task]
                 if r.empty:
                     continue
-                ref = refs[(refs["model"] == t.model) & (refs["task"] == t.task)]
+                ref = refs[(refs["model"] == t.model) & (refs["task"] == t.task) & (refs["eval set"] == key[-1])]
                 ref_s = ref["samples"].iloc[-1] if not ref.empty else None
-                row = _paired_row({**base_of, "method": method, "sources": [t.source, r["source"].iloc[-1]]},
+                row = _paired_row({**base, "sources": [t.source, r["source"].iloc[-1]]},
                                   t.task, t.samples, r["samples"].iloc[-1], ref_s)
                 if row is not None:
                     rows.append(row)
-                    pooled.append(tuple(s.rename(index=lambda i, task=t.task: f"{task}:{i}", level=0)
-                                        if s is not None else None for s in (t.samples, r["samples"].iloc[-1], ref_s)))
-            if len(pooled) > 1:  # every task's examples together
-                cat = [pd.concat([p[k] for p in pooled]) if all(p[k] is not None for p in pooled) else None
-                       for k in range(3)]
-                row = _paired_row({**base_of, "method": method, "sources": []}, "all tasks", *cat)
-                if row is not None:
-                    rows.append(row)
+                    pooled.append(tuple(_tagged(x, t.task) for x in (t.samples, r["samples"].iloc[-1], ref_s,
+                                                                      t.regions, r["regions"].iloc[-1])))
+            rows.extend(_pooled_rows(base, pooled))
     out = pd.DataFrame(rows)
     if out.empty:
         return Table("paired", "Paired comparison with RTN", out)
@@ -298,6 +371,8 @@ def _paired_shown(out: pd.DataFrame, scores) -> tuple[pd.DataFrame, pd.DataFrame
     sources = sorted({s for row in out["sources"] for s in row})
     out = out.drop(columns="sources")
     shown = out.copy()
+    for c in [c for c in shown.columns if c.endswith(("B quantized", "B held"))]:
+        shown[c] = shown[c].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.1f}")
     for c in scores:
         shown[c] = shown[c].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.3f}")
     shown["delta"] = [_pm(d, e) for d, e in zip(out["delta"], out["paired SE"])]
@@ -307,18 +382,17 @@ def _paired_shown(out: pd.DataFrame, scores) -> tuple[pd.DataFrame, pd.DataFrame
 
 def peers(df: pd.DataFrame) -> Table:
     """Every run of the project's caches against each peer (transformers' QuantizedCache, quant=hf_*) of the same
-    model, example by example on the tasks both scored, and over all those tasks together: the comparison with the
+    model and eval set, example by example on the tasks both scored, over all those tasks together and over the needle
+    examples whose needle both caches stored quantized (a peer quantizes the whole prompt): the comparison with the
     cache a user would pick instead, at the bytes each holds."""
     long = accuracy_long(df)
     if long.empty or not long["peer"].any():
         return Table("peers", "Against transformers' quantized caches", pd.DataFrame())
-    long = long[long["run as"] == "model"]
-    long = long.assign(samples=[example_scores(r.source, r.task, r.metric) for r in long.itertuples()])
-    long = long[long["samples"].notna()]
+    long = _with_samples(long)
     rows = []
-    setting = ["model", "method", "cache", "content", "rope", "protected", "bytes/token/layer"]
-    for (model, peer), p in long[long["peer"]].groupby(["model", "cache"], sort=False):
-        ours = long[(~long["peer"]) & (long["model"] == model)]
+    setting = ["model", "method", "cache", "content", "rope", "protected", "eval set", "B quantized"]
+    for (model, peer, eval_set), p in long[long["peer"]].groupby(["model", "cache", "eval set"], sort=False):
+        ours = long[(~long["peer"]) & (long["model"] == model) & (long["eval set"] == eval_set)]
         for key, g in ours.groupby(setting, sort=False, dropna=False):
             pooled = []
             for t in g.itertuples():
@@ -329,27 +403,75 @@ def peers(df: pd.DataFrame) -> Table:
                 both = a.index.intersection(b.index)
                 if len(both) < 2:
                     continue
-                pooled.append((a[both].rename(index=lambda i, task=t.task: f"{task}:{i}", level=0),
-                               b[both].rename(index=lambda i, task=t.task: f"{task}:{i}", level=0), t.source,
-                               other["source"].iloc[-1]))
+                pooled.append((_tagged(a[both], t.task), _tagged(b[both], t.task), None, _tagged(t.regions, t.task),
+                               _tagged(other["regions"].iloc[-1], t.task), t.source, other["source"].iloc[-1]))
             if not pooled:
                 continue
-            a = pd.concat([x[0] for x in pooled])
-            b = pd.concat([x[1] for x in pooled])
-            d = a - b
-            se = float(d.std(ddof=1) / len(d) ** 0.5)
-            rows.append({**dict(zip(setting, key)), "peer": peer, "peer bytes/token/layer":
-                         p["bytes/token/layer"].iloc[-1], "tasks": len(pooled), "examples": len(d),
-                         "score": float(a.mean()), "peer score": float(b.mean()), "delta": float(d.mean()),
-                         "paired SE": se, "z": float(d.mean()) / se if se > 0 else 0.0,
-                         "won": int((d > 0).sum()), "lost": int((d < 0).sum()),
-                         "sources": [s for x in pooled for s in x[2:]]})
+            base = {**dict(zip(setting, key)), "B held": g["B held"].mean(), "peer": peer,
+                    "peer protected": p["protected"].iloc[-1], "peer B quantized": p["B quantized"].iloc[-1],
+                    "peer B held": p["B held"].mean(),
+                    "tasks": len(pooled)}
+            a, b = pd.concat([x[0] for x in pooled]), pd.concat([x[1] for x in pooled])
+            subsets = [("all tasks", a, b)]
+            flagged = [x for x in pooled if x[3] is not None and x[4] is not None]
+            if flagged:
+                q = needle_quantized(pd.concat([x[0] for x in flagged]),
+                                     *(pd.concat([x[k] for x in flagged]) for k in (3, 4)))
+                subsets.append(("needle tasks, needle quantized", q, b[q.index]))
+            for task, a, b in subsets:
+                if len(a) < 2:
+                    continue
+                d = a - b
+                se = float(d.std(ddof=1) / len(d) ** 0.5)
+                rows.append({**base, "task": task, "examples": len(d), "score": float(a.mean()),
+                             "peer score": float(b.mean()), "delta": float(d.mean()), "paired SE": se,
+                             "z": float(d.mean()) / se if se > 0 else 0.0, "won": int((d > 0).sum()),
+                             "lost": int((d < 0).sum()), "sources": [s for x in pooled for s in x[5:]]})
     out = pd.DataFrame(rows)
     if out.empty:
         return Table("peers", "Against transformers' quantized caches", out)
     out, shown, sources = _paired_shown(out, ("score", "peer score"))
-    return Table("peers", "Each cache vs transformers' QuantizedCache on the same examples, all tasks together "
-                 "(difference ± paired standard error)", shown, out, sources)
+    return Table("peers", "Each cache vs transformers' QuantizedCache on the same examples, all tasks together and "
+                 "the needles both stored quantized (difference ± paired standard error; bytes per token and layer "
+                 "at BF16: quantized token / held on average)", shown, out, sources)
+
+
+def needles(df: pd.DataFrame) -> Table:
+    """Needle accuracy by where the asked needle sat when the answer began (stored quantized, in the protected
+    region, straddling both; `unquantized`: a BF16 cache), over every needle task of each evaluate run, with the
+    examples in each region: how much of a score the protected window carries."""
+    rows = []
+    for _, r in newest_complete(df, "evaluate").iterrows():
+        counts: dict[str, list[float]] = {}
+        for key, value in r.metrics.items():
+            parts = key.split("/")
+            if len(parts) == 4 and parts[0] == "eval" and parts[2].startswith("needle_") and parts[3] == "examples":
+                region = parts[2][len("needle_"):]
+                score = r.metrics.get(f"eval/{parts[1]}/{parts[2]}/exact_match")
+                if score is not None:
+                    counts.setdefault(region, []).append((score * value, value))
+        if not counts:
+            continue
+        base = {k: v for k, v in _eval_base(r).items() if k not in ("peer", "budget")}
+        row = {**base, "examples": sum(n for pairs in counts.values() for _, n in pairs)}
+        for region in ("quantized", "protected", "straddling", "unquantized"):
+            pairs = counts.get(region)
+            n = sum(c for _, c in pairs) if pairs else 0
+            row[f"{region} n"] = int(n)
+            row[f"{region} accuracy"] = sum(s for s, _ in pairs) / n if n else None
+        rows.append(row)
+    long = _newest(rows, ["model", "method", "cache", "content", "rope", "protected", "eval set"])
+    if long.empty:
+        return Table("needles", "Needle accuracy by where the needle sat", long)
+    shown = long.drop(columns="source")
+    for region in ("quantized", "protected", "straddling", "unquantized"):
+        acc, n = shown.pop(f"{region} accuracy"), shown.pop(f"{region} n")
+        if n.any():
+            shown[region] = [f"{a:.3f} ({c})" if c else "" for a, c in zip(acc, n)]
+    for c in ("B quantized", "B held"):
+        shown[c] = shown[c].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.1f}")
+    return Table("needles", "Needle accuracy by where the asked needle sat in the cache (accuracy (examples))",
+                 shown.fillna(""), long, _used(df, long))
 
 
 def ruler(df: pd.DataFrame) -> Table:
@@ -367,7 +489,7 @@ def ruler(df: pd.DataFrame) -> Table:
     long = _newest(rows, [*EVAL_KEY, "length"])
     if long.empty:
         return Table("ruler", "Accuracy per context length", long)
-    index = ["model", "method", "cache", "protected", "task"]
+    index = ["model", "method", "cache", "protected", "eval set", "task"]
     shown = long.pivot_table(index=index, columns="length", values="score", aggfunc="last", sort=False)
     shown = shown.map(lambda v: "" if pd.isna(v) else f"{v:.3f}").reset_index()
     shown.columns = [str(c) for c in shown.columns]
@@ -503,34 +625,30 @@ def mixed(df: pd.DataFrame) -> Table:
     rows = []
     long = accuracy_long(df)
     if not long.empty and long["budget"].notna().any():
-        long = long[long["run as"] == "model"]
-        long = long.assign(samples=[example_scores(r.source, r.task, r.metric) for r in long.itertuples()])
-        long = long[long["samples"].notna()]
+        long = _with_samples(long)
         refs = long[long["cache"] == "bf16"]
-        for key, g in long[long["budget"].notna()].groupby(["model", "method", "cache", "protected"], sort=False):
+        group = ["model", "method", "cache", "protected", "eval set"]
+        for key, g in long[long["budget"].notna()].groupby(group, sort=False):
             pooled = []
             for t in g.itertuples():
                 u = long[(long["cache"] == str(t.budget)) & (long["model"] == t.model) & (long["method"] == t.method)
-                         & (long["protected"] == t.protected) & (long["task"] == t.task)]
+                         & (long["protected"] == t.protected) & (long["eval set"] == key[-1])
+                         & (long["task"] == t.task)]
                 if u.empty:
                     continue
-                ref = refs[(refs["model"] == t.model) & (refs["task"] == t.task)]
+                ref = refs[(refs["model"] == t.model) & (refs["task"] == t.task) & (refs["eval set"] == key[-1])]
                 ref_s = ref["samples"].iloc[-1] if not ref.empty else None
-                base = {"model": t.model, "method": t.method, "cache": t.cache, "protected": t.protected,
-                        "bytes/token/layer": g.loc[t.Index, "bytes/token/layer"], "uniform": str(t.budget),
-                        "uniform bytes/token/layer": u["bytes/token/layer"].iloc[-1]}
+                base = {**dict(zip(group, key)), "B quantized": g.loc[t.Index, "B quantized"],
+                        "B held": g.loc[t.Index, "B held"], "uniform": str(t.budget),
+                        "uniform B quantized": u["B quantized"].iloc[-1], "uniform B held": u["B held"].iloc[-1]}
                 row = _paired_row({**base, "sources": [t.source, u["source"].iloc[-1]]}, t.task, t.samples,
                                   u["samples"].iloc[-1], ref_s)
                 if row is not None:
                     rows.append(row)
-                    pooled.append(tuple(s.rename(index=lambda i, task=t.task: f"{task}:{i}", level=0)
-                                        if s is not None else None for s in (t.samples, u["samples"].iloc[-1], ref_s)))
-            if len(pooled) > 1:
-                cat = [pd.concat([p[k] for p in pooled]) if all(p[k] is not None for p in pooled) else None
-                       for k in range(3)]
-                row = _paired_row({**base, "sources": []}, "all tasks", *cat)
-                if row is not None:
-                    rows.append(row)
+                    pooled.append(tuple(_tagged(x, t.task) for x in (t.samples, u["samples"].iloc[-1], ref_s,
+                                                                      t.regions, u["regions"].iloc[-1])))
+            if pooled:
+                rows.extend(_pooled_rows(base, pooled))
     kl = quality_per_sequence(df)
     if not kl.empty and kl["budget"].notna().any():
         for _, r in kl[kl["budget"].notna()].iterrows():
@@ -542,8 +660,8 @@ def mixed(df: pd.DataFrame) -> Table:
             row = _kl_pair(r["per_sequence"], u.iloc[-1]["per_sequence"], "KL uniform")
             if row is not None:
                 rows.append({"model": r["model"], "method": r["method"], "cache": r["cache"],
-                             "protected": r["protected"], "bytes/token/layer": r["bytes/token/layer"],
-                             "uniform": str(r["budget"]), "uniform bytes/token/layer": u.iloc[-1]["bytes/token/layer"],
+                             "protected": r["protected"], "B quantized": r["B quantized"],
+                             "uniform": str(r["budget"]), "uniform B quantized": u.iloc[-1]["B quantized"],
                              "task": f"next-token KL ({r['data']})", "sources": [r["source"], u.iloc[-1]["source"]],
                              **row})
     out = pd.DataFrame(rows)
@@ -573,7 +691,7 @@ def equivalence(df: pd.DataFrame) -> Table:
     return Table("equivalence", "Absorbed path vs transformers' forward", shown, long, _used(df, long))
 
 
-BUILDERS = (amplification, accuracy, paired, peers, mixed, ruler, memory, calibration, quality, paired_kl,
+BUILDERS = (amplification, accuracy, paired, peers, needles, mixed, ruler, memory, calibration, quality, paired_kl,
             equivalence)
 
 

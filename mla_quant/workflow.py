@@ -218,10 +218,13 @@ def summary(t: DictConfig, methods: list[str], formats: list[str], results: dict
             lines.append("mixed precision vs the uniform option at its bytes, same examples: " + "; ".join(cells))
     against = report.tables.get("peers") if report is not None else None
     if against is not None and not against.empty:
-        cells = [f"{r['method']} {r['cache']} {r['delta']:+.3f} ± {r['paired SE']:.3f} vs {r['peer']}"
-                 for r in against.long.to_dict("records") if r["method"] in methods and r["cache"] in formats]
-        if cells:
-            lines.append("vs transformers' QuantizedCache on the same examples: " + "; ".join(cells))
+        rows = [r for r in against.long.to_dict("records") if r["method"] in methods and r["cache"] in formats]
+        for task, head in (("all tasks", "vs transformers' QuantizedCache on the same examples"),
+                           ("needle tasks, needle quantized", "  the same, needles stored quantized by both")):
+            cells = [f"{r['method']} {r['cache']} {r['delta']:+.3f} ± {r['paired SE']:.3f} ({r['examples']}) "
+                     f"vs {r['peer']}" for r in rows if r["task"] == task]
+            if cells:
+                lines.append(f"{head}: " + "; ".join(cells))
     if report is not None:
         lines.append(f"Tables and figures ({len(report.tables)} tables, {len(report.figures)} figures): "
                      f"{report.out}/index.md")

@@ -37,6 +37,12 @@ def runs(tmp_path_factory):
                                        "transform=quarot", "eval.control_no_rope.enabled=false", *needles])
         _run(root, mp, "eval_bf16", ["experiment=evaluate", "quant=bf16", "eval.control_no_rope.enabled=false",
                                      *needles])
+        placed = [*needles[:-1], "eval.data.niah_per_length=3", "eval.data.needle_outside=[4,128]",
+                  "eval.control_no_rope.enabled=false"]
+        _run(root, mp, "eval_placed", ["experiment=evaluate", "quant=int4_joint", "quant.content.group_size=32",
+                                       *placed])
+        _run(root, mp, "eval_placed_quarot", ["experiment=evaluate", "quant=int4_joint", "transform=quarot",
+                                              "quant.content.group_size=32", *placed])
         _run(root, mp, "eval_mixed", ["experiment=evaluate", "quant=mixed", "quant.budget=int4_joint",
                                       "quant.allocation.sequences=2", "quant.allocation.seeds=1", "calib.samples=4",
                                       "calib.seq_len=128", f"quant.allocation.cache_dir={root.parent / 'alloc'}",
@@ -66,7 +72,7 @@ def test_every_table_and_figure_from_records(runs, tmp_path):
         assert "record.json" in (out / f"{name}.sources.txt").read_text()
     ruler = pd.read_csv(out / "ruler.csv")
     assert set(ruler["length"]) == {256} and set(ruler["task"]) == {"toy_niah_single_1"}
-    assert sorted(ruler["method"]) == ["none", "none", "none", "quarot"]  # RTN, BF16 and mixed; QuaRot
+    assert sorted(ruler["method"]) == ["none"] * 4 + ["quarot"] * 2  # RTN, BF16, mixed, placed; QuaRot, placed
     assert "mixed sensitivity @int4_joint" in (out / "mixed.md").read_text()
     assert "quarot" in (out / "paired.md").read_text() and "paired" in (out / "index.md").read_text()
     assert "accuracy" in (out / "index.md").read_text()
@@ -85,7 +91,8 @@ def test_samples_beside_the_record_reproduce_its_scores(runs):
 
 def test_paired_comparison_uses_the_same_examples(runs, tmp_path):
     t = tables.paired(load_frame([runs]))
-    row = t.long[(t.long["method"] == "quarot") & (t.long["task"] == "toy_niah_single_1")].iloc[0]
+    row = t.long[(t.long["method"] == "quarot") & (t.long["task"] == "toy_niah_single_1")
+                 & (t.long["eval set"] == "test")].iloc[0]
     assert row["examples"] == 2 and row["won"] + row["lost"] <= 2
     score = json.loads((runs / "eval_quarot" / "record.json").read_text())["metrics"]
     rtn = json.loads((runs / "eval" / "record.json").read_text())["metrics"]
@@ -94,23 +101,25 @@ def test_paired_comparison_uses_the_same_examples(runs, tmp_path):
                                          - rtn["eval/toy_niah_single_1/exact_match"])
     bf16 = json.loads((runs / "eval_bf16" / "record.json").read_text())["metrics"]
     assert row["BF16"] == pytest.approx(bf16["eval/toy_niah_single_1/exact_match"])
-    assert set(t.sources) == {str(runs / n / "record.json") for n in ("eval", "eval_quarot")}
+    assert set(t.sources) == {str(runs / n / "record.json") for n in ("eval", "eval_quarot", "eval_placed",
+                                                                       "eval_placed_quarot")}
     # a run without samples (eval.log_samples=false) is left out rather than guessed
     copy = tmp_path / "copy"
     shutil.copytree(runs, copy)
     shutil.rmtree(copy / "eval_quarot" / "samples")
-    assert tables.paired(load_frame([copy])).empty
+    assert set(tables.paired(load_frame([copy])).long["eval set"]) == {"test needle outside 4+128"}
 
 
 def test_mixed_runs_pair_with_the_uniform_option_on_the_same_examples(runs):
     t = tables.mixed(load_frame([runs]))
-    (row,) = t.long.to_dict("records")
+    (row,) = t.long[t.long["task"] == "toy_niah_single_1"].to_dict("records")
     mixed = json.loads((runs / "eval_mixed" / "record.json").read_text())["metrics"]
     uniform = json.loads((runs / "eval" / "record.json").read_text())["metrics"]
     assert row["cache"] == "mixed sensitivity @int4_joint" and row["uniform"] == "int4_joint" and row["examples"] == 2
     assert row["score"] == pytest.approx(mixed["eval/toy_niah_single_1/exact_match"])
     assert row["uniform score"] == pytest.approx(uniform["eval/toy_niah_single_1/exact_match"])
-    assert row["bytes/token/layer"] == mixed["cache/bytes_per_token_per_layer"] <= mixed["alloc/budget"] == 72
+    assert row["B quantized"] == mixed["cache/bytes_per_token_per_layer"] <= mixed["alloc/budget"] == 72
+    assert row["B held"] == mixed["cache/bf16_B_per_token_per_layer"] > row["B quantized"]  # its protected region
     assert set(t.sources) == {str(runs / n / "record.json") for n in ("eval_mixed", "eval")}
 
 
@@ -149,7 +158,8 @@ def test_missing_cells_stay_empty_and_log_scale_when_values_span_decades(runs, t
     rec["config"]["transform"]["name"], rec["identity"] = "smoothquant", "other"
     (tmp_path / "other" / "record.json").write_text(json.dumps(rec))
     acc = tables.accuracy(load_frame([runs, tmp_path])).rows
-    rows = acc[(acc["run as"] == "model") & (acc["cache"] == "int4_joint")].set_index("method")
+    rows = acc[(acc["run as"] == "model") & (acc["cache"] == "int4_joint") & (acc["eval set"] == "test")]
+    rows = rows.set_index("method")
     assert rows.loc["smoothquant", "toy_niah_single_1"] == "" and rows.loc["none", "toy_gsm8k"] == ""
     assert rows.loc["none", "toy_niah_single_1"] != "" and rows.loc["smoothquant", "toy_gsm8k"] != ""
     df = load_frame([runs])
@@ -184,3 +194,34 @@ def test_wandb_export_reads_into_the_same_frame(runs, tmp_path):
     (tmp_path / "export.json").write_text(json.dumps(runs_json))
     from_json = tables.accuracy(load_frame([], wandb_exports=[tmp_path / "export.json"])).long
     assert from_json["score"].tolist() == ours["score"].tolist()
+
+
+def test_needle_regions_split_the_scores_and_the_placement_quantizes_every_needle(runs, tmp_path):
+    """Each example's region is in its samples; the record splits exact_match by region; with
+    eval.data.needle_outside every asked needle is stored quantized, and the tables say so: the needles table per
+    run, paired rows over the needles both caches quantized, the eval set in every row, bytes held beside bytes per
+    quantized token."""
+    rows = [json.loads(line) for line in (runs / "eval_placed" / "samples" / "toy_niah_single_1.jsonl").read_text()
+            .splitlines()]
+    assert {r["needle"] for r in rows} == {"quantized"}
+    placed = json.loads((runs / "eval_placed" / "record.json").read_text())["metrics"]
+    assert placed["eval/toy_niah_single_1/needle_quantized/examples"] == 2  # eval.limit=2
+    assert placed["eval/toy_niah_single_1/needle_quantized/exact_match"] == placed["eval/toy_niah_single_1/exact_match"]
+    bf16 = json.loads((runs / "eval_bf16" / "record.json").read_text())["metrics"]
+    assert bf16["eval/toy_niah_single_1/needle_unquantized/examples"] == 2
+    assert bf16["cache/bf16_B_per_token_per_layer"] == pytest.approx((96 + 16) * 2)
+    assert bf16["cache/held_B_per_token_per_layer"] == pytest.approx((96 + 16) * 4)  # the toy runs in float32
+    frame = load_frame([runs])
+    t = tables.needles(frame)
+    by_set = {(r["method"], r["eval set"]): r for r in t.long.to_dict("records") if r["cache"] == "int4_joint"}
+    assert by_set["none", "test needle outside 4+128"]["quantized n"] == 2
+    assert by_set["none", "test"]["quantized n"] + by_set["none", "test"]["protected n"] \
+        + by_set["none", "test"]["straddling n"] == 2
+    p = tables.paired(frame)
+    assert set(p.long["eval set"]) == {"test", "test needle outside 4+128"}
+    (row,) = p.long[(p.long["eval set"] == "test needle outside 4+128")
+                    & (p.long["task"] == "needle tasks, needle quantized")].to_dict("records")
+    assert row["examples"] == 2 and row["B held"] == pytest.approx(
+        json.loads((runs / "eval_placed_quarot" / "record.json").read_text())["metrics"]["cache/bf16_B_per_token_per_layer"])
+    acc = tables.accuracy(frame).rows
+    assert {"B quantized", "B held", "eval set"} <= set(acc.columns)

@@ -143,5 +143,5 @@ def test_heldout_separation():
 
 
 def test_bad_split_is_named():
-    with pytest.raises(ValueError, match="split='dev'"):
-        arithmetic.make_problem(random.Random(0), "dev")
+    with pytest.raises(ValueError, match="split='validation'"):
+        arithmetic.make_problem(random.Random(0), "validation")

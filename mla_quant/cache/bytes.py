@@ -2,6 +2,7 @@
 
     python -m mla_quant.cache.bytes               # the table at real dims (d_c 512, d_r 64), 4K / 32K / 128K
     rows = byte_table(["int4_joint"], [4096])     # one row per (option, context)
+    held = HeldBytes(); held.add(cache); held.metrics("cache")   # what filled caches used, by part
 """
 
 from __future__ import annotations
@@ -52,6 +53,43 @@ def measure_bytes(fmt, contexts: Iterable[int], batch: int = 1, chunk: int = 409
             filled += t
         out[ctx] = (layer.nbytes(), layer.held_bytes())
     return out
+
+
+class HeldBytes:
+    """The bytes every cache of an evaluation used, measured from its tensors after each call (each sequence at its
+    real length: prompt plus generated tokens), per token and layer and by part (`LatentCache.byte_parts`): as held
+    in this run's dtype, and at BF16 (2 bytes per activation value: what a BF16 checkpoint's cache holds, the unit of
+    every byte figure the tables compare)."""
+
+    def __init__(self):
+        self.token_layers = 0
+        self.parts: dict[str, dict[str, float]] = {"held": {}, "bf16": {}}
+
+    def add(self, cache) -> None:
+        self.token_layers += sum(layer.real_tokens() for layer in cache.layers)
+        for unit, act_bytes in (("held", None), ("bf16", 2)):
+            for part, b in cache.byte_parts(act_bytes).items():
+                self.parts[unit][part] = self.parts[unit].get(part, 0.0) + b
+
+    def __sub__(self, earlier: "HeldBytes") -> "HeldBytes":
+        out = HeldBytes()
+        out.token_layers = self.token_layers - earlier.token_layers
+        out.parts = {u: {k: v - earlier.parts[u].get(k, 0.0) for k, v in parts.items()} for u, parts in self.parts.items()}
+        return out
+
+    def copy(self) -> "HeldBytes":
+        return self - HeldBytes()
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """{prefix/held_B_per_token_per_layer, prefix/bf16_B_per_token_per_layer, prefix/bf16/<part>: B per token
+        and layer, prefix/tokens: tokens per layer}; {} before any call."""
+        n = self.token_layers
+        if not n:
+            return {}
+        out = {f"{prefix}/{unit}_B_per_token_per_layer": sum(parts.values()) / n for unit, parts in self.parts.items()}
+        out.update({f"{prefix}/bf16/{part.replace(' ', '_')}": b / n for part, b in self.parts["bf16"].items()})
+        out[f"{prefix}/token_layers"] = float(n)
+        return out
 
 
 def byte_table(options: Sequence[str] = BYTE_TABLE_OPTIONS, contexts: Sequence[int] = (4096, 32768, 131072),

@@ -522,7 +522,7 @@ class LatentCacheLayer(LatentLayerContract):
     def real_tokens(self) -> int:
         return 0 if self.slot_valid is None else int(self.slot_valid.sum())
 
-    def _protected_bytes(self, held: bool) -> int:
+    def _protected_bytes(self, held: bool, tokens_only: bool = False) -> int:
         total = 0
         for p in self.sinks:
             per_token = self.sinks[p].shape[-1] * self.sinks[p].element_size()
@@ -531,6 +531,8 @@ class LatentCacheLayer(LatentLayerContract):
                 total += slots * self.sinks[p].shape[0] * per_token
             else:
                 total += int(self.n_sinks.sum() + self.n_recent.sum() + self.n_pending.sum()) * per_token
+        if tokens_only:
+            return total
         scales = {id(s): s for s in self.tensor_scales.values() if s is not None}
         for s in scales.values():
             total += (s.numel() if held else int((s > 0).sum())) * s.element_size()
@@ -547,6 +549,27 @@ class LatentCacheLayer(LatentLayerContract):
         if not self.is_initialized:
             return 0
         return self.store.used_bytes() + self._protected_bytes(held=False) + self.codebook_bytes()
+
+    def byte_parts(self, act_bytes: int | None = None) -> dict[str, float]:
+        """Bytes used by the real tokens, by part: "quantized" (the paged store's codes, scales and zeros; a path
+        the format leaves unquantized in its activation dtype), "full precision" (sinks, recent window, pending tokens;
+        every token when nothing is quantized) and "side" (per-sequence tensor scales, the layer's codebooks).
+        act_bytes=None: as held (their sum is `nbytes()`); else what activation-dtype values would take at
+        `act_bytes` each (2: a BF16 checkpoint's cache, whatever dtype this run computes in)."""
+        if not self.is_initialized:
+            return {"quantized": 0.0, "full precision": 0.0, "side": 0.0}
+        tokens = self._protected_bytes(held=False, tokens_only=True)
+        side = self._protected_bytes(held=False) - tokens + self.codebook_bytes()
+        stored = self.store.used_bytes()
+        if act_bytes is not None:
+            values = sum(self._dims.values())
+            tokens = int(self.n_sinks.sum() + self.n_recent.sum() + self.n_pending.sum()) * values * act_bytes
+            n = int(self.store.lengths.sum())
+            stored = (n * sum(self.path_format(p).bytes_per_token(self._dims[p], act_bytes) for p in PATHS)
+                      if self.quantized else n * values * act_bytes)
+        if not self.quantized:
+            return {"quantized": 0.0, "full precision": float(stored + tokens), "side": float(side)}
+        return {"quantized": float(stored), "full precision": float(tokens), "side": float(side)}
 
     def held_bytes(self) -> int:
         """Bytes allocated: whole blocks of the paged store plus the protected and pending buffers."""
@@ -766,6 +789,14 @@ class LatentCache(Cache):
     def nbytes(self) -> int:
         """Bytes used by all layers (valid tokens only), measured from the stored tensors."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def byte_parts(self, act_bytes: int | None = None) -> dict[str, float]:
+        """Every layer's `byte_parts`, summed."""
+        out: dict[str, float] = {}
+        for layer in self.layers:
+            for part, b in layer.byte_parts(act_bytes).items():
+                out[part] = out.get(part, 0.0) + b
+        return out
 
     def held_bytes(self) -> int:
         """Bytes allocated by all layers (whole blocks, protected buffers)."""

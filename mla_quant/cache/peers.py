@@ -179,14 +179,28 @@ class PeerLatentCacheLayer(LatentLayerContract):
             total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
         return int(round(total))
 
-    def _used_bytes(self, state) -> float:
+    def byte_parts(self, act_bytes: int | None = None) -> dict[str, float]:
+        """Bytes of the real tokens by part (as `LatentCacheLayer.byte_parts`): "quantized" (codes, scales, zeros),
+        "full precision" (the residual), "side" (none). act_bytes: activation-dtype tensors (the residual, and the
+        scales and zeros, which transformers keeps in the activation dtype) at `act_bytes` per value."""
+        quantized = full = 0.0
+        for layer in self.rows:
+            if layer is None:
+                continue
+            for state in (layer._quantized_keys, layer._quantized_values):
+                quantized += self._used_bytes(state, act_bytes)
+            full += sum(t.numel() * (act_bytes or t.element_size()) for t in (layer.keys, layer.values))
+        return {"quantized": quantized, "full precision": full, "side": 0.0}
+
+    def _used_bytes(self, state, act_bytes: int | None = None) -> float:
+        size = (lambda t: t.numel() * t.element_size()) if act_bytes is None else (lambda t: t.numel() * act_bytes)
         if isinstance(state, tuple):  # HQQ: (codes, meta), its shape including the padding tokens
             meta = state[1]
             shape = meta["shape"]
             real = 1.0 - meta.get("padding_tokens", 0) / shape[-2]
-            side = sum(meta[k].numel() * meta[k].element_size() for k in ("scale", "zero"))
+            side = sum(size(meta[k]) for k in ("scale", "zero"))
             return real * (math.prod(shape) * self.fmt.bits / 8 + side)
-        side = sum(t.numel() * t.element_size() for t in (state._scale, state._shift))  # quanto: per real group
+        side = sum(size(t) for t in (state._scale, state._shift))  # quanto: per real group
         return math.prod(state.shape) * self.fmt.bits / 8 + side
 
     # ------------------------------------------------------------------ batch edits

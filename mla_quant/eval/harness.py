@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from mla_quant.cache.bytes import HeldBytes
 from mla_quant.models.absorbed import cache_kwargs, new_cache
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,19 @@ log = logging.getLogger(__name__)
 
 class ContextTooLong(ValueError):
     pass
+
+
+def pooled_held(metrics: dict[str, float], tasks: list[str], prefix: str = "eval") -> dict[str, float]:
+    """Run-level cache/held_*, cache/bf16_* and cache/bf16/<part> over `tasks`, each task's figures weighted by its
+    tokens (<prefix>/<task>/cache/...)."""
+    weights = {t: metrics.get(f"{prefix}/{t}/cache/token_layers", 0.0) for t in tasks}
+    total = sum(weights.values())
+    if not total:
+        return {}
+    names = {k.split("/cache/", 1)[1] for t in tasks for k in metrics if k.startswith(f"{prefix}/{t}/cache/")}
+    names.discard("token_layers")
+    return {f"cache/{name}": sum(metrics.get(f"{prefix}/{t}/cache/{name}", 0.0) * w for t, w in weights.items()) / total
+            for name in sorted(names)}
 
 
 def trailing_padding_mask(inps: torch.Tensor, pad_id: int = 0) -> torch.Tensor | None:
@@ -50,6 +64,7 @@ def _make_hflm_class():
             super().__init__(pretrained=model, tokenizer=tokenizer, **kwargs)
             self.layer_factory = layer_factory  # None = plain LatentCacheLayer
             self.cache_calls = 0
+            self.held = HeldBytes()  # what every cache held after its call, summed
 
         def fresh_cache(self):
             self.cache_calls += 1
@@ -72,13 +87,19 @@ def _make_hflm_class():
         def _model_call(self, inps, attn_mask=None, labels=None):
             self._check_length(inps.shape[1], "an input")
             mask = trailing_padding_mask(inps)
+            cache = self.fresh_cache()
             with torch.no_grad():
-                return self.model(inps, attention_mask=mask, use_cache=True, **cache_kwargs(self.fresh_cache())).logits
+                logits = self.model(inps, attention_mask=mask, use_cache=True, **cache_kwargs(cache)).logits
+            self.held.add(cache)
+            return logits
 
         def _model_generate(self, context, max_length, stop, **generation_kwargs):
             self._check_length(max_length, "a context plus generated tokens")
-            generation_kwargs.update(cache_kwargs(self.fresh_cache()))
-            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+            cache = self.fresh_cache()
+            generation_kwargs.update(cache_kwargs(cache))
+            out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+            self.held.add(cache)
+            return out
 
     return LatentCacheHFLM
 
@@ -127,15 +148,20 @@ def evaluate_tasks(lm, tasks: list, include_path: str | Path | list | None, *, l
                            torch_random_seed=seed, fewshot_random_seed=seed, metadata=metadata or None)
 
 
-def compact_samples(samples: list[dict]) -> list[dict]:
+def compact_samples(samples: list[dict], needle_of=None) -> list[dict]:
     """lm-eval's logged samples of one task -> one row per example and filter: doc_id, filter, hashes of the
     document, prompt and target (the same example across runs), the target, the filtered response and the metric
-    values (prompts and documents left out: RULER's are tens of thousands of tokens)."""
+    values (prompts and documents left out: RULER's are tens of thousands of tokens). needle_of: doc -> where the
+    asked needle sits in the cache (`mla_quant.eval.needles.needle_region`), as "needle" where it is not None."""
     rows = []
     for s in samples:
         resp = s.get("filtered_resps") or [None]
-        rows.append({"doc_id": s["doc_id"], "filter": s.get("filter"), "doc_hash": s.get("doc_hash"),
-                     "prompt_hash": s.get("prompt_hash"), "target": str(s.get("target")),
-                     "response": resp[0] if len(resp) == 1 else resp,
-                     "metrics": {m: s[m] for m in s.get("metrics", []) if m in s}})
+        row = {"doc_id": s["doc_id"], "filter": s.get("filter"), "doc_hash": s.get("doc_hash"),
+               "prompt_hash": s.get("prompt_hash"), "target": str(s.get("target")),
+               "response": resp[0] if len(resp) == 1 else resp,
+               "metrics": {m: s[m] for m in s.get("metrics", []) if m in s}}
+        region = None if needle_of is None else needle_of(s.get("doc") or {})
+        if region is not None:
+            row["needle"] = region
+        rows.append(row)
     return rows

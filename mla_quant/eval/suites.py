@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from mla_quant.checks import int_setting
+from mla_quant.tasks.split import HELD_OUT
 
 RULER_PREFIXES = ("niah_", "ruler_")
 CODE_STOCK_TASKS = ("humaneval",)  # stock tasks that execute model-written code
@@ -128,6 +129,15 @@ def check_eval(ev) -> None:
                 isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in n):
             raise ValueError(f"eval.data.niah_lengths={n!r}; allowed: a non-empty list of context lengths >= 1 in "
                              f"model tokens")
+        if data.get("split", "test") not in HELD_OUT:
+            raise ValueError(f"eval.data.split={data.get('split')!r}; allowed: {list(HELD_OUT)} (dev: where sweeps "
+                             f"choose; test: what the tables report)")
+        outside = data.get("needle_outside")
+        if outside is not None and (not isinstance(outside, (list, ListConfig)) or len(outside) != 2 or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in outside)):
+            raise ValueError(f"eval.data.needle_outside={outside!r}; allowed: null (needles anywhere) or [n_sink, "
+                             f"recent], two integers >= 0, e.g. [4,128]: every needle where a cache protecting the "
+                             f"first n_sink and last recent tokens quantizes it")
     control = ev.get("control_no_rope")
     if control is not None:
         if not isinstance(control.get("enabled"), bool):

@@ -126,30 +126,59 @@ metadata:
 """
 
 
-def write_task_files(folder: str | Path, tokenizer, *, seed: int = 1234, niah_lengths=(256, 512, 1024),
-                     niah_per_length: int = 16, arithmetic_n: int = 100, code_n: int = 50,
-                     gsm8k_max_gen_toks: int = 128, code_max_gen_toks: int = 64) -> Path:
-    """Write data (*.jsonl) and task YAMLs for every toy task into `folder`; returns the folder."""
+def token_offsets(tokenizer):
+    """text -> (start, end) characters of each of its tokens, as the tokenizer splits it (a slow tokenizer without
+    offsets: each token's end from the length of the decoded prefix)."""
+    if getattr(tokenizer, "is_fast", False):
+        return lambda text: [tuple(o) for o in tokenizer(text, return_offsets_mapping=True).offset_mapping]
+
+    def slow(text):
+        ids = tokenizer(text).input_ids
+        ends = [len(tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]
+        return [(0 if i == 0 else ends[i - 1], e) for i, e in enumerate(ends)]
+
+    return slow
+
+
+def write_task_files(folder: str | Path, tokenizer, *, split: str = "test", seed: int = 1234,
+                     niah_lengths=(256, 512, 1024), niah_per_length: int = 16, needle_outside=None,
+                     arithmetic_n: int = 100, code_n: int = 50, gsm8k_max_gen_toks: int = 128,
+                     code_max_gen_toks: int = 64, tasks=None) -> Path:
+    """Write data (*.jsonl) and task YAMLs for every toy task of `split` (test or dev) into `folder` (only `tasks`
+    when given); returns the folder. Each needle document carries `needle_tokens` (where each needle's value sits
+    among the prompt's tokens); needle_outside=[n_sink, recent] places every needle where a cache protecting those
+    tokens quantizes it."""
+    wanted = set(TOY_TASKS if tasks is None else tasks)
     folder = Path(folder).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     count = lambda s: len(tokenizer(s).input_ids)  # noqa: E731  lengths are in the model's tokens
     write_text_atomic(folder / "toy_utils.py", "from mla_quant.eval.task_utils import *  # noqa: F401,F403\n")
 
-    problems = arithmetic.test_set(arithmetic_n, seed)
-    test = _write_jsonl(folder / "toy_gsm8k_test.jsonl",
-                        [{"question": p["question"], "answer": p["answer"]} for p in problems])
-    train = _write_jsonl(folder / "toy_gsm8k_train.jsonl",
-                         [{"question": p["question"], "answer": p["answer"]} for p in arithmetic.test_set(5, seed + 1)])
-    write_text_atomic(folder / "toy_gsm8k.yaml", gsm8k_yaml(test, train, gsm8k_max_gen_toks))
-
+    if "toy_gsm8k" in wanted:
+        _write_gsm8k(folder, split, seed, arithmetic_n, gsm8k_max_gen_toks)
+    offsets = token_offsets(tokenizer)
+    outside = None if needle_outside is None else tuple(int(x) for x in needle_outside)
     for task, variant in NIAH_TASKS.items():
-        docs = niah.test_set(variant, list(niah_lengths), niah_per_length, seed, count_tokens=count)
-        keep = ("input", "outputs", "gen_prefix", "length", "max_length", "variant")
+        if task not in wanted:
+            continue
+        docs = niah.test_set(variant, list(niah_lengths), niah_per_length, seed, count_tokens=count, split=split,
+                             token_offsets=offsets, outside=outside)
+        keep = ("input", "outputs", "gen_prefix", "length", "max_length", "variant", "needle_tokens")
         data = _write_jsonl(folder / f"{task}.jsonl", [{k: d[k] for k in keep} for d in docs])
         write_text_atomic(folder / f"{task}.yaml", niah_yaml(task, data, list(niah_lengths)))
-
-    rows = [{k: p[k] for k in ("task_id", "prompt", "canonical_solution", "test", "entry_point")}
-            for p in code.test_set(code_n, seed)]
-    data = _write_jsonl(folder / "toy_humaneval.jsonl", rows)
-    write_text_atomic(folder / "toy_humaneval.yaml", humaneval_yaml(data, code_max_gen_toks))
+    if "toy_humaneval" in wanted:
+        rows = [{k: p[k] for k in ("task_id", "prompt", "canonical_solution", "test", "entry_point")}
+                for p in code.test_set(code_n, seed, split)]
+        data = _write_jsonl(folder / "toy_humaneval.jsonl", rows)
+        write_text_atomic(folder / "toy_humaneval.yaml", humaneval_yaml(data, code_max_gen_toks))
     return folder
+
+
+def _write_gsm8k(folder: Path, split: str, seed: int, arithmetic_n: int, max_gen_toks: int) -> None:
+    problems = arithmetic.test_set(arithmetic_n, seed, split)
+    test = _write_jsonl(folder / "toy_gsm8k_test.jsonl",
+                        [{"question": p["question"], "answer": p["answer"]} for p in problems])
+    shots = arithmetic.test_set(5, seed + 1, split)
+    train = _write_jsonl(folder / "toy_gsm8k_train.jsonl", [{"question": p["question"], "answer": p["answer"]}
+                                                            for p in shots])
+    write_text_atomic(folder / "toy_gsm8k.yaml", gsm8k_yaml(test, train, max_gen_toks))

@@ -51,6 +51,18 @@ class CacheFormat:
         blocks = {p.blocked for p in (self.content, self.rope)} - {None}
         return blocks.pop() if blocks else None
 
+    def quantized_positions(self, length: int) -> tuple[int, int]:
+        """[start, end) of the positions that a sequence of `length` tokens appended at once (a prompt) holds
+        quantized: after its sinks, before its recent window and the pending tokens of a block not yet full; (0, 0)
+        when nothing is quantized."""
+        if not self.quantized:
+            return 0, 0
+        start = min(self.n_sink, length)
+        end = max(start, length - self.recent)
+        if self.token_block:
+            end -= (end - start) % self.token_block
+        return start, end
+
     def codebook_bytes(self) -> int:
         """Per layer constant bytes, shared by every sequence: the lloyd codebooks of both paths."""
         return self.content.codebook_bytes() + self.rope.codebook_bytes()
@@ -151,6 +163,14 @@ class LayeredFormat:
     def token_block(self) -> int | None:
         blocks = {f.token_block for f in self.layers} - {None}
         return blocks.pop() if len(blocks) == 1 else None
+
+    def quantized_positions(self, length: int) -> tuple[int, int]:
+        """The positions quantized in every quantized layer (`CacheFormat.quantized_positions`)."""
+        spans = [f.quantized_positions(length) for f in self.layers if f.quantized]
+        if not spans:
+            return 0, 0
+        start = max(a for a, _ in spans)
+        return start, max(start, min(b for _, b in spans))
 
     def kernel_unsupported(self) -> str | None:
         return self._first_refusal("kernel_unsupported")

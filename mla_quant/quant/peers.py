@@ -67,6 +67,11 @@ class PeerFormat:
     def kernel_unsupported(self) -> str | None:
         return f"peer.library={self.library} (transformers' QuantizedCache; the Triton kernel reads the project's formats)"
 
+    def quantized_positions(self, length: int) -> tuple[int, int]:
+        """transformers' quantized layer quantizes a prompt appended at once as a whole (its residual holds only later
+        tokens): every position."""
+        return 0, length
+
     def bytes_per_token(self, act_bytes: int = 2) -> float:
         """Nominal bytes of one quantized token of both paths: packed codes plus a scale and a zero per group in the
         activation dtype (`act_bytes`: 2 for BF16/FP16 checkpoints). The cache measures what it holds."""

@@ -23,7 +23,8 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mla_quant.eval.harness import LatentCacheHFLM, compact_samples, evaluate_tasks, rope_zeroed
+from mla_quant.eval.harness import LatentCacheHFLM, compact_samples, evaluate_tasks, pooled_held, rope_zeroed
+from mla_quant.eval.needles import check_placement, needle_region, region_metrics
 from mla_quant.eval.task_files import CODE_TASKS, TOY_TASKS, write_task_files
 from mla_quant.eval.task_utils import ALLOW_ENV, OPT_IN_HINT
 from mla_quant.eval.suites import CODE_STOCK_TASKS, TaskPlan, check_eval, load_stock_tasks, plan_tasks
@@ -51,24 +52,40 @@ def flat_metrics(results: dict, prefix: str) -> dict[str, float]:
     return out
 
 
-RESULT_FIELDS = ("results", "n-shot", "n-samples", "versions")
+RESULT_FIELDS = ("results", "n-shot", "n-samples", "versions", "needles", "cache")
+
+
+def task_metrics(res: dict, prefix: str) -> dict[str, float]:
+    """A task's record metrics: lm-eval's scores (`flat_metrics`), accuracy by where the needle sat
+    (<prefix>/<task>/needle_<region>/...) and the bytes its caches held (<prefix>/<task>/cache/...)."""
+    out = flat_metrics(res, prefix)
+    for field in ("needles", "cache"):
+        for task, values in (res.get(field) or {}).items():
+            out.update({f"{prefix}/{task}/{k}": float(v) for k, v in values.items()})
+    return out
 
 
 def evaluate_each(lm, tasks: list[str], folder, prefix: str, loaded: dict | None = None,
-                  samples_dir: Path | None = None, **kwargs) -> dict:
+                  samples_dir: Path | None = None, needle_of=None, **kwargs) -> dict:
     """lm-eval one task at a time; each task's results go into the run's progress as soon as it finishes, so an
-    interrupted run keeps them and its rerun does not evaluate them again. -> lm-eval's result fields, merged.
-    samples_dir: each task's per-example scores written there as <task>.jsonl (`compact_samples`) before the task
-    counts as finished."""
+    interrupted run keeps them and its rerun does not evaluate them again. -> lm-eval's result fields, merged, with
+    "needles" (accuracy by the needle's region, from the samples and `needle_of`) and "cache" (bytes per token and
+    layer its caches held, `HeldBytes`) per task. samples_dir: each task's per-example scores written there as
+    <task>.jsonl (`compact_samples`) before the task counts as finished."""
     def one(task):
+        before = lm.held.copy()
         res = evaluate_tasks(lm, [(loaded or {}).get(task, task)], folder, log_samples=samples_dir is not None,
                              **kwargs)
+        res["cache"] = {name: (lm.held - before).metrics("cache") for name in res.get("results", {})}
+        res["needles"] = {}
         for name, samples in (res.get("samples") or {}).items():
-            lines = [json.dumps(row, default=str) for row in compact_samples(samples)]
+            rows = compact_samples(samples, needle_of)
+            res["needles"][name] = region_metrics(rows)
+            lines = [json.dumps(row, default=str) for row in rows]
             write_text_atomic(Path(samples_dir) / f"{name}.jsonl", "".join(f"{line}\n" for line in lines))
         return json.loads(json.dumps({f: res.get(f) for f in RESULT_FIELDS}, default=str))
 
-    parts = [progress().unit(f"{prefix}/{t}", lambda t=t: one(t), metrics=lambda r: flat_metrics(r, prefix))
+    parts = [progress().unit(f"{prefix}/{t}", lambda t=t: one(t), metrics=lambda r: task_metrics(r, prefix))
              for t in tasks]
     return {f: {k: v for part in parts for k, v in (part.get(f) or {}).items()} for f in RESULT_FIELDS}
 
@@ -123,7 +140,8 @@ def check(cfg: DictConfig, data_folder: Path | None = None, data: bool = True) -
         raise ValueError(f"model {cfg.model.get('_target_')} has no tokenizer (a random tiny model?); "
                          f"evaluate needs a trained model, e.g. model=toy_mla")
     check_lengths(cfg, plan)
-    preflight(cfg)  # quant, transform, objective, calib, the tokenizer's files
+    _, fmt, _ = preflight(cfg)  # quant, transform, objective, calib, the tokenizer's files
+    check_placement((ev.get("data") or {}).get("needle_outside") if plan.toy else None, fmt)
     # The stock tasks' datasets before any weight is read: offline, the error names the task and its dataset.
     # (RULER builds its samples with the tokenizer; no other stock task reads it before the model is prepared)
     if not data:
@@ -143,11 +161,12 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     after = allocated_bytes()  # lm-eval, its loaded tasks (RULER's haystacks: ~0.15 GB) are held through the run
     allow = bool(ev.get("allow_code_execution", False))
 
+    # the toy task files before any weight is read: a needle placement that cannot be had fails here
+    folder = (write_task_files(run_dir / "lm_eval_tasks", load_tokenizer(cfg.model), tasks=plan.toy,
+                               **OmegaConf.to_container(ev.data, resolve=True)) if plan.toy else None)
     # validates quant/transform/objective against the model before loading weights; plans memory with the tasks
     prep = prepare_model(cfg, host=None if after is None else {"lm-eval tasks": max(0, after - before)})
     model, tokenizer = prep.model, prep.tokenizer
-    folder = (write_task_files(run_dir / "lm_eval_tasks", tokenizer, **OmegaConf.to_container(ev.data, resolve=True))
-              if plan.toy else None)
     lm = LatentCacheHFLM(model, tokenizer, layer_factory=prep.layer_factory(),
                          batch_size=int(ev.batch_size))
     gen_kwargs = OmegaConf.to_container(ev.gen_kwargs, resolve=True) if ev.get("gen_kwargs") else None
@@ -162,15 +181,18 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     raw: dict = {}
     toy = plan.toy
     start = time.perf_counter()
+    needle_of = lambda doc: needle_region(doc, prep.fmt)  # noqa: E731  where each needle sits in this cache
     if toy:
-        res = evaluate_each(lm, toy, folder, "eval", allow_code_execution=allow, samples_dir=samples, **options)
+        res = evaluate_each(lm, toy, folder, "eval", allow_code_execution=allow, samples_dir=samples,
+                            needle_of=needle_of, **options)
         raw["toy"] = res
-        metrics.update(flat_metrics(res, "eval"))
+        metrics.update(task_metrics(res, "eval"))
     if plan.stock:
         res = evaluate_each(lm, plan.stock, None, "eval", loaded=stock, allow_code_execution=allow,
-                            samples_dir=samples, **options)
+                            samples_dir=samples, needle_of=needle_of, **options)
         raw["stock"] = res
-        metrics.update(flat_metrics(res, "eval"))
+        metrics.update(task_metrics(res, "eval"))
+    metrics.update(pooled_held(metrics, [*toy, *plan.stock]))  # the bytes held over every task, by their tokens
     metrics["eval/seconds"] = time.perf_counter() - start
     metrics["eval/cache_calls"] = lm.cache_calls
 
@@ -180,9 +202,9 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         start = time.perf_counter()
         with rope_zeroed(model):
             res = evaluate_each(lm, control_tasks, folder, "eval/control_no_rope",
-                                samples_dir=samples and samples / "control_no_rope", **options)
+                                samples_dir=samples and samples / "control_no_rope", needle_of=needle_of, **options)
         raw["control_no_rope"] = res
-        metrics.update(flat_metrics(res, "eval/control_no_rope"))
+        metrics.update(task_metrics(res, "eval/control_no_rope"))
         metrics["eval/control_no_rope/seconds"] = time.perf_counter() - start
 
     write_json_atomic(run_dir / "lm_eval_results.json",

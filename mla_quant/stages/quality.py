@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from mla_quant.calibration.data import resolve_source, text_ids, toy_ids
+from mla_quant.cache.bytes import HeldBytes
 from mla_quant.models.absorbed import cache_kwargs, new_cache
 from mla_quant.prepare import check_context, model_dims, preflight, prepare_model
 from mla_quant.record import write_text_atomic
@@ -50,12 +51,16 @@ def held_out_ids(data: DictConfig, source: str, tokenizer, vocab_size: int) -> t
 
 
 @torch.no_grad()
-def logits_over_cache(model, ids: torch.Tensor, factory, chunk: int | None) -> torch.Tensor:
-    """float32 logits of `ids` (B, T) run over one fresh cache, `chunk` tokens per forward (None: all at once)."""
+def logits_over_cache(model, ids: torch.Tensor, factory, chunk: int | None, held: HeldBytes | None = None
+                      ) -> torch.Tensor:
+    """float32 logits of `ids` (B, T) run over one fresh cache, `chunk` tokens per forward (None: all at once);
+    the bytes the filled cache used are added to `held`."""
     cache = new_cache(model, factory)
     step = ids.shape[1] if not chunk else int(chunk)
     out = [model(ids[:, s:s + step], use_cache=True, **cache_kwargs(cache)).logits.float()
            for s in range(0, ids.shape[1], step)]
+    if held is not None:
+        held.add(cache)
     return torch.cat(out, dim=1)
 
 
@@ -111,11 +116,12 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     device = next(model.parameters()).device
     factory = prep.layer_factory()
     parts: dict[str, list[torch.Tensor]] = {}
+    held = HeldBytes()  # what the quantized caches used, at the sequences' length
     batch = int(t.batch_size)
     for s in tqdm(range(0, len(ids), batch), desc="quality", unit="batch"):
         x = ids[s:s + batch].to(device)
         ref = logits_over_cache(model, x, None, chunk)[:, :-1]
-        quant = logits_over_cache(model, x, factory, chunk)[:, :-1]
+        quant = logits_over_cache(model, x, factory, chunk, held)[:, :-1]
         keep = scored[s:s + batch, 1:].to(device)
         for k, v in token_stats(ref, quant, x[:, 1:]).items():
             parts.setdefault(k, []).append(v[keep].cpu())
@@ -129,7 +135,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                "quality/ppl": ppl, "quality/ppl_unquantized": ppl_ref, "quality/ppl_ratio": ppl / ppl_ref,
                "quality/kl": stats["kl"].mean().item(), "quality/kl_p99": stats["kl"].quantile(0.99).item(),
                "quality/kl_stderr": clustered_stderr(per_sequence["kl_sum"], per_sequence["tokens"]),
-               "quality/top1_agree": stats["agree"].mean().item()}
+               "quality/top1_agree": stats["agree"].mean().item(), **held.metrics("cache")}
     df = pd.DataFrame([{"cache": cfg.quant.name, "transform": (cfg.get("transform") or {}).get("name", "none"),
                         "data": source, "tokens": metrics["quality/tokens"], "ppl": ppl, "ppl unquantized": ppl_ref,
                         "KL": metrics["quality/kl"], "KL SE": metrics["quality/kl_stderr"],

@@ -25,7 +25,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from mla_quant.tasks.split import check_split, split_of
+from mla_quant.tasks.split import HELD_OUT, check_split, in_split
 
 NAMES = "Mia Leo Ava Sam Zoe Max Ivy Ben Amy Tom Eva Dan Lily Noah Emma Jack Ruby Owen".split()
 SHE = {"Mia", "Ava", "Zoe", "Ivy", "Amy", "Eva", "Lily", "Emma", "Ruby"}
@@ -128,18 +128,19 @@ def make_problem(rng: random.Random, split: str = "train") -> dict:
     check_split(split)
     for _ in range(10_000):
         question, steps, result, key = rng.choice(TEMPLATES)(rng)
-        if split_of("arith:" + key) == split:
+        if in_split("arith:" + key, split):
             answer = "\n".join(steps) + f"\n#### {result}"
             return {"question": question, "answer": answer, "key": key,
                     "prompt": f"Question: {question}\nAnswer:", "completion": " " + answer}
     raise RuntimeError(f"no {split} arithmetic problem found")
 
 
-def test_set(n: int, seed: int) -> list[dict]:
-    """`n` held-out problems with distinct keys, deterministic in (n, seed)."""
-    rng, seen, out = random.Random(f"arith-test:{seed}"), set(), []
+def test_set(n: int, seed: int, split: str = "test") -> list[dict]:
+    """`n` held-out problems of `split` (test or dev) with distinct keys, deterministic in (n, seed, split)."""
+    check_split(split, HELD_OUT)
+    rng, seen, out = random.Random(f"arith-{split}:{seed}"), set(), []
     while len(out) < n:
-        p = make_problem(rng, "test")
+        p = make_problem(rng, split)
         if p["key"] not in seen:
             seen.add(p["key"])
             out.append(p)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 
-from mla_quant.tasks.split import check_split, split_of
+from mla_quant.tasks.split import HELD_OUT, check_split, in_split
 
 # (names, docstring with {k}, body with {k}, argument kind, constant range)
 TEMPLATES = [
@@ -75,7 +75,7 @@ def make_problem(rng: random.Random, split: str = "train", index: int = 0) -> di
         names, doc, body, kind, (lo, hi) = TEMPLATES[t]
         k, name = rng.randint(lo, hi), rng.choice(names)
         key = f"code:{t}:{k}:{name}"
-        if split_of(key) == split:
+        if in_split(key, split):
             break
     else:  # pragma: no cover
         raise RuntimeError(f"no {split} code problem found")
@@ -96,10 +96,12 @@ def make_problem(rng: random.Random, split: str = "train", index: int = 0) -> di
             "entry_point": name, "key": key, "completion": solution}
 
 
-def test_set(n: int, seed: int) -> list[dict]:
-    """`n` held-out problems, deterministic in (n, seed); keys may repeat (the key space is small)."""
-    rng = random.Random(f"code-test:{seed}")
-    return [make_problem(rng, "test", i) for i in range(n)]
+def test_set(n: int, seed: int, split: str = "test") -> list[dict]:
+    """`n` held-out problems of `split` (test or dev), deterministic in (n, seed, split); keys may repeat (the key
+    space is small)."""
+    check_split(split, HELD_OUT)
+    rng = random.Random(f"code-{split}:{seed}")
+    return [make_problem(rng, split, i) for i in range(n)]
 
 
 def train_example(rng: random.Random) -> tuple[str, str]:

@@ -14,6 +14,7 @@ single_3 = varied text + UUID-like value, multikey_1 = varied text + 3 distracto
 Keys and values are split train/test by hash, so held-out needles never appear in training data.
 
     docs = test_set("single_1", lengths=[512, 1024], n=25, seed=1234)
+    docs = test_set("single_1", [1024], 25, 1234, outside=(4, 128))   # needles where such a cache quantizes them
     prompt, answer = train_example(random.Random(0), "multikey_1", max_length=768)
 """
 
@@ -23,7 +24,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mla_quant.tasks.split import check_split, split_of
+from mla_quant.tasks.split import HELD_OUT, check_split, in_split
 
 # The RULER template (lm_eval/tasks/ruler/niah_utils.py) in its singular form, and its needle sentence.
 TEMPLATE = (
@@ -84,7 +85,7 @@ def random_needle(rng: random.Random, kind: str, split: str, taken: set[str]) ->
     """A needle whose key and value are both in `split` and whose key is not in `taken`."""
     for _ in range(10_000):
         key, value = random_key(rng), random_value(rng, kind)
-        if key not in taken and split_of("niah-key:" + key) == split and split_of("niah-value:" + value) == split:
+        if key not in taken and in_split("niah-key:" + key, split) and in_split("niah-value:" + value, split):
             return Needle(key, value)
     raise RuntimeError(f"could not draw a {split} needle")
 
@@ -103,12 +104,30 @@ def haystack_block(rng: random.Random, haystack: str) -> str:
     raise ValueError(f"haystack {haystack!r}; allowed: repeat, varied")
 
 
+def char_offsets(text: str) -> list[tuple[int, int]]:
+    """One token per character (the default, matching `count_tokens=len`)."""
+    return [(i, i + 1) for i in range(len(text))]
+
+
+def token_span(offsets: list[tuple[int, int]], start: int, end: int) -> tuple[int, int]:
+    """[first, last + 1) of the tokens whose characters overlap [start, end)."""
+    hit = [i for i, (a, b) in enumerate(offsets) if a < end and b > start]
+    return hit[0], hit[-1] + 1
+
+
 def make_doc(rng: random.Random, variant: str, max_length: int, split: str = "train",
-             count_tokens: Callable[[str], int] = len, reserve: int = 48, n_needles: int | None = None) -> dict:
+             count_tokens: Callable[[str], int] = len, reserve: int = 48, n_needles: int | None = None,
+             token_offsets: Callable[[str], list[tuple[int, int]]] = char_offsets,
+             outside: tuple[int, int] | None = None, max_tries: int = 1000) -> dict:
     """One example whose prompt plus `reserve` generated tokens fits in `max_length` tokens.
 
-    Returns RULER's fields (input, outputs, gen_prefix, length, max_length) plus prompt/answer for training and
-    `needles` ((key, value) of every needle, the asked one first). `n_needles` overrides the variant's count.
+    Returns RULER's fields (input, outputs, gen_prefix, length, max_length) plus prompt/answer for training,
+    `needles` ((key, value) of every needle, the asked one first) and `needle_tokens` ([first, end) of each needle's
+    value among the prompt's tokens, from `token_offsets`: (start, end) characters per token of a text, consistent with
+    `count_tokens`). `n_needles` overrides the variant's count. `outside` = (n_sink, recent): the asked needle's
+    value lies after the prompt's first n_sink tokens and before its last `recent` ones, where a cache protecting
+    those stores it quantized (depths drawn uniformly until one fits; distractors anywhere; None: anywhere, RULER's
+    uniform depth).
     """
     check_split(split)
     if variant not in VARIANTS:
@@ -145,9 +164,23 @@ def make_doc(rng: random.Random, variant: str, max_length: int, split: str = "tr
         if count_tokens(render(candidate, [0] * n_needles) + " " + gen_prefix) > budget:
             break
         blocks = candidate
-    slots = [rng.randint(0, len(blocks)) for _ in range(n_needles)]  # needle depth uniform over the haystack
-    text = render(blocks, slots)
-    prompt = f"{text} {gen_prefix}"  # lm-eval joins input and gen_prefix with one space
+    for _ in range(max_tries):
+        slots = [rng.randint(0, len(blocks)) for _ in range(n_needles)]  # needle depth uniform over the haystack
+        text = render(blocks, slots)
+        prompt = f"{text} {gen_prefix}"  # lm-eval joins input and gen_prefix with one space
+        offsets = token_offsets(prompt)
+        spans = []
+        for line, needle in zip(needle_lines, needles):
+            start = prompt.index(line) + line.index(needle.value)
+            spans.append(token_span(offsets, start, start + len(needle.value)))
+        first, end = spans[0]  # the asked needle's value: the answer's tokens (distractors may sit anywhere)
+        if outside is None or (first >= outside[0] and end <= len(offsets) - outside[1]):
+            break
+    else:
+        raise ValueError(f"no placement of the asked needle in a {max_length}-token {variant} prompt lies outside "
+                         f"its first {outside[0]} and last {outside[1]} tokens after {max_tries} draws (the question "
+                         f"and answer prefix sit in the last tokens); use longer contexts (eval.data.niah_lengths) or "
+                         f"a smaller window (eval.data.needle_outside)")
     return {
         "input": text,
         "outputs": [query.value],
@@ -159,6 +192,7 @@ def make_doc(rng: random.Random, variant: str, max_length: int, split: str = "tr
         "prompt": prompt,
         "answer": " " + query.value,
         "needles": [(n.key, n.value) for n in needles],
+        "needle_tokens": [list(span) for span in spans],
     }
 
 
@@ -168,11 +202,15 @@ def question(kind: str, key: str) -> str:
     return tail.format(kind=kind, query=key) + " " + GEN_PREFIX.format(kind=kind, query=key)
 
 
-def test_set(variant: str, lengths: list[int], n: int, seed: int,
-             count_tokens: Callable[[str], int] = len) -> list[dict]:
-    """`n` held-out examples per length, deterministic in (variant, lengths, n, seed)."""
-    rng = random.Random(f"niah-test:{variant}:{seed}")
-    return [make_doc(rng, variant, length, "test", count_tokens) for length in lengths for _ in range(n)]
+def test_set(variant: str, lengths: list[int], n: int, seed: int, count_tokens: Callable[[str], int] = len,
+             split: str = "test", token_offsets: Callable[[str], list[tuple[int, int]]] = char_offsets,
+             outside: tuple[int, int] | None = None) -> list[dict]:
+    """`n` held-out examples of `split` (test or dev) per length, deterministic in (variant, lengths, n, seed, split,
+    outside); `outside` as in `make_doc`."""
+    check_split(split, HELD_OUT)
+    rng = random.Random(f"niah-{split}:{variant}:{seed}")
+    return [make_doc(rng, variant, length, split, count_tokens, token_offsets=token_offsets, outside=outside)
+            for length in lengths for _ in range(n)]
 
 
 def train_example(rng: random.Random, variant: str, max_length: int) -> tuple[str, str]:
