@@ -313,8 +313,11 @@ def _pooled_rows(base: dict, pooled: list) -> list[dict]:
             rows.append(row)
     flagged = [p for p in pooled if p[3] is not None and p[4] is not None]
     if flagged:
-        a = needle_quantized(pd.concat([p[0] for p in flagged]), *(pd.concat([p[k] for p in flagged]) for k in (3, 4)))
-        b = pd.concat([p[1] for p in flagged])[a.index]
+        every = pd.concat([p[0] for p in flagged])
+        a = needle_quantized(every, *(pd.concat([p[k] for p in flagged]) for k in (3, 4)))
+        if len(a) == len(every):  # every needle was stored quantized: the rows above already say it
+            return rows
+        b = pd.concat([p[1] for p in flagged])  # paired with `a` on their common examples
         refs = [p[2] for p in flagged]
         ref = pd.concat(refs) if all(r is not None for r in refs) else None
         row = _paired_row({**base, "sources": []}, "needle tasks, needle quantized", a, b, ref)
@@ -417,7 +420,8 @@ def peers(df: pd.DataFrame) -> Table:
             if flagged:
                 q = needle_quantized(pd.concat([x[0] for x in flagged]),
                                      *(pd.concat([x[k] for x in flagged]) for k in (3, 4)))
-                subsets.append(("needle tasks, needle quantized", q, b[q.index]))
+                if len(q) < len(a):  # a subset: some needles were protected
+                    subsets.append(("needle tasks, needle quantized", q, b[q.index]))
             for task, a, b in subsets:
                 if len(a) < 2:
                     continue
@@ -467,7 +471,7 @@ def needles(df: pd.DataFrame) -> Table:
     for region in ("quantized", "protected", "straddling", "unquantized"):
         acc, n = shown.pop(f"{region} accuracy"), shown.pop(f"{region} n")
         if n.any():
-            shown[region] = [f"{a:.3f} ({c})" if c else "" for a, c in zip(acc, n)]
+            shown[f"needle {region}"] = [f"{a:.3f} ({c})" if c else "" for a, c in zip(acc, n)]
     for c in ("B quantized", "B held"):
         shown[c] = shown[c].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.1f}")
     return Table("needles", "Needle accuracy by where the asked needle sat in the cache (accuracy (examples))",

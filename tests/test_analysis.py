@@ -219,9 +219,20 @@ def test_needle_regions_split_the_scores_and_the_placement_quantizes_every_needl
         + by_set["none", "test"]["straddling n"] == 2
     p = tables.paired(frame)
     assert set(p.long["eval set"]) == {"test", "test needle outside 4+128"}
-    (row,) = p.long[(p.long["eval set"] == "test needle outside 4+128")
-                    & (p.long["task"] == "needle tasks, needle quantized")].to_dict("records")
-    assert row["examples"] == 2 and row["B held"] == pytest.approx(
+    placed_rows = p.long[p.long["eval set"] == "test needle outside 4+128"]
+    assert list(placed_rows["task"]) == ["toy_niah_single_1"]  # every needle quantized: no subset row to add
+    assert placed_rows["B held"].iloc[0] == pytest.approx(
         json.loads((runs / "eval_placed_quarot" / "record.json").read_text())["metrics"]["cache/bf16_B_per_token_per_layer"])
     acc = tables.accuracy(frame).rows
     assert {"B quantized", "B held", "eval set"} <= set(acc.columns)
+
+
+def test_needle_quantized_keeps_the_examples_every_quantizing_cache_quantized():
+    index = pd.MultiIndex.from_tuples([(i, f"h{i}") for i in range(4)], names=["doc_id", "doc_hash"])
+    scores = pd.Series([1.0, 0.0, 1.0, 1.0], index=index)
+    ours = pd.Series(["quantized", "protected", "straddling", "quantized"], index=index)
+    peer = pd.Series(["quantized"] * 4, index=index)
+    bf16 = pd.Series(["unquantized"] * 4, index=index)
+    assert list(tables.needle_quantized(scores, ours, peer).index.get_level_values(0)) == [0, 3]
+    assert len(tables.needle_quantized(scores, peer, bf16)) == 4
+    assert tables.needle_quantized(scores, ours, None).empty  # a run without regions cannot vouch for its needles

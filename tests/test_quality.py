@@ -27,6 +27,10 @@ def test_quality_orders_formats_and_is_exact_unquantized(tmp_path, monkeypatch):
     assert 0 < int4["quality/kl_stderr"] < int4["quality/kl"] and bf16["quality/kl_stderr"] == 0
     assert int4["quality/ppl"] < int2["quality/ppl"] and int2["quality/ppl_ratio"] > 1
     assert int4["quality/ppl_unquantized"] == pytest.approx(bf16["quality/ppl"], rel=1e-6)
+    # bytes held over the scored sequences: with no protected region, every token at its quantized bytes
+    assert int4["cache/bf16_B_per_token_per_layer"] == pytest.approx(int4["cache/bytes_per_token_per_layer"])
+    assert int4["cache/bf16/full_precision"] == 0 and bf16["cache/bf16_B_per_token_per_layer"] == (96 + 16) * 2
+    assert int4["cache/token_layers"] == 2 * 160 * 4  # 2 sequences of 160 tokens, 4 cache layers
 
 
 def test_serving_mode_sees_quantization_only_across_chunks(tmp_path, monkeypatch):
