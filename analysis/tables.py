@@ -144,7 +144,8 @@ def _eval_base(r) -> dict:
         cache = f"mixed {alloc.get('by', 'sensitivity')} @{budget}"
         if (alloc.get("rope_groups") or 1) > 1:  # a width per group of RoPE pairs
             cache += f" rope/{alloc['rope_groups']}"
-        content = rope = "per layer"
+        content, rope = (" ".join(["per layer", *[q for q in [(quant.get(path) or {}).get("quantizer")]
+                                                   if q not in (None, "rtn")]]) for path in ("content", "rope"))
         shield = quant.get("protected") or {}
         protected = f"{shield.get('n_sink', 0)}+{shield.get('recent', 0)}"
         if quant.get("mode") == "serving":
@@ -631,7 +632,7 @@ def mixed(df: pd.DataFrame) -> Table:
     if not long.empty and long["budget"].notna().any():
         long = _with_samples(long)
         refs = long[long["cache"] == "bf16"]
-        group = ["model", "method", "cache", "protected", "eval set"]
+        group = ["model", "method", "cache", "content", "rope", "protected", "eval set"]
         for key, g in long[long["budget"].notna()].groupby(group, sort=False):
             pooled = []
             for t in g.itertuples():
