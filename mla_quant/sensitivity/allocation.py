@@ -82,6 +82,16 @@ class MixedSpec:
     def dim(self, path: str) -> int:
         return {"content": self.d_c, "rope": self.d_r}[path]
 
+    quantized = True
+
+    @property
+    def n_sink(self) -> int:
+        return int((self.base.get("protected") or {}).get("n_sink", 0))
+
+    @property
+    def recent(self) -> int:
+        return int((self.base.get("protected") or {}).get("recent", 0))
+
     @property
     def rope_groups(self) -> int:
         return int(self.allocation["rope_groups"])
