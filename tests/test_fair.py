@@ -197,3 +197,16 @@ def test_dev_split_shares_no_key_with_test(tmp_path, tok):
     folder = write_task_files(tmp_path / "dev", tok, split="dev", niah_lengths=[512], niah_per_length=2,
                               tasks=["toy_niah_single_2", "toy_gsm8k"], arithmetic_n=5)
     assert (folder / "toy_niah_single_2.jsonl").is_file() and not (folder / "toy_niah_single_1.jsonl").exists()
+
+
+@pytest.mark.parametrize("quant", [["quant=int4_joint"], ["quant=mixed", "quant.budget=int2_joint"]])
+def test_a_placement_narrower_than_the_protected_region_is_refused_before_any_weight(quant):
+    from conftest import compose
+
+    from mla_quant.stages import evaluate
+
+    cfg = compose(["experiment=evaluate", *quant, "quant.protected.recent=256", "eval.data.needle_outside=[4,128]"])
+    with pytest.raises(ValueError, match=r"quant=(int4_joint|mixed) protects 4 sinks and 256 recent"):
+        evaluate.check(cfg, data=False)
+    evaluate.check(compose(["experiment=evaluate", *quant, "eval.data.needle_outside=[4,256]",
+                            "quant.protected.recent=256"]), data=False)
