@@ -221,8 +221,8 @@ def test_needle_regions_split_the_scores_and_the_placement_quantizes_every_needl
     assert set(p.long["eval set"]) == {"test", "test needle outside 4+128"}
     placed_rows = p.long[p.long["eval set"] == "test needle outside 4+128"]
     assert list(placed_rows["task"]) == ["toy_niah_single_1"]  # every needle quantized: no subset row to add
-    assert placed_rows["B held"].iloc[0] == pytest.approx(
-        json.loads((runs / "eval_placed_quarot" / "record.json").read_text())["metrics"]["cache/bf16_B_per_token_per_layer"])
+    quarot = json.loads((runs / "eval_placed_quarot" / "record.json").read_text())["metrics"]
+    assert placed_rows["B held"].iloc[0] == pytest.approx(quarot["cache/bf16_B_per_token_per_layer"])
     acc = tables.accuracy(frame).rows
     assert {"B quantized", "B held", "eval set"} <= set(acc.columns)
 

@@ -74,7 +74,8 @@ class HeldBytes:
     def __sub__(self, earlier: "HeldBytes") -> "HeldBytes":
         out = HeldBytes()
         out.token_layers = self.token_layers - earlier.token_layers
-        out.parts = {u: {k: v - earlier.parts[u].get(k, 0.0) for k, v in parts.items()} for u, parts in self.parts.items()}
+        out.parts = {unit: {k: v - earlier.parts[unit].get(k, 0.0) for k, v in parts.items()}
+                     for unit, parts in self.parts.items()}
         return out
 
     def copy(self) -> "HeldBytes":
