@@ -67,13 +67,17 @@ def _used(df: pd.DataFrame, long: pd.DataFrame) -> list[str]:
     return sorted(set(long["source"])) if "source" in long else []
 
 
+def _quantizer(path: dict) -> str:
+    """" <quantizer>" of a quant config's path, "" for the default (rtn, min/max ranges)."""
+    quantizer = path.get("quantizer") or "rtn"
+    return "" if quantizer == "rtn" else f" {quantizer}"
+
+
 def path_format(path: dict) -> str:
     """One cache path of a quant config in a few characters: bf16, fp8, int4 g32, int2 tok (per token)."""
     if path.get("format") != "int":
         return str(path.get("format"))
-    quantizer = path.get("quantizer", "rtn")
-    return (f"int{path['bits']} " + (f"g{path['group_size']}" if path.get("group_size") else "tok")
-            + ("" if quantizer == "rtn" else f" {quantizer}"))
+    return f"int{path['bits']} " + (f"g{path['group_size']}" if path.get("group_size") else "tok") + _quantizer(path)
 
 
 def _pm(mean, err, digits=3) -> str:
@@ -144,8 +148,7 @@ def _eval_base(r) -> dict:
         cache = f"mixed {alloc.get('by', 'sensitivity')} @{budget}"
         if (alloc.get("rope_groups") or 1) > 1:  # a width per group of RoPE pairs
             cache += f" rope/{alloc['rope_groups']}"
-        content, rope = (" ".join(["per layer", *[q for q in [(quant.get(path) or {}).get("quantizer")]
-                                                   if q not in (None, "rtn")]]) for path in ("content", "rope"))
+        content, rope = (f"per layer{_quantizer(quant.get(path) or {})}" for path in ("content", "rope"))
         shield = quant.get("protected") or {}
         protected = f"{shield.get('n_sink', 0)}+{shield.get('recent', 0)}"
         if quant.get("mode") == "serving":
@@ -225,38 +228,28 @@ def accuracy(df: pd.DataFrame) -> Table:
 SAMPLE_FILTERS = ("none", "strict-match")  # the filter whose per-example score is the task's headline score
 
 
-def example_scores(source: str, task: str, metric: str) -> pd.Series | None:
+def example_samples(source: str, task: str, metric: str) -> tuple[pd.Series | None, pd.Series | None]:
     """Per-example headline scores of one task of one evaluate record, from the samples file beside the record
-    (<run>/samples/<task>.jsonl), indexed by (doc_id, doc_hash); None when the run logged no samples."""
+    (<run>/samples/<task>.jsonl), and where each example's asked needle sat in the cache (quantized, protected,
+    straddling, unquantized); both indexed by (doc_id, doc_hash). None for scores when the run logged no samples, for
+    regions when the task has no needle regions."""
     path = Path(source).parent / "samples" / f"{task}.jsonl"
     if not path.is_file():
-        return None
+        return None, None
     import json
 
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("filter") in SAMPLE_FILTERS and metric in r.get("metrics", {})]
-    if not rows:
-        return None
-    index = pd.MultiIndex.from_tuples([(r["doc_id"], r.get("doc_hash")) for r in rows], names=["doc_id", "doc_hash"])
-    values = pd.Series([float(r["metrics"][metric]) for r in rows], index=index, dtype=float)
-    return values[~values.index.duplicated(keep="first")]
 
+    def series(rs: list[dict], value, dtype) -> pd.Series | None:
+        if not rs:
+            return None
+        index = pd.MultiIndex.from_tuples([(r["doc_id"], r.get("doc_hash")) for r in rs], names=["doc_id", "doc_hash"])
+        values = pd.Series([value(r) for r in rs], index=index, dtype=dtype)
+        return values[~values.index.duplicated(keep="first")]
 
-def example_regions(source: str, task: str) -> pd.Series | None:
-    """Where the asked needle sat in the cache per example of one task (quantized, protected, straddling,
-    unquantized), indexed as `example_scores`; None for a run or task without needle regions."""
-    path = Path(source).parent / "samples" / f"{task}.jsonl"
-    if not path.is_file():
-        return None
-    import json
-
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r.get("filter") in SAMPLE_FILTERS and "needle" in r]
-    if not rows:
-        return None
-    index = pd.MultiIndex.from_tuples([(r["doc_id"], r.get("doc_hash")) for r in rows], names=["doc_id", "doc_hash"])
-    values = pd.Series([r["needle"] for r in rows], index=index, dtype=object)
-    return values[~values.index.duplicated(keep="first")]
+    return (series(rows, lambda r: float(r["metrics"][metric]), float),
+            series([r for r in rows if "needle" in r], lambda r: r["needle"], object))
 
 
 def needle_quantized(scores: pd.Series, *regions: pd.Series | None) -> pd.Series:
@@ -292,8 +285,8 @@ def _paired_row(base: dict, task: str, method: pd.Series, rtn: pd.Series, ref: p
 def _with_samples(long: pd.DataFrame) -> pd.DataFrame:
     """The model rows of `accuracy_long` that logged per-example scores, with their scores and needle regions."""
     long = long[long["run as"] == "model"]
-    long = long.assign(samples=[example_scores(r.source, r.task, r.metric) for r in long.itertuples()],
-                       regions=[example_regions(r.source, r.task) for r in long.itertuples()])
+    read = [example_samples(r.source, r.task, r.metric) for r in long.itertuples()]
+    long = long.assign(samples=[scores for scores, _ in read], regions=[regions for _, regions in read])
     return long[long["samples"].notna()]
 
 
@@ -312,19 +305,27 @@ def _pooled_rows(base: dict, pooled: list) -> list[dict]:
         row = _paired_row({**base, "sources": []}, "all tasks", *cat)
         if row is not None:
             rows.append(row)
-    flagged = [p for p in pooled if p[3] is not None and p[4] is not None]
-    if flagged:
-        every = pd.concat([p[0] for p in flagged])
-        a = needle_quantized(every, *(pd.concat([p[k] for p in flagged]) for k in (3, 4)))
-        if len(a) == len(every):  # every needle was stored quantized: the rows above already say it
-            return rows
-        b = pd.concat([p[1] for p in flagged])  # paired with `a` on their common examples
-        refs = [p[2] for p in flagged]
-        ref = pd.concat(refs) if all(r is not None for r in refs) else None
-        row = _paired_row({**base, "sources": []}, "needle tasks, needle quantized", a, b, ref)
+    subset = _needle_subset(pooled)
+    if subset is not None:
+        row = _paired_row({**base, "sources": []}, "needle tasks, needle quantized", *subset)
         if row is not None:
             rows.append(row)
     return rows
+
+
+def _needle_subset(pooled: list) -> tuple[pd.Series, pd.Series, pd.Series | None] | None:
+    """Over the tasks whose two runs both logged needle regions: the first run's scores on the examples whose asked
+    needle every quantizing cache stored quantized, the other run's scores and the reference's (or None). None when
+    no task has regions, or when the subset is every example of every task (the all-tasks row says it). pooled: per
+    task (scores, other scores, reference scores or None, regions, other regions)."""
+    flagged = [p for p in pooled if p[3] is not None and p[4] is not None]
+    if not flagged:
+        return None
+    a = needle_quantized(pd.concat([p[0] for p in flagged]), *(pd.concat([p[k] for p in flagged]) for k in (3, 4)))
+    if len(a) == sum(len(p[0]) for p in pooled):
+        return None
+    refs = [p[2] for p in flagged]
+    return a, pd.concat([p[1] for p in flagged]), (pd.concat(refs) if all(r is not None for r in refs) else None)
 
 
 def paired(df: pd.DataFrame) -> Table:
@@ -417,12 +418,10 @@ def peers(df: pd.DataFrame) -> Table:
                     "tasks": len(pooled)}
             a, b = pd.concat([x[0] for x in pooled]), pd.concat([x[1] for x in pooled])
             subsets = [("all tasks", a, b)]
-            flagged = [x for x in pooled if x[3] is not None and x[4] is not None]
-            if flagged:
-                q = needle_quantized(pd.concat([x[0] for x in flagged]),
-                                     *(pd.concat([x[k] for x in flagged]) for k in (3, 4)))
-                if len(q) < len(a):  # a subset: some needles were protected
-                    subsets.append(("needle tasks, needle quantized", q, b[q.index]))
+            subset = _needle_subset(pooled)
+            if subset is not None:  # the pairs were taken on common examples: `q` indexes the peer's scores
+                q, peer_scores, _ = subset
+                subsets.append(("needle tasks, needle quantized", q, peer_scores[q.index]))
             for task, a, b in subsets:
                 if len(a) < 2:
                     continue

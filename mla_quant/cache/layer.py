@@ -522,21 +522,26 @@ class LatentCacheLayer(LatentLayerContract):
     def real_tokens(self) -> int:
         return 0 if self.slot_valid is None else int(self.slot_valid.sum())
 
-    def _protected_bytes(self, held: bool, tokens_only: bool = False) -> int:
+    def _protected_bytes(self, held: bool) -> int:
+        return self._window_bytes(held) + self._tensor_scale_bytes(held)
+
+    def _window_bytes(self, held: bool, act_bytes: int | None = None) -> int:
+        """Sinks, recent and pending tokens: their slots (held) or the real ones, at their dtype's size or `act_bytes`
+        per value."""
         total = 0
         for p in self.sinks:
-            per_token = self.sinks[p].shape[-1] * self.sinks[p].element_size()
+            per_token = self.sinks[p].shape[-1] * (act_bytes or self.sinks[p].element_size())
             if held:
                 slots = self.sinks[p].shape[1] + self.recent[p].shape[1] + self.pending[p].shape[1]
                 total += slots * self.sinks[p].shape[0] * per_token
             else:
                 total += int(self.n_sinks.sum() + self.n_recent.sum() + self.n_pending.sum()) * per_token
-        if tokens_only:
-            return total
-        scales = {id(s): s for s in self.tensor_scales.values() if s is not None}
-        for s in scales.values():
-            total += (s.numel() if held else int((s > 0).sum())) * s.element_size()
         return total
+
+    def _tensor_scale_bytes(self, held: bool) -> int:
+        """Per-sequence fp8 tensor scales (one tensor when shared by both paths): all slots, or the set ones."""
+        scales = {id(s): s for s in self.tensor_scales.values() if s is not None}
+        return sum((s.numel() if held else int((s > 0).sum())) * s.element_size() for s in scales.values())
 
     def codebook_bytes(self) -> int:
         """Bytes of the layer's lloyd codebooks (float32 levels per path, shared by every sequence)."""
@@ -558,15 +563,13 @@ class LatentCacheLayer(LatentLayerContract):
         `act_bytes` each (2: a BF16 checkpoint's cache, whatever dtype this run computes in)."""
         if not self.is_initialized:
             return {"quantized": 0.0, "full precision": 0.0, "side": 0.0}
-        tokens = self._protected_bytes(held=False, tokens_only=True)
-        side = self._protected_bytes(held=False) - tokens + self.codebook_bytes()
+        tokens = self._window_bytes(held=False, act_bytes=act_bytes)
+        side = self._tensor_scale_bytes(held=False) + self.codebook_bytes()
         stored = self.store.used_bytes()
         if act_bytes is not None:
-            values = sum(self._dims.values())
-            tokens = int(self.n_sinks.sum() + self.n_recent.sum() + self.n_pending.sum()) * values * act_bytes
             n = int(self.store.lengths.sum())
             stored = (n * sum(self.path_format(p).bytes_per_token(self._dims[p], act_bytes) for p in PATHS)
-                      if self.quantized else n * values * act_bytes)
+                      if self.quantized else n * sum(self._dims.values()) * act_bytes)
         if not self.quantized:
             return {"quantized": 0.0, "full precision": float(stored + tokens), "side": float(side)}
         return {"quantized": float(stored), "full precision": float(tokens), "side": float(side)}
