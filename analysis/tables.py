@@ -34,6 +34,8 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.records import newest_complete
+from mla_quant.eval import HEADLINE_FILTERS
+from mla_quant.eval.needles import REGIONS
 from mla_quant.stats import clustered_stderr
 
 PAPER = Path(__file__).with_name("paper_results.csv")
@@ -225,7 +227,6 @@ def accuracy(df: pd.DataFrame) -> Table:
                  _used(df, long))
 
 
-SAMPLE_FILTERS = ("none", "strict-match")  # the filter whose per-example score is the task's headline score
 
 
 def example_samples(source: str, task: str, metric: str) -> tuple[pd.Series | None, pd.Series | None]:
@@ -239,7 +240,7 @@ def example_samples(source: str, task: str, metric: str) -> tuple[pd.Series | No
     import json
 
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r.get("filter") in SAMPLE_FILTERS and metric in r.get("metrics", {})]
+    rows = [r for r in rows if r.get("filter") in HEADLINE_FILTERS and metric in r.get("metrics", {})]
 
     def series(rs: list[dict], value, dtype) -> pd.Series | None:
         if not rs:
@@ -458,7 +459,7 @@ def needles(df: pd.DataFrame) -> Table:
             continue
         base = {k: v for k, v in _eval_base(r).items() if k not in ("peer", "budget")}
         row = {**base, "examples": sum(n for pairs in counts.values() for _, n in pairs)}
-        for region in ("quantized", "protected", "straddling", "unquantized"):
+        for region in REGIONS:
             pairs = counts.get(region)
             n = sum(c for _, c in pairs) if pairs else 0
             row[f"{region} n"] = int(n)
@@ -468,7 +469,7 @@ def needles(df: pd.DataFrame) -> Table:
     if long.empty:
         return Table("needles", "Needle accuracy by where the needle sat", long)
     shown = long.drop(columns="source")
-    for region in ("quantized", "protected", "straddling", "unquantized"):
+    for region in REGIONS:
         acc, n = shown.pop(f"{region} accuracy"), shown.pop(f"{region} n")
         if n.any():
             shown[f"needle {region}"] = [f"{a:.3f} ({c})" if c else "" for a, c in zip(acc, n)]

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-REGIONS = ("quantized", "protected", "straddling", "unquantized")
+from mla_quant.eval import HEADLINE_FILTERS
+
+REGIONS = ("quantized", "protected", "straddling", "unquantized")  # every region `needle_region` names
 
 
 def needle_region(doc: dict, fmt) -> str | None:
@@ -58,7 +60,7 @@ def region_metrics(rows: Iterable[dict], metric: str = "exact_match") -> dict[st
     by: dict[str, list[float]] = {}
     for row in rows:
         region = row.get("needle")
-        if region is None or row.get("filter") not in ("none", "strict-match") or metric not in row["metrics"]:
+        if region is None or row.get("filter") not in HEADLINE_FILTERS or metric not in row["metrics"]:
             continue
         by.setdefault(region, []).append(float(row["metrics"][metric]))
     out = {}

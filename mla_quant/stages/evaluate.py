@@ -23,6 +23,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from mla_quant.eval import HEADLINE_FILTERS
 from mla_quant.eval.harness import LatentCacheHFLM, compact_samples, evaluate_tasks, pooled_held, rope_zeroed
 from mla_quant.eval.needles import check_placement, needle_region, region_metrics
 from mla_quant.eval.task_files import CODE_TASKS, TOY_TASKS, write_task_files
@@ -34,7 +35,6 @@ from mla_quant.prepare import check_context, model_dims, preflight, prepare_mode
 from mla_quant.stages import StageResult
 from mla_quant.record import progress, write_json_atomic, write_text_atomic
 
-FILTER_NAMES = {"none": "", "strict-match": ""}  # the filter whose score is reported under the bare metric name
 
 
 def flat_metrics(results: dict, prefix: str) -> dict[str, float]:
@@ -47,7 +47,7 @@ def flat_metrics(results: dict, prefix: str) -> dict[str, float]:
             metric, filt = key.split(",", 1)  # "exact_match_stderr,strict-match" -> eval/<task>/exact_match_stderr
             if metric.endswith("_stderr") and scores.get(f"{metric[:-len('_stderr')]},{filt}") == -1.0:
                 continue  # the standard error of a metric this run did not evaluate
-            name = metric if filt in FILTER_NAMES else f"{metric}@{filt}"
+            name = metric if filt in HEADLINE_FILTERS else f"{metric}@{filt}"
             out[f"{prefix}/{task}/{name}"] = float(value)
     return out
 
