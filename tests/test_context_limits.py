@@ -60,7 +60,9 @@ def test_layer_profile_counts_every_decoder_layer():
 
 def test_peak_memory_counts_the_bytes_allocated_exactly():
     """On glibc the CPU peak of the bytes allocated sees a short-lived tensor to within a few MB, freed memory the
-    allocator keeps included or not (the resident set's noise): the figure the prefill benchmark's growth uses."""
+    allocator keeps included or not (the resident set's noise): the figure the prefill benchmark's growth uses. Another
+    thread of the process (a test before this one) may free a little in the window: 1 MiB of slack below."""
+    import gc
     import time
 
     from mla_quant.memory import PeakMemory, allocated_bytes
@@ -68,12 +70,13 @@ def test_peak_memory_counts_the_bytes_allocated_exactly():
     if allocated_bytes() is None:
         pytest.skip("the C library has no mallinfo2 (not glibc >= 2.33)")
     size = 200 * 2**20
+    gc.collect()
     for _ in range(2):  # the second time the heap may keep freed memory: the count must not change
         with PeakMemory("cpu", interval=1e-4) as mem:
             x = torch.ones(size, dtype=torch.uint8)
             time.sleep(0.05)
             del x
-        assert size <= mem.added_allocated_bytes < size + 8 * 2**20, mem.added_allocated_bytes
+        assert size - 2**20 <= mem.added_allocated_bytes < size + 8 * 2**20, mem.added_allocated_bytes
         assert mem.summary()["peak_added_allocated_gb"] == mem.added_allocated_bytes / 1e9
     start = allocated_bytes()
     y = torch.empty(size, dtype=torch.uint8)

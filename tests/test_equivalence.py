@@ -60,6 +60,23 @@ def test_wrong_rope_layout_is_detected(name, monkeypatch):
     assert diff > 100 * TOL, f"a wrong RoPE layout changed logits by only {diff:.3g}"
 
 
+def test_mistral4_query_factor_is_applied():
+    """Negative control: without Mistral 4's position factor on the query (1 + 0.1 ln 2 from position 32 in the tiny
+    model) the absorbed path leaves transformers' logits."""
+    reference, absorbed = _reference_and_absorbed("tiny_mistral4")
+    ids, _ = make_batch(reference.config.vocab_size, 1, 64, 0, seed=0)
+    with torch.no_grad():
+        expected = reference(ids).logits
+        assert (expected - absorbed(ids).logits).abs().max().item() <= TOL
+        family = absorbed.mla_family
+        family.query_scale = lambda attn, position_ids: None  # this instance only
+        try:
+            diff = (expected - absorbed(ids).logits).abs().max().item()
+        finally:
+            del family.query_scale
+    assert diff > 100 * TOL, f"dropping the query factor changed logits by only {diff:.3g}"
+
+
 def test_absorbed_path_never_expands_per_head_kv():
     """kv_b_proj is never called as a layer: its weight is split into W_UK / W_UV and absorbed."""
     _, absorbed = _reference_and_absorbed("tiny_deepseek_v3")

@@ -222,7 +222,7 @@ def _recorder(family, w, parts: dict, layer: int, query_tokens: int | None = Non
         h = kwargs.get("hidden_states", args[0] if args else None)
         pe = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
         q_pos = query_positions(h.shape[1], query_tokens)
-        _keep(parts, block_pieces(family, module, w, h, pe, q_pos), layer, q_pos)
+        _keep(parts, block_pieces(family, module, w, h, pe, q_pos, kwargs.get("position_ids")), layer, q_pos)
 
     return hook
 
@@ -245,7 +245,8 @@ def _recording_forward(family, module, w, parts: dict | None, layer: int, query_
         fused = (plain and attention_mask is None and cached is None and q_pos is None
                  and hidden_states.dtype == torch.float32)
         if parts is not None or fused:
-            pieces = block_pieces(family, module, w, hidden_states, position_embeddings, q_pos)
+            pieces = block_pieces(family, module, w, hidden_states, position_embeddings, q_pos,
+                                  kwargs.get("position_ids"))
             if parts is not None:
                 _keep(parts, pieces, layer, q_pos)
         if not fused:
@@ -307,15 +308,20 @@ def query_positions(t: int, query_tokens: int | None) -> torch.Tensor | None:
     return torch.linspace(t - 1, 0, query_tokens).round().long().flip(0).unique()
 
 
-def block_pieces(family, module, w, h: torch.Tensor, pe, q_pos: torch.Tensor | None = None):
-    """One MLA block's x_hat (x / rms(x)), absorbed query, RoPE query and RoPE key (after RoPE), float32; the
-    queries at positions `q_pos` only (None: all), sampled before the absorption so no full (B, H, T, d_c) exists."""
+def block_pieces(family, module, w, h: torch.Tensor, pe, q_pos: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None):
+    """One MLA block's x_hat (x / rms(x)), absorbed query, RoPE query and RoPE key (after RoPE, the query with the
+    family's position factor), float32; the queries at positions `q_pos` only (None: all), sampled before the
+    absorption so no full (B, H, T, d_c) exists."""
     q_nope, q_rope, _ = family.query(module, h)
     compressed = linear(module.kv_a_proj_with_mqa, h)
     x, k_rope = torch.split(compressed, [w.d_c, w.d_r], dim=-1)
     xf = x.float()
     x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + w.norm_eps)
     q_rope, k_rope = family.rotate(module, q_rope, k_rope, pe)
+    factor = family.query_scale(module, position_ids)
+    if factor is not None:
+        q_nope, q_rope = q_nope * factor.to(q_nope.dtype), q_rope * factor.to(q_rope.dtype)
     if q_pos is not None:
         q_pos = q_pos.to(q_nope.device)
         q_nope, q_rope = q_nope[:, :, q_pos], q_rope[:, :, q_pos]

@@ -76,6 +76,9 @@ class AbsorbedMLA:
         q_nope, q_rope, q_resid = family.query(self, hidden_states)  # (B, H, T, d_nope), (B, H, T, d_r)
         content, k_rope = family.latent(self, hidden_states)  # (B, T, d_c), (B, T, d_r)
         q_rope, k_rope = family.rotate(self, q_rope, k_rope, position_embeddings)
+        factor = family.query_scale(self, kwargs.get("position_ids"))
+        if factor is not None:
+            q_nope, q_rope = q_nope * factor.to(q_nope.dtype), q_rope * factor.to(q_rope.dtype)
         valid = key_validity(attention_mask, t)  # before a family narrows the mask (V3.2's sparse indexer)
         attention_mask = family.attention_mask(
             self,

@@ -4,6 +4,7 @@ A family says how to get, from transformers' own attention module of that family
   - the query split into its no-RoPE and RoPE parts, before RoPE          `query(attn, h)`
   - the content latent c (after the norm) and the RoPE key, before RoPE    `latent(attn, h)`
   - RoPE, using the family's own transformers function                    `rotate(attn, q_rope, k_rope, pe)`
+  - any per-position factor on the whole query after RoPE (Mistral 4)     `query_scale(attn, position_ids)`
   - any mask the family adds (DeepSeek-V3.2's sparse indexer)             `attention_mask(attn, mask, ...)`
 and where its MLA weights live (`mla_weights`, for transforms that fold into them). Everything else (the absorbed
 attention, the cache) is shared. Families differ only through these accessors.
@@ -84,6 +85,7 @@ class MLAFamily:
     config_class_name = "DeepseekV3Config"
     model_class_name = "DeepseekV3ForCausalLM"
     attention_class_name = "DeepseekV3Attention"
+    plain_rope = True  # transformers' plain (rope_type "default") RoPE runs on this family's RoPE dims
 
     # --- classes, imported lazily so that importing mla_quant stays cheap
     @property
@@ -159,6 +161,10 @@ class MLAFamily:
             fn = self.modeling.apply_rotary_pos_emb
         q_rope, k_rope = fn(q_rope, k_rope.unsqueeze(1), cos, sin)
         return q_rope, k_rope[:, 0]
+
+    def query_scale(self, attn, position_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """A factor (B, 1, T, 1) the family multiplies the whole query by after RoPE, or None (none)."""
+        return None
 
     def attention_mask(self, attn, mask, **context):
         return mask
@@ -238,6 +244,58 @@ class LongcatFlashFamily(MLAFamily):
         return content * attn.mla_scale_kv_lora, k_rope
 
 
+class AXK1Family(MLAFamily):
+    """A.X K1: DeepSeek-V3 MLA with the query LoRA always on, its own modeling file."""
+
+    name = "axk1"
+    model_types = ("axk1",)
+    modeling_module = "transformers.models.axk1.modeling_axk1"
+    config_class_name = "AXK1Config"
+    model_class_name = "AXK1ForCausalLM"
+    attention_class_name = "AXK1Attention"
+
+
+class SarvamMLAFamily(MLAFamily):
+    """Sarvam (sarvam_mla): its own config class; transformers runs it with the DeepSeek-V3 model classes."""
+
+    name = "sarvam_mla"
+    model_types = ("sarvam_mla",)
+    config_class_name = "SarvamMLAConfig"
+
+
+class YoutuFamily(MLAFamily):
+    """Youtu-LLM: DeepSeek-V3 MLA in a Llama-style decoder, its own modeling file."""
+
+    name = "youtu"
+    model_types = ("youtu",)
+    modeling_module = "transformers.models.youtu.modeling_youtu"
+    config_class_name = "YoutuConfig"
+    model_class_name = "YoutuForCausalLM"
+    attention_class_name = "YoutuAttention"
+
+
+class Mistral4Family(MLAFamily):
+    """Mistral Small 4: DeepSeek-V3 MLA, and the whole query multiplied after RoPE by Llama 4's position factor
+    1 + beta * log(1 + floor(position / original_max_position_embeddings)) (1 below that length)."""
+
+    name = "mistral4"
+    model_types = ("mistral4",)
+    modeling_module = "transformers.models.mistral4.modeling_mistral4"
+    config_class_name = "Mistral4Config"
+    model_class_name = "Mistral4ForCausalLM"
+    attention_class_name = "Mistral4Attention"
+    plain_rope = False  # its plain RoPE rotates head_dim (d_nope + d_r) dims: only its YaRN fits the d_r-dim key
+
+    def query_scale(self, attn, position_ids):
+        rope = attn.config.rope_parameters
+        if rope.get("llama_4_scaling_beta") is None:
+            return None
+        if position_ids is None:
+            raise ValueError(f"{self.name}: the query's position factor needs position_ids; none were passed")
+        return self.modeling.get_llama_4_attn_scale(position_ids, rope["llama_4_scaling_beta"],
+                                                    rope.get("original_max_position_embeddings"))
+
+
 class DeepseekV32Family(MLAFamily):
     """DeepSeek-V3.2: V3 MLA plus the DSA indexer, whose top-k selection is folded into the mask (left as is)."""
 
@@ -277,6 +335,10 @@ FAMILIES: dict[str, MLAFamily] = {
         LongcatFlashFamily(),
         MiniCPM3Family(),
         DeepseekV32Family(),
+        AXK1Family(),
+        SarvamMLAFamily(),
+        YoutuFamily(),
+        Mistral4Family(),
     )
 }
 

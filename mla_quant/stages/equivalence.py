@@ -20,16 +20,18 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from mla_quant.models.absorbed import absorb, cache_kwargs, latent_dims, new_cache
+from mla_quant.models.families import get_family
 from mla_quant.prepare import build_model
 from mla_quant.stages import StageResult, selected_models
 from mla_quant.record import write_text_atomic
 
 
 def rope_variants(model_cfg: DictConfig) -> dict[str, DictConfig]:
-    """The configured RoPE, plus plain RoPE when the configured one is scaled (YaRN, LongRoPE)."""
+    """The configured RoPE, plus plain RoPE when the configured one is scaled (YaRN, LongRoPE) and the family's
+    transformers code runs plain RoPE at all (`MLAFamily.plain_rope`)."""
     variants = {"configured": model_cfg}
     rope = model_cfg.config.get("rope_parameters")
-    if rope is not None and rope.get("rope_type", "default") != "default":
+    if rope is not None and rope.get("rope_type", "default") != "default" and get_family(model_cfg.family).plain_rope:
         plain = copy.deepcopy(model_cfg)
         plain.config.rope_parameters = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)}
         variants = {f"rope_{rope.rope_type}": model_cfg, "rope_default": plain}
