@@ -77,6 +77,30 @@ def test_mistral4_query_factor_is_applied():
     assert diff > 100 * TOL, f"dropping the query factor changed logits by only {diff:.3g}"
 
 
+def test_glm5_shared_layer_takes_the_top_k_before_it(monkeypatch):
+    """Negative control: GLM-5's shared layer (layer 2 of the tiny model) masks with layer 1's top-k; attending to
+    every key there instead leaves transformers' logits, so the equivalence test sees the shared selection."""
+    from mla_quant.models.families import GlmMoeDsaFamily
+
+    reference, absorbed = _reference_and_absorbed("tiny_glm_moe_dsa")
+    assert [a.indexer is None for a in absorbed.mla_family.attention_modules(absorbed)] == [False, False, True]
+    ids, _ = make_batch(reference.config.vocab_size, 1, 64, 0, seed=0)
+    with torch.no_grad():
+        expected = reference(ids).logits
+        assert (expected - absorbed(ids).logits).abs().max().item() <= TOL
+        own = GlmMoeDsaFamily.top_k
+
+        def every_key(self, attn, mask, **context):
+            if attn.indexer is not None:
+                return own(self, attn, mask, **context)
+            b, t, s = mask.shape[0], mask.shape[-2], mask.shape[-1]
+            return torch.arange(s).expand(b, t, s)
+
+        monkeypatch.setattr(GlmMoeDsaFamily, "top_k", every_key)
+        diff = (expected - absorbed(ids).logits).abs().max().item()
+    assert diff > 100 * TOL, f"ignoring the shared top-k changed logits by only {diff:.3g}"
+
+
 def test_absorbed_path_never_expands_per_head_kv():
     """kv_b_proj is never called as a layer: its weight is split into W_UK / W_UV and absorbed."""
     _, absorbed = _reference_and_absorbed("tiny_deepseek_v3")

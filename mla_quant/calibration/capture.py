@@ -190,7 +190,9 @@ def capture_layers(model, ids: torch.Tensor, batch_size: int = 8, offload: str =
 
     _stopped_forwards(model, ids, batch_size, layers[0], first)
 
-    # 2. Each decoder layer once over every batch, recording its MLA blocks on the way.
+    # 2. Each decoder layer once over every batch, recording its MLA blocks on the way; what a layer hands the next
+    # beside its hidden states (GLM-5's top-k) is passed on per batch.
+    carried: list[dict] = [{} for _ in hidden]
     for j, layer in enumerate(layers):
         mine = [i for i, o in enumerate(owner) if o == j and i >= start]
         parts = {i: _parts() for i in mine}
@@ -198,7 +200,8 @@ def capture_layers(model, ids: torch.Tensor, batch_size: int = 8, offload: str =
         blocks = {i: modules[i] for i, o in enumerate(owner) if o == j}
         with _computed_from_pieces(family, blocks, parts, query_tokens):
             for b, h in enumerate(hidden):
-                out = layer(h.to(device), **_move(arguments[b], device))
+                out = layer(h.to(device), **_move({**arguments[b], **carried[b]}, device))
+                carried[b] = _move(family.carried(out), keep)
                 out = out[0] if isinstance(out, tuple) else out
                 hidden[b] = out.to(keep)
         for i in mine:

@@ -80,7 +80,7 @@ class AbsorbedMLA:
         if factor is not None:
             q_nope, q_rope = q_nope * factor.to(q_nope.dtype), q_rope * factor.to(q_rope.dtype)
         valid = key_validity(attention_mask, t)  # before a family narrows the mask (V3.2's sparse indexer)
-        attention_mask = family.attention_mask(
+        attention_mask, extra = family.attention_mask(
             self,
             attention_mask,
             hidden_states=hidden_states,
@@ -88,6 +88,7 @@ class AbsorbedMLA:
             position_embeddings=position_embeddings,
             cache=cache,
             position_ids=kwargs.get("position_ids"),
+            prev_topk_indices=kwargs.get("prev_topk_indices"),
         )
 
         kv_b = self.mla_kv_b if getattr(self, "mla_kv_b", None) is not None else self.kv_b_proj.weight
@@ -106,7 +107,7 @@ class AbsorbedMLA:
             out = latent_attention(q_nope, q_rope, content, k_rope, self.scaling, attention_mask, **absorbed)
 
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_head_dim)  # (B, T, H * d_v)
-        return fp8.linear(self.o_proj, out), None
+        return fp8.linear(self.o_proj, out), None, *extra
 
 
 @functools.cache

@@ -6,6 +6,7 @@ A family says how to get, from transformers' own attention module of that family
   - RoPE, using the family's own transformers function                    `rotate(attn, q_rope, k_rope, pe)`
   - any per-position factor on the whole query after RoPE (Mistral 4)     `query_scale(attn, position_ids)`
   - any mask the family adds (DeepSeek-V3.2's sparse indexer)             `attention_mask(attn, mask, ...)`
+    and any output the family's module returns beside its own (GLM-5's top-k, for the next layer)
 and where its MLA weights live (`mla_weights`, for transforms that fold into them). Everything else (the absorbed
 attention, the cache) is shared. Families differ only through these accessors.
 
@@ -166,8 +167,15 @@ class MLAFamily:
         """A factor (B, 1, T, 1) the family multiplies the whole query by after RoPE, or None (none)."""
         return None
 
+    def carried(self, layer_output) -> dict:
+        """The keyword arguments a decoder layer's output hands the next decoder layer (as the family's model loop
+        does), for code that runs the layers one by one: none."""
+        return {}
+
     def attention_mask(self, attn, mask, **context):
-        return mask
+        """-> (the mask, narrowed where the family selects keys, and what the attention module returns after its
+        (output, weights): a tuple, empty unless the family's own module returns more)."""
+        return mask, ()
 
 
 class DeepseekV2Family(MLAFamily):
@@ -309,21 +317,62 @@ class DeepseekV32Family(MLAFamily):
     def rope_layout(self, config) -> str:
         return "interleaved"
 
-    def attention_mask(self, attn, mask, *, hidden_states, q_resid, position_embeddings, cache, position_ids):
+    def top_k(self, attn, mask, *, hidden_states, q_resid, position_embeddings, cache, position_ids, **_):
+        """The key positions each query attends to (B, T, k): the layer's own indexer on the dense mask."""
+        return attn.indexer(hidden_states, q_resid, position_embeddings, mask[:, 0], position_ids, cache=cache)
+
+    def extra_outputs(self, top_k: torch.Tensor) -> tuple:
+        """What the attention module returns after (output, weights): nothing for V3.2."""
+        return ()
+
+    def attention_mask(self, attn, mask, *, hidden_states, **context):
         b, t, _ = hidden_states.shape
         if not isinstance(mask, torch.Tensor):  # the indexer scores every (query, key) pair: it needs the dense mask
+            cache = context.get("cache")
             past = cache.get_seq_length(attn.layer_idx) if cache is not None else 0
             keys = mask.keys if mask is not None else torch.ones(b, past + t, dtype=torch.bool,
                                                                  device=hidden_states.device)
             mask = CausalMask(keys).dense(t, hidden_states.dtype)
-        topk = attn.indexer(hidden_states, q_resid, position_embeddings, mask[:, 0], position_ids, cache=cache)
+        topk = self.top_k(attn, mask, hidden_states=hidden_states, **context)
         s = mask.shape[-1]
         not_selected = (
             topk.new_ones((b, t, s), dtype=torch.bool).scatter(-1, topk.long(), False).unsqueeze(1)
         )  # (B, 1, T, S), True = masked out
         if mask.dtype == torch.bool:
-            return mask & ~not_selected
-        return mask.masked_fill(not_selected, torch.finfo(hidden_states.dtype).min)
+            return mask & ~not_selected, self.extra_outputs(topk)
+        return mask.masked_fill(not_selected, torch.finfo(hidden_states.dtype).min), self.extra_outputs(topk)
+
+
+class GlmMoeDsaFamily(DeepseekV32Family):
+    """GLM-5 (glm_moe_dsa): V3.2's MLA and indexer (both with interleaved RoPE); a "shared" layer
+    (`config.indexer_types`) has no indexer and reuses the top-k of the full layer before it, which every layer
+    returns as its third output."""
+
+    name = "glm_moe_dsa"
+    model_types = ("glm_moe_dsa",)
+    modeling_module = "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa"
+    config_class_name = "GlmMoeDsaConfig"
+    model_class_name = "GlmMoeDsaForCausalLM"
+    attention_class_name = "GlmMoeDsaAttention"
+
+    def rotate(self, attn, q_rope, k_rope, position_embeddings):
+        q_rope, k_rope = self.modeling.apply_rotary_pos_emb_interleave(q_rope, k_rope.unsqueeze(1),
+                                                                       *position_embeddings)
+        return q_rope, k_rope[:, 0]
+
+    def top_k(self, attn, mask, *, prev_topk_indices=None, **context):
+        if attn.indexer is not None:
+            return super().top_k(attn, mask, **context)
+        if prev_topk_indices is None:
+            raise ValueError(f"{self.name}: layer {attn.layer_idx} shares the top-k of an earlier layer "
+                             "(config.indexer_types) but none was passed")
+        return prev_topk_indices
+
+    def extra_outputs(self, top_k):
+        return (top_k,)
+
+    def carried(self, layer_output):
+        return {"prev_topk_indices": layer_output[1]}  # GlmMoeDsaModel.forward: (hidden, top-k) per decoder layer
 
 
 FAMILIES: dict[str, MLAFamily] = {
@@ -339,6 +388,7 @@ FAMILIES: dict[str, MLAFamily] = {
         SarvamMLAFamily(),
         YoutuFamily(),
         Mistral4Family(),
+        GlmMoeDsaFamily(),
     )
 }
 
