@@ -101,6 +101,21 @@ def test_glm5_shared_layer_takes_the_top_k_before_it(monkeypatch):
     assert diff > 100 * TOL, f"ignoring the shared top-k changed logits by only {diff:.3g}"
 
 
+def test_axk2_output_gate_is_applied(monkeypatch):
+    """Negative control: without A.X K2's sigmoid gate on the attention output the absorbed path leaves
+    transformers' logits."""
+    from mla_quant.models.families import AXK2Family
+
+    reference, absorbed = _reference_and_absorbed("tiny_axk2")
+    ids, _ = make_batch(reference.config.vocab_size, 1, 32, 0, seed=0)
+    with torch.no_grad():
+        expected = reference(ids).logits
+        assert (expected - absorbed(ids).logits).abs().max().item() <= TOL
+        monkeypatch.setattr(AXK2Family, "gated", lambda self, attn, out, gate: out)
+        diff = (expected - absorbed(ids).logits).abs().max().item()
+    assert diff > 100 * TOL, f"dropping the output gate changed logits by only {diff:.3g}"
+
+
 def test_absorbed_path_never_expands_per_head_kv():
     """kv_b_proj is never called as a layer: its weight is split into W_UK / W_UV and absorbed."""
     _, absorbed = _reference_and_absorbed("tiny_deepseek_v3")

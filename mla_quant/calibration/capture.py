@@ -235,12 +235,14 @@ def _recording_forward(family, module, w, parts: dict | None, layer: int, query_
     from them (the attention over the latent, W_UV per head, o_proj), so the attention runs once for the next layer's
     inputs and for the objectives' reference output (`LayerCapture.ref_out`) alike, and the projections are not
     computed twice. The module's own forward runs instead (after the recording) where those pieces are not its whole
-    input or would not bound memory: a mask (padding, or a family that narrows it, as V3.2's indexer), a cache,
+    input or output or would not bound memory: a mask (padding, or a family that narrows it, as V3.2's indexer), an
+    output gate (AXK2), a cache,
     sampled query positions (`query_tokens`: no (B, H, T, d_c) query tensor is formed then, not even for a block not
     kept), a model that does not compute in float32 (its own rounding is kept), or weights an accelerate hook brings
     in (device_map offloading)."""
     own = module.forward
-    plain = type(family).attention_mask is MLAFamily.attention_mask and not hasattr(module, "_hf_hook")
+    plain = (type(family).attention_mask is MLAFamily.attention_mask and not family.output_gate
+             and not hasattr(module, "_hf_hook"))
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         q_pos = query_positions(hidden_states.shape[1], query_tokens)
@@ -316,7 +318,7 @@ def block_pieces(family, module, w, h: torch.Tensor, pe, q_pos: torch.Tensor | N
     """One MLA block's x_hat (x / rms(x)), absorbed query, RoPE query and RoPE key (after RoPE, the query with the
     family's position factor), float32; the queries at positions `q_pos` only (None: all), sampled before the
     absorption so no full (B, H, T, d_c) exists."""
-    q_nope, q_rope, _ = family.query(module, h)
+    q_nope, q_rope, *_ = family.query(module, h)
     compressed = linear(module.kv_a_proj_with_mqa, h)
     x, k_rope = torch.split(compressed, [w.d_c, w.d_r], dim=-1)
     xf = x.float()

@@ -73,7 +73,7 @@ class AbsorbedMLA:
         family = self.mla_family
         b, t, _ = hidden_states.shape
 
-        q_nope, q_rope, q_resid = family.query(self, hidden_states)  # (B, H, T, d_nope), (B, H, T, d_r)
+        q_nope, q_rope, q_resid, gate = family.query(self, hidden_states)  # (B, H, T, d_nope), (B, H, T, d_r)
         content, k_rope = family.latent(self, hidden_states)  # (B, T, d_c), (B, T, d_r)
         q_rope, k_rope = family.rotate(self, q_rope, k_rope, position_embeddings)
         factor = family.query_scale(self, kwargs.get("position_ids"))
@@ -106,7 +106,7 @@ class AbsorbedMLA:
                 content, k_rope = content[:, 0], k_rope[:, 0]
             out = latent_attention(q_nope, q_rope, content, k_rope, self.scaling, attention_mask, **absorbed)
 
-        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_head_dim)  # (B, T, H * d_v)
+        out = family.gated(self, out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_head_dim), gate)
         return fp8.linear(self.o_proj, out), None, *extra
 
 

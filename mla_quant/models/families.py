@@ -47,6 +47,11 @@ class MLAWeights:
     rope_layout: str  # "interleaved": pairs (2i, 2i+1) in the pre-RoPE rows; "half": pairs (i, i + d_r/2)
     latent_scale: float = 1.0  # a fixed factor the family applies to the normed latent before caching (LongCat)
     norm_eps: float = 1e-6  # the latent RMSNorm's epsilon
+    q_head_rows: int | None = None  # rows per head in q_out when more than d_nope + d_r (AXK2's gate: + d_v)
+
+    @property
+    def q_rows(self) -> int:
+        return self.q_head_rows or self.d_nope + self.d_r
 
     # Weights as full-precision matrices (`fp8.weight_of`): views of the parameters, or dequantized FP8 blocks.
     def w_uk(self) -> torch.Tensor:  # (H, d_nope, d_c)
@@ -62,8 +67,8 @@ class MLAWeights:
         return weight_of(self.kv_a)[self.d_c :]
 
     def q_rope_rows(self) -> torch.Tensor:  # (H, d_r, q_in)
-        w = weight_of(self.q_out).view(self.num_heads, self.d_nope + self.d_r, -1)
-        return w[:, self.d_nope :]
+        w = weight_of(self.q_out).view(self.num_heads, self.q_rows, -1)
+        return w[:, self.d_nope : self.d_nope + self.d_r]
 
 
 def rope_pair(layout: str, d_r: int, i: int) -> tuple[int, int]:
@@ -117,12 +122,16 @@ class MLAFamily:
         """Pair layout of the cached (post-RoPE) key: transformers' interleave RoPE outputs rotate-half order."""
         return "half"
 
+    def q_out(self, attn: nn.Module) -> nn.Linear:
+        """The projection whose per-head rows start [q_nope | q_rope]."""
+        return attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
+
     def mla_weights(self, attn: nn.Module) -> MLAWeights:
         return MLAWeights(
             kv_a=attn.kv_a_proj_with_mqa,
             kv_norm=attn.kv_a_layernorm.weight,
             kv_b=attn.kv_b_proj,
-            q_out=attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj,
+            q_out=self.q_out(attn),
             num_heads=attn.num_heads,
             d_c=attn.kv_lora_rank,
             d_r=attn.qk_rope_head_dim,
@@ -135,7 +144,8 @@ class MLAFamily:
 
     # --- the forward pieces
     def query(self, attn, hidden_states: torch.Tensor):
-        """-> q_nope (B, H, T, d_nope), q_rope (B, H, T, d_r) before RoPE, and the q LoRA residual (or None)."""
+        """-> q_nope (B, H, T, d_nope), q_rope (B, H, T, d_r) before RoPE, the q LoRA residual (or None), and the
+        output gate (B, H, T, d_v) of a family with one (`output_gate`; else None)."""
         b, t, _ = hidden_states.shape
         if attn.q_lora_rank is None:
             q_resid = None
@@ -145,7 +155,7 @@ class MLAFamily:
             q = linear(attn.q_b_proj, q_resid)
         q = q.view(b, t, -1, attn.qk_head_dim).transpose(1, 2)  # (B, H, T, d_nope + d_r)
         q_nope, q_rope = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
-        return q_nope, q_rope, q_resid
+        return q_nope, q_rope, q_resid, None
 
     def latent(self, attn, hidden_states: torch.Tensor):
         """-> content latent c (B, T, d_c) after its RMSNorm, RoPE key (B, T, d_r) before RoPE."""
@@ -162,6 +172,12 @@ class MLAFamily:
             fn = self.modeling.apply_rotary_pos_emb
         q_rope, k_rope = fn(q_rope, k_rope.unsqueeze(1), cos, sin)
         return q_rope, k_rope[:, 0]
+
+    output_gate = False  # True: query() also gives a gate the attention output is multiplied by (gated())
+
+    def gated(self, attn, out: torch.Tensor, gate) -> torch.Tensor:
+        """The attention output (B, T, H * d_v) as it enters o_proj, given query()'s gate (None here)."""
+        return out
 
     def query_scale(self, attn, position_ids: torch.Tensor | None) -> torch.Tensor | None:
         """A factor (B, 1, T, 1) the family multiplies the whole query by after RoPE, or None (none)."""
@@ -243,8 +259,8 @@ class LongcatFlashFamily(MLAFamily):
         return "interleaved"
 
     def query(self, attn, hidden_states):
-        q_nope, q_rope, q_resid = super().query(attn, hidden_states)
-        return q_nope * attn.mla_scale_q_lora, q_rope * attn.mla_scale_q_lora, q_resid
+        q_nope, q_rope, q_resid, gate = super().query(attn, hidden_states)
+        return q_nope * attn.mla_scale_q_lora, q_rope * attn.mla_scale_q_lora, q_resid, gate
 
     def latent(self, attn, hidden_states):
         # The scale is applied before caching in transformers, so the cached content latent includes it.
@@ -343,6 +359,42 @@ class DeepseekV32Family(MLAFamily):
         return mask.masked_fill(not_selected, torch.finfo(hidden_states.dtype).min), self.extra_outputs(topk)
 
 
+class AXK2Family(DeepseekV32Family):
+    """A.X K2 (axk2): V3.2's MLA and DSA indexer on every layer, interleaved RoPE, and an output gate: one fused
+    projection q_gate_proj of [q_a_layernorm(q_a), q_a] gives each head's [q_nope | q_rope | gate (d_v)], and the
+    attention output is multiplied by sigmoid(gate) before o_proj."""
+
+    name = "axk2"
+    model_types = ("axk2",)
+    modeling_module = "transformers.models.axk2.modeling_axk2"
+    config_class_name = "AXK2Config"
+    model_class_name = "AXK2ForCausalLM"
+    attention_class_name = "AXK2Attention"
+    output_gate = True
+
+    def mla_weights(self, attn):
+        w = super().mla_weights(attn)
+        w.q_head_rows = attn.qk_head_dim + attn.v_head_dim
+        return w
+
+    def q_out(self, attn):
+        return attn.q_gate_proj
+
+    def query(self, attn, hidden_states):
+        b, t, _ = hidden_states.shape
+        q_compressed = linear(attn.q_a_proj, hidden_states)
+        q_resid = attn.q_a_layernorm(q_compressed)
+        qg = linear(attn.q_gate_proj, torch.cat([q_resid, q_compressed], dim=-1))
+        qg = qg.view(b, t, -1, attn.qk_head_dim + attn.v_head_dim).transpose(1, 2)  # (B, H, T, d_nope + d_r + d_v)
+        q_nope, q_rope, gate = torch.split(qg, [attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim], -1)
+        return q_nope, q_rope, q_resid, gate
+
+    def gated(self, attn, out, gate):
+        b, t, _ = out.shape
+        gate = gate.transpose(1, 2).reshape(b, t, -1)  # (B, T, H * d_v), heads in o_proj's order
+        return (out * torch.sigmoid(gate.float())).to(out.dtype)
+
+
 class GlmMoeDsaFamily(DeepseekV32Family):
     """GLM-5 (glm_moe_dsa): V3.2's MLA and indexer (both with interleaved RoPE); a "shared" layer
     (`config.indexer_types`) has no indexer and reuses the top-k of the full layer before it, which every layer
@@ -389,6 +441,7 @@ FAMILIES: dict[str, MLAFamily] = {
         YoutuFamily(),
         Mistral4Family(),
         GlmMoeDsaFamily(),
+        AXK2Family(),
     )
 }
 

@@ -22,7 +22,7 @@ from torch import nn
 
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz") if hasattr(torch, n))
 # The MLA projections a fold may rewrite (content: kv_a, kv_b; RoPE: kv_a, the query's output projection).
-MLA_LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+MLA_LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "q_gate_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
 def is_fp8(module) -> bool:

@@ -151,11 +151,12 @@ def fold_rope(w: MLAWeights, angle: torch.Tensor, scale: torch.Tensor) -> None:
     _update(w.kv_a.weight[d_c:], t @ w.rope_rows().detach().double().cpu())
     if w.kv_a.bias is not None:
         _update(w.kv_a.bias[d_c:], t @ w.kv_a.bias[d_c:].detach().double().cpu())
-    q = w.q_out.weight.view(w.num_heads, w.d_nope + d_r, -1)
-    _update(q[:, w.d_nope :], t_inv_t @ w.q_rope_rows().detach().double().cpu())
+    rope = slice(w.d_nope, w.d_nope + d_r)  # of each head's q_out rows (AXK2's gate rows follow them)
+    q = w.q_out.weight.view(w.num_heads, w.q_rows, -1)
+    _update(q[:, rope], t_inv_t @ w.q_rope_rows().detach().double().cpu())
     if w.q_out.bias is not None:
-        qb = w.q_out.bias.view(w.num_heads, w.d_nope + d_r)
-        _update(qb[:, w.d_nope :], qb[:, w.d_nope :].detach().double().cpu() @ t_inv_t.T)
+        qb = w.q_out.bias.view(w.num_heads, w.q_rows)
+        _update(qb[:, rope], qb[:, rope].detach().double().cpu() @ t_inv_t.T)
 
 
 def fold_layer(w: MLAWeights, lt: LayerTransform, where: str = "layer") -> None:
@@ -172,7 +173,8 @@ def rewritten_linears(attn: nn.Module, lt: LayerTransform) -> list[str]:
     if lt.rotation is not None or lt.scale is not None:
         names += ["kv_a_proj_with_mqa", "kv_b_proj"]
     if lt.angle is not None or lt.pair_scale is not None:
-        names += ["kv_a_proj_with_mqa", "q_proj" if attn.q_lora_rank is None else "q_b_proj"]
+        q_out = family_for_config(attn.config).q_out(attn)
+        names += ["kv_a_proj_with_mqa", next(n for n, m in attn.named_children() if m is q_out)]
     return list(dict.fromkeys(names))
 
 
