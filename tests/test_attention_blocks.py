@@ -482,3 +482,35 @@ def test_decode_steps_over_segments_equal_the_stored_keys_path(name, mode, backe
     hidden[1, 100] = False  # a real token masked out: not what the segments hold
     q = torch.randn(3, h, 1, d_nope, generator=g)
     assert not layer._reads_segments(q, CausalMask(hidden), None)
+
+
+def test_sinks_in_every_form_equal_transformers_softmax_with_a_sink_column():
+    """Attention sinks (Hunyuan V4, as gpt-oss): the reference equals transformers' form (a sink logit per head
+    concatenated to the scores, softmaxed, then dropped), and the blocked, online-merged and segment forms equal the
+    reference; without sinks the result differs (they take effect)."""
+    from mla_quant.kernels.layout import Segment
+
+    b, h, t, s, d_c, d_r = 2, 3, 9, 40, 16, 8
+    g = torch.Generator().manual_seed(5)
+    ql, qr = torch.randn(b, h, t, d_c, generator=g), torch.randn(b, h, t, d_r, generator=g)
+    c, r = torch.randn(b, s, d_c, generator=g), torch.randn(b, s, d_r, generator=g)
+    sinks = torch.tensor([0.5, 2.0, -1.0])
+    compact, rows, forms = mask_forms(b, s, t, "left")
+    dense = compact.dense(t, torch.float32)
+    scores = (torch.einsum("bhtc,bsc->bhts", ql, c) + torch.einsum("bhtr,bsr->bhts", qr, r)) * 0.3 + dense
+    combined = torch.cat([scores, sinks.view(1, h, 1, 1).expand(b, h, t, 1)], -1)
+    hf = torch.softmax(combined, -1)[..., :-1] @ c[:, None]
+    want = reference_attention(ql, qr, c, r, 0.3, dense, sinks=sinks)
+    assert rel_err(want, hf, rows) <= 1e-5
+    assert rel_err(reference_attention(ql, qr, c, r, 0.3, dense), want, rows) > 1e-2
+    for blocks in BLOCKS:
+        for name, mask in forms.items():
+            err = rel_err(latent_attention(ql, qr, c, r, 0.3, mask, blocks=blocks, sinks=sinks), want, rows)
+            assert err <= 1e-5, f"{blocks} mask={name}: max relative error {err:.3g}"
+    # one query per sequence over segments, merged by log-sum-exp (split over 3 chunks of keys)
+    lengths = torch.tensor([s, s - 7])
+    got = attn_mod.segment_attention(ql[:, :, -1], qr[:, :, -1], 0.3, [Segment.dense(c, r, lengths)], 16, sinks)
+    keys = torch.arange(s)[None] < lengths[:, None]
+    one = reference_attention(ql[:, :, -1:], qr[:, :, -1:], c, r, 0.3, CausalMask(keys).dense(1, torch.float32),
+                              sinks=sinks)[:, :, 0]
+    torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-6)

@@ -162,3 +162,22 @@ def test_beam_search_reorders_the_latent_cache():
     a = reference.generate(ids, **gen)
     b = absorbed.generate(ids, **gen, **cache_kwargs(new_cache(absorbed)))
     assert torch.equal(a, b), f"{a.tolist()} != {b.tolist()}"
+
+
+@pytest.mark.parametrize("dropped", ["sinks", "gate"])
+def test_hy_v4_sinks_and_gate_are_applied(monkeypatch, dropped):
+    """Negative controls: without Hunyuan V4's attention sinks, or without its output gate, the absorbed path leaves
+    transformers' logits."""
+    from mla_quant.models.families import HYV4Family, MLAFamily
+
+    reference, absorbed = _reference_and_absorbed("tiny_hy_v4")
+    ids, _ = make_batch(reference.config.vocab_size, 1, 32, 0, seed=0)
+    with torch.no_grad():
+        expected = reference(ids).logits
+        assert (expected - absorbed(ids).logits).abs().max().item() <= TOL
+        if dropped == "sinks":
+            monkeypatch.setattr(HYV4Family, "sinks", MLAFamily.sinks)
+        else:
+            monkeypatch.setattr(HYV4Family, "gated", lambda self, attn, out, gate: out)
+        diff = (expected - absorbed(ids).logits).abs().max().item()
+    assert diff > 100 * TOL, f"dropping the {dropped} changed logits by only {diff:.3g}"

@@ -502,3 +502,39 @@ def test_int2_joint_with_rope_groups_of_4_holds_the_peers_bytes(quantizer):
         out[rope_group] = (per_token, float((got_r - r).pow(2).sum() / r.pow(2).sum()))
     assert out[None][0] == 44 and out[4][0] == 56, out
     assert out[4][1] < out[None][1], out
+
+
+def test_attention_sinks_reach_quantized_decode_and_the_kernels_are_refused(monkeypatch):
+    """Hunyuan V4's attention sinks in a quantized cache: decode steps over the stored segments (the PyTorch decode
+    path) give the logits of the same steps over the stored keys, and differ without the sinks; the decode kernels,
+    which have no sinks, are refused by name when asked for."""
+    from mla_quant.models.families import HYV4Family, MLAFamily
+
+    # index_topk above the length: the indexer selects every token, so a decode step's mask hides padding only and
+    # the step reads the stored segments
+    model = build_model(compose("model=tiny_hy_v4", "model.config.index_topk=64").model)
+    ids = torch.randint(3, 512, (2, 30), generator=torch.Generator().manual_seed(0))
+    q = quant_cfg("int4_joint", *TINY, "quant.mode=serving", "quant.backend=torch")
+
+    def decode(segments: bool):
+        monkeypatch.setattr(LatentCacheLayer, "_reads_segments",
+                            lambda self, *a, real=LatentCacheLayer._reads_segments: segments and real(self, *a))
+        with torch.no_grad():
+            out = model.generate(ids, **cache_kwargs(quantized_cache(model, q)), max_new_tokens=4, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        return torch.stack(out.logits)
+
+    from mla_quant.cache import layer as layer_mod
+
+    calls = []
+    monkeypatch.setattr(layer_mod, "segment_attention",
+                        lambda *a, real=layer_mod.segment_attention, **k: calls.append(k) or real(*a, **k))
+    via_segments = decode(True)
+    assert calls, "no decode step read the stored segments"
+    torch.testing.assert_close(via_segments, decode(False), rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(HYV4Family, "sinks", MLAFamily.sinks)
+    assert (decode(True) - via_segments).abs().max() > 1e-2
+    monkeypatch.undo()
+    for backend in ("cpu", "triton"):
+        with pytest.raises(ValueError, match=f"quant.backend={backend}: .*attention sinks.*hy_v4"):
+            quantized_cache(model, quant_cfg("int4_joint", *TINY, f"quant.backend={backend}"))

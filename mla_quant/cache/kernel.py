@@ -37,11 +37,15 @@ class KernelDecode:
     for the device of the step's tensors (`CacheFormat.step_backends`: "triton" or "cpu"; "torch": the PyTorch
     path)."""
 
-    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, blocks=None, w_uk=None, w_uv=None):
+    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, blocks=None, w_uk=None, w_uv=None,
+               sinks=None):
         chosen = self._step_backends(q_latent.device.type)[step_type(q_latent)]
-        if chosen == "torch" or not self._reads_segments(q_latent, mask, valid):
+        if sinks is not None and chosen != "torch" and self.fmt.backend != "auto":
+            raise ValueError(f"{self.where}: quant.backend={self.fmt.backend}: the {chosen} decode kernel has no "
+                             "attention sinks, which this model's attention has; use quant.backend=torch (or auto)")
+        if chosen == "torch" or sinks is not None or not self._reads_segments(q_latent, mask, valid):
             return super().attend(q_latent, q_rope, content, rope, scale, mask, valid, blocks=blocks, w_uk=w_uk,
-                                  w_uv=w_uv)
+                                  w_uv=w_uv, sinks=sinks)
         if chosen == "cpu" and q_latent.device.type != "cpu":
             raise ValueError(f"{self.where}: quant.backend=cpu decodes CPU tensors; this step's are on "
                              f"{q_latent.device} (use quant.backend=auto or triton on a GPU)")

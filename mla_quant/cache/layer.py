@@ -437,11 +437,11 @@ class LatentCacheLayer(LatentLayerContract):
         self.append(content, rope, valid)
         return StoredKeys(self, fresh)
 
-    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, blocks=None, w_uk=None, w_uv=None
-               ) -> torch.Tensor:
+    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, blocks=None, w_uk=None, w_uv=None,
+               sinks=None) -> torch.Tensor:
         """Append this step's latents and attend over the whole cache. Returns o_latent (B, H, T, d_c).
         With w_uk (H, d_nope, d_c), q_latent is q_nope; with w_uv (H, d_v, d_c) the result is per-head values
-        (B, H, T, d_v); `blocks`: `latent_attention`'s block sizes. A decode step whose mask hides padding only, in
+        (B, H, T, d_v); `blocks`: `latent_attention`'s block sizes; `sinks` (H,): attention sinks. A decode step whose mask hides padding only, in
         a format the decode kernel reads, attends over the stored segments (`segment_attention`: the store's codes
         read in place, `blocks.key` tokens at a time); any other step reads the stored tensors through
         `StoredKeys`, one block of keys decoded at a time. Nothing decoded outlives the step."""
@@ -451,10 +451,12 @@ class LatentCacheLayer(LatentLayerContract):
             blocks = DEFAULT_BLOCKS if blocks is None else blocks
             keys = blocks.keys_per_block(1) if blocks.blocked else None  # the workspace of a one-query step
             return self._decode_segments(q_latent, q_rope, scale, w_uk, w_uv,
-                                         lambda q, qr: segment_attention(q, qr, scale, self.segments(), keys))
+                                         lambda q, qr: segment_attention(q, qr, scale, self.segments(), keys,
+                                                                         sinks))
         keys = self._step_keys(content, rope, valid)
         self.backend_steps[step_type(q_latent), "torch"] += 1
-        return latent_attention(q_latent, q_rope, keys, None, scale, mask, blocks=blocks, w_uk=w_uk, w_uv=w_uv)
+        return latent_attention(q_latent, q_rope, keys, None, scale, mask, blocks=blocks, w_uk=w_uk, w_uv=w_uv,
+                                sinks=sinks)
 
     @staticmethod
     def _decode_segments(q_latent, q_rope, scale, w_uk, w_uv, attend) -> torch.Tensor:

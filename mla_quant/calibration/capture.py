@@ -53,6 +53,7 @@ class LayerCapture:
     ids: torch.Tensor | None = None  # (N, T) the token ids captured (end-to-end objectives rerun the model on them)
     model: Any = field(default=None, repr=False, compare=False)  # the model they came from
     q_pos: torch.Tensor | None = None  # (T_q,) positions of the captured queries (calib.query_tokens); None = all T
+    sinks: torch.Tensor | None = None  # (H,) the block's attention sinks (Hunyuan V4), in every softmax of the fit
     chunks: dict = field(default_factory=dict, repr=False, compare=False)  # `chunk` sub-captures, kept with their
     # reference outputs: every evaluation of the fit reuses them instead of recomputing the reference
 
@@ -77,7 +78,8 @@ class LayerCapture:
         return LayerCapture(self.layer, self.x_hat[idx], self.gamma, self.latent_scale, self.q_latent[idx],
                             self.q_rope[idx], self.k_rope[idx], self.w_uv, self.scale, self.cached_layout,
                             ref_out=None if self.ref_out is None else self.ref_out[idx],
-                            ids=None if self.ids is None else self.ids[idx], model=self.model, q_pos=self.q_pos)
+                            ids=None if self.ids is None else self.ids[idx], model=self.model, q_pos=self.q_pos,
+                            sinks=self.sinks)
 
 
 class _Stop(Exception):
@@ -236,13 +238,13 @@ def _recording_forward(family, module, w, parts: dict | None, layer: int, query_
     inputs and for the objectives' reference output (`LayerCapture.ref_out`) alike, and the projections are not
     computed twice. The module's own forward runs instead (after the recording) where those pieces are not its whole
     input or output or would not bound memory: a mask (padding, or a family that narrows it, as V3.2's indexer), an
-    output gate (AXK2), a cache,
+    output gate (AXK2, Hunyuan V4), attention sinks (Hunyuan V4), a cache,
     sampled query positions (`query_tokens`: no (B, H, T, d_c) query tensor is formed then, not even for a block not
     kept), a model that does not compute in float32 (its own rounding is kept), or weights an accelerate hook brings
     in (device_map offloading)."""
     own = module.forward
     plain = (type(family).attention_mask is MLAFamily.attention_mask and not family.output_gate
-             and not hasattr(module, "_hf_hook"))
+             and family.sinks(module) is None and not hasattr(module, "_hf_hook"))
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         q_pos = query_positions(hidden_states.shape[1], query_tokens)
@@ -302,7 +304,8 @@ def _layer_capture(family, model, attn, w, layer: int, parts: dict, ids: torch.T
                         k_rope=torch.cat(parts["k_rope"]), w_uv=w.w_uv().detach().float(), scale=float(attn.scaling),
                         cached_layout=family.cached_rope_layout(model.config), ids=ids.cpu(), model=model,
                         q_pos=None if q_pos is None else q_pos.to(parts["x_hat"][0].device),
-                        ref_out=torch.cat(ref) if ref and len(ref) == len(parts["x_hat"]) else None)
+                        ref_out=torch.cat(ref) if ref and len(ref) == len(parts["x_hat"]) else None,
+                        sinks=None if family.sinks(attn) is None else family.sinks(attn).detach().float())
 
 
 def query_positions(t: int, query_tokens: int | None) -> torch.Tensor | None:

@@ -131,7 +131,7 @@ def rope_roundtrip(cap: LayerCapture, angle: torch.Tensor | None, scale: torch.T
 
 def _attend(cap: LayerCapture, content: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """o_latent (N, H, T_q, d_c) of the captured queries (at their positions) over every key of the sequences."""
-    return causal_latent_attention(cap.q_latent, cap.q_rope, content, rope, cap.scale, cap.q_pos)
+    return causal_latent_attention(cap.q_latent, cap.q_rope, content, rope, cap.scale, cap.q_pos, cap.sinks)
 
 
 def _causal(cap: LayerCapture, device) -> torch.Tensor:

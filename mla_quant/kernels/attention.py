@@ -24,6 +24,10 @@ d_c x (d_nope + d_v) up-projection. `AttentionBlocks.expand_from` sets the query
 Masks: None (causal, queries are the last T of the S slots), a `CausalMask`, or one of the (B, 1, T, S) tensors
 transformers hands attention modules (bool: True = attend; float: additive, as its eager attention adds it).
 
+Attention sinks (`sinks`, (H,) float: Hunyuan V4's learned per-head logits, as gpt-oss's): one more logit per head in
+every softmax, with no value: o_t = sum_s exp(score_ts) c_s / (exp(sink) + sum_s exp(score_ts)). Every PyTorch form
+takes them; the decode kernels do not (a sink family decodes on the PyTorch path, `cache/kernel.py`).
+
 A decode step (one query per sequence) over a cache's stored tensors runs `segment_attention`: the Triton kernel's
 arithmetic (mla_quant/kernels/latent_decode.py) in PyTorch, reading the paged store's codes in place through its
 block table, with no dequantized copy of the latent (the scales and zeros of an integer path apply per group after
@@ -153,7 +157,7 @@ def key_validity(mask, t: int) -> torch.Tensor | None:
     return visible(mask[:, 0, -1, mask.shape[-1] - t:])
 
 
-def reference_attention(q_latent, q_rope, content, rope, scale, mask=None, values=None) -> torch.Tensor:
+def reference_attention(q_latent, q_rope, content, rope, scale, mask=None, values=None, sinks=None) -> torch.Tensor:
     """The unblocked absorbed attention, every (B, H, T, S) score at once: the spec `latent_attention` is checked
     against (same arguments, without blocks)."""
     b, h, t, d_c = q_latent.shape
@@ -163,8 +167,17 @@ def reference_attention(q_latent, q_rope, content, rope, scale, mask=None, value
     scores = q_latent.reshape(b, h * t, d_c) @ content.transpose(1, 2)  # (B, H*T, S)
     scores = scores + q_rope.reshape(b, h * t, -1) @ rope.transpose(1, 2)
     scores = apply_attention_mask(scores.view(b, h, t, -1) * scale, mask)  # (B, H, T, S)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
+    probs = _softmax(scores, sinks).to(q_latent.dtype)
     return (probs.view(b, h * t, -1) @ values).view(b, h, t, d_c)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """float32 softmax over the last dim of (B, H, T, S) scores, with each head's sink logit in the denominator."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    b, h, t, _ = scores.shape
+    sink = sinks.to(device=scores.device, dtype=scores.dtype).view(1, h, 1, 1).expand(b, h, t, 1)
+    return torch.softmax(torch.cat([scores, sink], -1), dim=-1, dtype=torch.float32)[..., :-1]
 
 
 def latent_attention(
@@ -179,6 +192,7 @@ def latent_attention(
     w_uk: torch.Tensor | None = None,
     w_uv: torch.Tensor | None = None,
     q_positions: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q_latent (B, H, T, d_c), q_rope (B, H, T, d_r), content (B, S, d_c), rope (B, S, d_r) -> o_latent (B, H, T, d_c).
 
@@ -193,12 +207,14 @@ def latent_attention(
     of `blocks.key` keys at a time; a longer step decodes every key once.
     `q_positions` (T,) ascending: the slots of the T queries (default: the last T of the S slots), for queries
     sampled from a sequence (calibration); the mask is then causal at those slots (None or a `CausalMask` only).
+    `sinks` (H,): attention sinks (module docstring); the expanded form is not taken with them.
     """
     blocks = DEFAULT_BLOCKS if blocks is None else blocks
     b, h, t = q_latent.shape[:3]
     s = content.length if callable(content) else content.shape[1]
     q_block = t if not blocks.blocked else min(t, blocks.queries_per_block(s))
-    expanded = blocks.expand_from is not None and t >= blocks.expand_from and w_uk is not None and w_uv is not None
+    expanded = (blocks.expand_from is not None and t >= blocks.expand_from and w_uk is not None and w_uv is not None
+                and sinks is None)
     if callable(content):  # a key source (the cache's StoredKeys): keys(k0, k1) -> content, rope blocks
         if values is not None:
             raise ValueError("latent_attention: `values` replace tensor keys' values; a key source gives its own")
@@ -232,9 +248,9 @@ def latent_attention(
         ql = q_latent[:, :, t0:t1] if w_uk is None else q_latent[:, :, t0:t1] @ w_uk  # (B, H, Tb, d_c)
         qr = q_rope[:, :, t0:t1]
         if limit <= k_block:
-            o = _one_block(ql, qr, *keys(0, limit), scale, block_mask(0, limit))
+            o = _one_block(ql, qr, *keys(0, limit), scale, block_mask(0, limit), sinks)
         else:
-            o = _online_blocks(ql, qr, keys, scale, limit, k_block, block_mask)
+            o = _online_blocks(ql, qr, keys, scale, limit, k_block, block_mask, sinks)
         out[:, :, t0:t1] = o if w_uv is None else o @ w_uv.transpose(-1, -2)  # (B, H, Tb, d_v)
     return out
 
@@ -291,13 +307,14 @@ def fused_causal_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, content
 
 
 def causal_latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, content: torch.Tensor, rope: torch.Tensor,
-                            scale: float, q_positions: torch.Tensor | None = None) -> torch.Tensor:
+                            scale: float, q_positions: torch.Tensor | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """o_latent (B, H, T, d_c) of causal queries without padding (the last T of the S slots, or at `q_positions`):
-    `fused_causal_attention` on the CPU, the blocked `latent_attention` elsewhere (the same numbers to float32
-    rounding; CUDA's flash kernels do not take the latent's head width)."""
-    if content.device.type == "cpu":
+    `fused_causal_attention` on the CPU, the blocked `latent_attention` elsewhere or with attention sinks (the same
+    numbers to float32 rounding; CUDA's flash kernels do not take the latent's head width)."""
+    if content.device.type == "cpu" and sinks is None:
         return fused_causal_attention(q_latent, q_rope, content, rope, scale, q_positions)
-    return latent_attention(q_latent, q_rope, content, rope, scale, q_positions=q_positions)
+    return latent_attention(q_latent, q_rope, content, rope, scale, q_positions=q_positions, sinks=sinks)
 
 
 EXPANDED_HEAD_GROUP = 16  # heads whose keys and values the expanded form holds at once (V2-Lite has 16 in all)
@@ -364,21 +381,25 @@ def _masked_scores(ql, qr, content, rope, scale, mask) -> torch.Tensor:
     return scores + mask.to(scores.dtype)
 
 
-def _one_block(ql, qr, content, rope, values, scale, mask) -> torch.Tensor:
+def _one_block(ql, qr, content, rope, values, scale, mask, sinks=None) -> torch.Tensor:
     """Every key of the query block at once: exactly the reference's arithmetic."""
     b, h, tb, d_c = ql.shape
     scores = _masked_scores(ql, qr, content, rope, scale, mask)
     # Softmax in float32 as transformers' eager attention does, then back to the activation dtype.
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(ql.dtype)
+    probs = _softmax(scores, sinks).to(ql.dtype)
     return (probs.view(b, h * tb, -1) @ values).view(b, h, tb, d_c)
 
 
-def _online_blocks(ql, qr, keys, scale, limit: int, k_block: int, block_mask) -> torch.Tensor:
+def _online_blocks(ql, qr, keys, scale, limit: int, k_block: int, block_mask, sinks=None) -> torch.Tensor:
     """Keys 0:limit in blocks of k_block (keys(k0, k1) -> content, rope, values), merged by an online softmax
-    (running max, sum and output in float32)."""
+    (running max, sum and output in float32; a sink starts each head's running max and sum as a key without value)."""
     b, h, tb, d_c = ql.shape
-    m = ql.new_full((b, h, tb, 1), float("-inf"), dtype=torch.float32)
-    total = torch.zeros(b, h, tb, 1, dtype=torch.float32, device=ql.device)
+    if sinks is None:
+        m = ql.new_full((b, h, tb, 1), float("-inf"), dtype=torch.float32)
+        total = torch.zeros(b, h, tb, 1, dtype=torch.float32, device=ql.device)
+    else:
+        m = sinks.to(device=ql.device, dtype=torch.float32).view(1, h, 1, 1).expand(b, h, tb, 1)
+        total = torch.ones(b, h, tb, 1, dtype=torch.float32, device=ql.device)
     acc = torch.zeros(b, h * tb, d_c, dtype=torch.float32, device=ql.device)
     for k0 in range(0, limit, k_block):
         k1 = min(limit, k0 + k_block)
@@ -489,13 +510,14 @@ def _softmax_group(chunks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def segment_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments,
-                      keys_per_block: int | None = None) -> torch.Tensor:
+                      keys_per_block: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence over the union of `segments`: q_latent (B, H, d_c), q_rope (B, H, d_r) ->
     o_latent (B, H, d_c) float32, the arithmetic of `latent_decode_reference` (every token as stored, float32)
     without its dequantized copy of the cache. Each segment is read `keys_per_block` tokens at a time (whole blocks
     of a paged one; None: each segment at once) and decoded into a workspace of at most `keys_per_block` tokens:
     the chunks that fit in it share one softmax, and the groups are merged by log-sum-exp weights (split-KV, as the
-    Triton kernel does). A sequence with no token at all attends to nothing (zeros)."""
+    Triton kernel does). A sequence with no token at all attends to nothing (zeros). `sinks` (H,): one more group per
+    head, the sink's logit with no value (module docstring)."""
     q, qr = q_latent.float(), q_rope.float()
     d_c, d_r = q.shape[-1], qr.shape[-1]
     groups, chunks, held = [], [], 0
@@ -513,6 +535,10 @@ def segment_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float
             held += n
     if chunks:
         groups.append(_softmax_group(chunks))
+    if sinks is not None:
+        b, h = q.shape[:2]
+        groups.append((sinks.to(device=q.device, dtype=torch.float32).view(1, h, 1).expand(b, h, 1),
+                       q.new_ones(b, h, 1), q.new_zeros(q.shape)))
     if not groups:
         return q.new_zeros(q.shape)
     if len(groups) == 1:

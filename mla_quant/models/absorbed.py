@@ -96,7 +96,7 @@ class AbsorbedMLA:
         w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]  # (H, d_nope, d_c), (H, d_v, d_c)
         # q_latent = q_nope @ w_uk and out = o_latent @ w_uv^T are formed one query block at a time inside the
         # attention, so no (B, H, T, d_c) tensor exists for a long prefill.
-        absorbed = dict(blocks=getattr(self, "mla_blocks", None), w_uk=w_uk, w_uv=w_uv)
+        absorbed = dict(blocks=getattr(self, "mla_blocks", None), w_uk=w_uk, w_uv=w_uv, sinks=family.sinks(self))
         if isinstance(cache, LatentCache):
             out = cache.attend(self.layer_idx, q_nope, q_rope, content, k_rope, self.scaling, attention_mask, valid,
                                **absorbed)
@@ -188,9 +188,14 @@ def model_layer_factory(model: nn.Module, quant_cfg):
     context and the number of cache layers from its config."""
     dims = latent_dims(model)
     context = getattr(model.config, "max_position_embeddings", None)
-    layout = family_for_config(model.config).cached_rope_layout(model.config)
-    return layer_factory(cache_format(quant_cfg, dims["d_c"], dims["d_r"], context, num_cache_layers(model),
-                                      rope_layout=layout))
+    family = family_for_config(model.config)
+    fmt = cache_format(quant_cfg, dims["d_c"], dims["d_r"], context, num_cache_layers(model),
+                       rope_layout=family.cached_rope_layout(model.config))
+    backend = getattr(fmt, "backend", None)
+    if backend in ("triton", "cpu") and family.sinks(attention_modules(model)[0]) is not None:
+        raise ValueError(f"quant.backend={backend}: the {backend} decode kernel has no attention sinks, which "
+                         f"{family.name}'s attention has; use quant.backend=torch (or auto)")
+    return layer_factory(fmt)
 
 
 def quantized_cache(model: nn.Module, quant_cfg) -> LatentCache:

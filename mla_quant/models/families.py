@@ -5,6 +5,7 @@ A family says how to get, from transformers' own attention module of that family
   - the content latent c (after the norm) and the RoPE key, before RoPE    `latent(attn, h)`
   - RoPE, using the family's own transformers function                    `rotate(attn, q_rope, k_rope, pe)`
   - any per-position factor on the whole query after RoPE (Mistral 4)     `query_scale(attn, position_ids)`
+  - any output gate (A.X K2, Hunyuan V4) and attention sinks (Hunyuan V4)  `gated(attn, out, gate)`, `sinks(attn)`
   - any mask the family adds (DeepSeek-V3.2's sparse indexer)             `attention_mask(attn, mask, ...)`
     and any output the family's module returns beside its own (GLM-5's top-k, for the next layer)
 and where its MLA weights live (`mla_weights`, for transforms that fold into them). Everything else (the absorbed
@@ -176,8 +177,17 @@ class MLAFamily:
     output_gate = False  # True: query() also gives a gate the attention output is multiplied by (gated())
 
     def gated(self, attn, out: torch.Tensor, gate) -> torch.Tensor:
-        """The attention output (B, T, H * d_v) as it enters o_proj, given query()'s gate (None here)."""
-        return out
+        """The attention output (B, T, H * d_v) as it enters o_proj, given query()'s gate (B, H, T, d_v): multiplied
+        by sigmoid(gate) (None: as it is)."""
+        if gate is None:
+            return out
+        b, t, _ = out.shape
+        gate = gate.transpose(1, 2).reshape(b, t, -1)  # (B, T, H * d_v), heads in o_proj's order
+        return (out * torch.sigmoid(gate.float())).to(out.dtype)
+
+    def sinks(self, attn) -> torch.Tensor | None:
+        """Attention sinks (H,): a learned logit per head that joins every softmax with no value, or None (none)."""
+        return None
 
     def query_scale(self, attn, position_ids: torch.Tensor | None) -> torch.Tensor | None:
         """A factor (B, 1, T, 1) the family multiplies the whole query by after RoPE, or None (none)."""
@@ -389,11 +399,6 @@ class AXK2Family(DeepseekV32Family):
         q_nope, q_rope, gate = torch.split(qg, [attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim], -1)
         return q_nope, q_rope, q_resid, gate
 
-    def gated(self, attn, out, gate):
-        b, t, _ = out.shape
-        gate = gate.transpose(1, 2).reshape(b, t, -1)  # (B, T, H * d_v), heads in o_proj's order
-        return (out * torch.sigmoid(gate.float())).to(out.dtype)
-
 
 class GlmMoeDsaFamily(DeepseekV32Family):
     """GLM-5 (glm_moe_dsa): V3.2's MLA and indexer (both with interleaved RoPE); a "shared" layer
@@ -427,6 +432,30 @@ class GlmMoeDsaFamily(DeepseekV32Family):
         return {"prev_topk_indices": layer_output[1]}  # GlmMoeDsaModel.forward: (hidden, top-k) per decoder layer
 
 
+class HYV4Family(GlmMoeDsaFamily):
+    """Hunyuan V4 (hy_v4): GLM-5's MLA, DSA indexer (its own, RoPE on the last dims of its keys) and shared top-k
+    layers, plus an output gate from its own projection of the hidden states (sigmoid, per head and value dim) and a
+    learned attention sink per head in every softmax; hyper-connections around each decoder layer (outside the
+    attention). transformers runs it under eager attention only."""
+
+    name = "hy_v4"
+    model_types = ("hy_v4",)
+    modeling_module = "transformers.models.hy_v4.modeling_hy_v4"
+    config_class_name = "HYV4Config"
+    model_class_name = "HYV4ForCausalLM"
+    attention_class_name = "HYV4Attention"
+    output_gate = True
+
+    def query(self, attn, hidden_states):
+        q_nope, q_rope, q_resid, _ = super().query(attn, hidden_states)
+        b, t, _ = hidden_states.shape
+        gate = linear(attn.gate_proj, hidden_states).view(b, t, -1, attn.gate_projection_size).transpose(1, 2)
+        return q_nope, q_rope, q_resid, gate
+
+    def sinks(self, attn):
+        return attn.sinks
+
+
 FAMILIES: dict[str, MLAFamily] = {
     f.name: f
     for f in (
@@ -442,6 +471,7 @@ FAMILIES: dict[str, MLAFamily] = {
         Mistral4Family(),
         GlmMoeDsaFamily(),
         AXK2Family(),
+        HYV4Family(),
     )
 }
 
