@@ -101,19 +101,22 @@ def test_glm5_shared_layer_takes_the_top_k_before_it(monkeypatch):
     assert diff > 100 * TOL, f"ignoring the shared top-k changed logits by only {diff:.3g}"
 
 
-def test_axk2_output_gate_is_applied(monkeypatch):
-    """Negative control: without A.X K2's sigmoid gate on the attention output the absorbed path leaves
-    transformers' logits."""
-    from mla_quant.models.families import AXK2Family
+@pytest.mark.parametrize("option, family, dropped", [("tiny_axk2", "AXK2Family", "gated"),
+                                                     ("tiny_hy_v4", "HYV4Family", "gated"),
+                                                     ("tiny_hy_v4", "HYV4Family", "sinks")])
+def test_output_gate_and_sinks_are_applied(monkeypatch, option, family, dropped):
+    """Negative controls: without A.X K2's or Hunyuan V4's sigmoid gate on the attention output, or without Hunyuan
+    V4's attention sinks, the absorbed path leaves transformers' logits."""
+    from mla_quant.models import families
 
-    reference, absorbed = _reference_and_absorbed("tiny_axk2")
+    reference, absorbed = _reference_and_absorbed(option)
     ids, _ = make_batch(reference.config.vocab_size, 1, 32, 0, seed=0)
     with torch.no_grad():
         expected = reference(ids).logits
         assert (expected - absorbed(ids).logits).abs().max().item() <= TOL
-        monkeypatch.setattr(AXK2Family, "gated", lambda self, attn, out, gate: out)
+        monkeypatch.setattr(getattr(families, family), dropped, lambda self, attn, *args: args[0] if args else None)
         diff = (expected - absorbed(ids).logits).abs().max().item()
-    assert diff > 100 * TOL, f"dropping the output gate changed logits by only {diff:.3g}"
+    assert diff > 100 * TOL, f"{option}: dropping {dropped} changed logits by only {diff:.3g}"
 
 
 def test_absorbed_path_never_expands_per_head_kv():
@@ -162,22 +165,3 @@ def test_beam_search_reorders_the_latent_cache():
     a = reference.generate(ids, **gen)
     b = absorbed.generate(ids, **gen, **cache_kwargs(new_cache(absorbed)))
     assert torch.equal(a, b), f"{a.tolist()} != {b.tolist()}"
-
-
-@pytest.mark.parametrize("dropped", ["sinks", "gate"])
-def test_hy_v4_sinks_and_gate_are_applied(monkeypatch, dropped):
-    """Negative controls: without Hunyuan V4's attention sinks, or without its output gate, the absorbed path leaves
-    transformers' logits."""
-    from mla_quant.models.families import HYV4Family, MLAFamily
-
-    reference, absorbed = _reference_and_absorbed("tiny_hy_v4")
-    ids, _ = make_batch(reference.config.vocab_size, 1, 32, 0, seed=0)
-    with torch.no_grad():
-        expected = reference(ids).logits
-        assert (expected - absorbed(ids).logits).abs().max().item() <= TOL
-        if dropped == "sinks":
-            monkeypatch.setattr(HYV4Family, "sinks", MLAFamily.sinks)
-        else:
-            monkeypatch.setattr(HYV4Family, "gated", lambda self, attn, out, gate: out)
-        diff = (expected - absorbed(ids).logits).abs().max().item()
-    assert diff > 100 * TOL, f"dropping the {dropped} changed logits by only {diff:.3g}"
