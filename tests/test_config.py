@@ -28,7 +28,8 @@ def test_every_option_composes(group):
 
 @pytest.mark.parametrize("option", [o for o in options("model") if o.startswith("tiny_")])
 def test_tiny_models_instantiate_with_cli_overrides(option):
-    cfg = compose([f"model={option}", "model.config.kv_lora_rank=40"])
+    text = "text_config." if "text_config" in compose([f"model={option}"]).model.config else ""  # multimodal
+    cfg = compose([f"model={option}", f"model.config.{text}kv_lora_rank=40"])
     model = build_model(cfg.model)
     attn = model.mla_family.attention_modules(model)[0]
     assert attn.kv_lora_rank == 40

@@ -9,6 +9,7 @@ from conftest import compose, options
 from mla_quant.prepare import build_model
 
 from mla_quant.models.absorbed import is_absorbed
+from mla_quant.models.families import text_config
 
 TINY = [o for o in options("model") if o.startswith("tiny_") and "dims" not in o]
 
@@ -24,7 +25,7 @@ def test_saved_checkpoint_loads_from_model_path(name, tmp_path):
     cfg = compose([f"model={real}", f"model.path={tmp_path}", "model.dtype=float32", "model.device_map=null"])
     loaded = build_model(cfg.model)
     assert is_absorbed(loaded)
-    ids = torch.randint(3, original.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, text_config(original.config).vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (original(ids).logits - loaded(ids).logits).abs().max().item()
     assert diff <= 1e-4, f"{name} via {real}: loaded checkpoint differs by {diff:.3g}"
@@ -41,7 +42,7 @@ def test_kimi_k2_config_loads_as_deepseek_v3(tmp_path):
     cfg_path.write_text(json.dumps(raw))
     loaded = build_model(compose(["model=kimi_k2", f"model.path={tmp_path}", "model.dtype=float32",
                                   "model.device_map=null"]).model)
-    ids = torch.randint(3, original.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, text_config(original.config).vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (original(ids).logits - loaded(ids).logits).abs().max().item() <= 1e-4
 

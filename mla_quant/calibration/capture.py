@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from mla_quant.kernels.attention import causal_latent_attention
-from mla_quant.models.absorbed import attention_modules
+from mla_quant.models.absorbed import attention_modules, decoder_layers
 from mla_quant.models.families import MLAFamily, family_for_config
 from mla_quant.models.fp8 import linear
 from mla_quant.quant.quantizers import all_finite
@@ -158,10 +158,6 @@ def _same(a, b) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     return a is b or (type(a) is type(b) and not hasattr(a, "__dict__") and a == b)
-
-
-def decoder_layers(model) -> list:
-    return list(model.model.layers)
 
 
 @torch.no_grad()

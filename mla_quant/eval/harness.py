@@ -20,6 +20,7 @@ import torch
 
 from mla_quant.cache.bytes import HeldBytes
 from mla_quant.models.absorbed import cache_kwargs, new_cache
+from mla_quant.models.families import text_config
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def _make_hflm_class():
 
         def __init__(self, model, tokenizer, layer_factory=None, **kwargs):
             logging.getLogger("lm_eval.models.huggingface").setLevel(logging.ERROR)  # warns that we pass a model
-            self.max_positions = int(model.config.max_position_embeddings)
+            self.max_positions = int(text_config(model.config).max_position_embeddings)
             kwargs.setdefault("max_length", self.max_positions)
             super().__init__(pretrained=model, tokenizer=tokenizer, **kwargs)
             self.layer_factory = layer_factory  # None = plain LatentCacheLayer

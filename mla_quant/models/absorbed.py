@@ -25,7 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from mla_quant.cache import LatentCache, layer_factory
 from mla_quant.kernels.attention import DEFAULT_BLOCKS, AttentionBlocks, CausalMask, key_validity, latent_attention
 from mla_quant.models import fp8
-from mla_quant.models.families import MLAFamily, family_for_config
+from mla_quant.models.families import MLAFamily, family_for_config, text_config
 from mla_quant.quant.formats import cache_format
 
 # The attention implementation an absorbed model runs under: transformers builds its mask through `latent_mask`
@@ -187,7 +187,7 @@ def model_layer_factory(model: nn.Module, quant_cfg):
     """The cache layer constructor of `quant_cfg` validated for `model`: (d_c, d_r) from its MLA modules, the
     context and the number of cache layers from its config."""
     dims = latent_dims(model)
-    context = getattr(model.config, "max_position_embeddings", None)
+    context = getattr(text_config(model.config), "max_position_embeddings", None)
     family = family_for_config(model.config)
     fmt = cache_format(quant_cfg, dims["d_c"], dims["d_r"], context, num_cache_layers(model),
                        rope_layout=family.cached_rope_layout(model.config))
@@ -205,6 +205,11 @@ def quantized_cache(model: nn.Module, quant_cfg) -> LatentCache:
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     return family_for_config(model.config).attention_modules(model)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of the model's text decoder, in order."""
+    return list(family_for_config(model.config).text_model(model).layers)
 
 
 # transformers 5.24 renamed the cache keyword of forward/generate from past_key_values to cache.

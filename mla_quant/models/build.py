@@ -167,8 +167,8 @@ def pretrained_config(family: str, hf_id: str, revision: str | None = None, path
         raw, _ = PretrainedConfig.get_config_dict(source, **kwargs)
     except OSError as err:
         raise _missing_checkpoint_error(hf_id, revision, path, err) from err
-    raw = raw.get("text_config", raw)
-    if "kv_lora_rank" not in raw:
+    text = raw.get("text_config", raw)  # a multimodal wrapper's text decoder holds the MLA fields
+    if "kv_lora_rank" not in text:
         arch = (raw.get("architectures") or [raw.get("model_type", "?")])[0]
         raise ValueError(f"not an MLA model: {arch} at {source!r} has no kv_lora_rank")
     model_type = raw.get("model_type")
@@ -178,7 +178,15 @@ def pretrained_config(family: str, hf_id: str, revision: str | None = None, path
     # The family's own model_type (e.g. deepseek_v3 for Kimi-K2's "kimi_k2"): transformers picks its checkpoint
     # conversion (per-expert weights -> fused experts) by model_type, and a foreign one silently skips it.
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
-    return fam.config_class.from_dict({**fields, **_plain(config)})
+    return fam.config_class.from_dict(_merged(fields, _plain(config)))
+
+
+def _merged(base: dict, override: dict) -> dict:
+    """`base` with `override`'s fields, nested dicts (a wrapper's text_config) merged field by field."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")

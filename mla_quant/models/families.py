@@ -112,9 +112,14 @@ class MLAFamily:
         return getattr(self.modeling, self.attention_class_name)
 
     # --- structure
+    def text_model(self, model: nn.Module) -> nn.Module:
+        """The decoder that holds the layers (`.layers`): the causal LM's `model`, or a multimodal model's text
+        model."""
+        return model.model
+
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         """The MLA modules in cache-layer order (module.layer_idx == position in this list)."""
-        return [layer.self_attn for layer in model.model.layers]
+        return [layer.self_attn for layer in self.text_model(model).layers]
 
     def rope_layout(self, config) -> str:
         return "interleaved" if getattr(config, "rope_interleave", True) else "half"
@@ -263,7 +268,7 @@ class LongcatFlashFamily(MLAFamily):
     attention_class_name = "LongcatFlashMLA"
 
     def attention_modules(self, model):
-        return [attn for layer in model.model.layers for attn in layer.self_attn]
+        return [attn for layer in self.text_model(model).layers for attn in layer.self_attn]
 
     def rope_layout(self, config) -> str:
         return "interleaved"
@@ -456,6 +461,21 @@ class HYV4Family(GlmMoeDsaFamily):
         return attn.sinks
 
 
+class HYV4VLFamily(HYV4Family):
+    """Hunyuan V4 VL (hy_v4_vl): Hunyuan V4's text decoder (its own classes, multimodal RoPE whose three position axes
+    coincide on text) inside a vision-language model; the study runs on text."""
+
+    name = "hy_v4_vl"
+    model_types = ("hy_v4_vl", "hy_v4_vl_text")  # the wrapper's config and its text config
+    modeling_module = "transformers.models.hy_v4_vl.modeling_hy_v4_vl"
+    config_class_name = "HYV4VLConfig"
+    model_class_name = "HYV4VLForConditionalGeneration"
+    attention_class_name = "HYV4VLAttention"
+
+    def text_model(self, model):
+        return model.model.language_model
+
+
 FAMILIES: dict[str, MLAFamily] = {
     f.name: f
     for f in (
@@ -472,6 +492,7 @@ FAMILIES: dict[str, MLAFamily] = {
         GlmMoeDsaFamily(),
         AXK2Family(),
         HYV4Family(),
+        HYV4VLFamily(),
     )
 }
 
@@ -483,9 +504,14 @@ def get_family(name: str) -> MLAFamily:
         raise ValueError(f"unknown MLA family {name!r}; known families: {sorted(FAMILIES)}") from None
 
 
+def text_config(config):
+    """The decoder's config: a multimodal model's text config, or the config itself."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def family_for_config(config) -> MLAFamily:
     """The family of a loaded model's config; a clear error for configs that are not MLA."""
-    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     if getattr(config, "kv_lora_rank", None) is None:
         raise ValueError(
             f"not an MLA model: {type(config).__name__} (model_type={getattr(config, 'model_type', None)!r}) "

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from mla_quant.models.absorbed import cache_kwargs
+from mla_quant.models.absorbed import cache_kwargs, decoder_layers
 from mla_quant.cache import LatentCacheLayer
+from mla_quant.models.families import text_config
 from mla_quant.sensitivity.injection import nmse
 
 
@@ -53,10 +54,6 @@ class Capture:
     layer_output: list[torch.Tensor]  # per decoder layer: (B, T, hidden)
     layer_of_attention: list[int]  # decoder layer holding each MLA module
     cache: object
-
-
-def decoder_layers(model) -> list[torch.nn.Module]:
-    return list(model.model.layers)
 
 
 @torch.no_grad()
@@ -124,7 +121,7 @@ def probe_ids(probe: DictConfig, model, tokenizer=None) -> torch.Tensor:
         t = min(len(r) for r in rows)  # documents fill the length up to a block: cut all to the shortest
         return torch.tensor([r[:t] for r in rows])
     if probe.source == "random":
-        vocab = model.config.vocab_size
+        vocab = text_config(model.config).vocab_size
         return torch.randint(3, vocab, (probe.num_sequences, probe.seq_len), generator=g)
     if probe.source == "hf":
         if not probe.get("dataset"):

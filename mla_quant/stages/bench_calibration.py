@@ -27,10 +27,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from mla_quant.calibration import fit_all  # noqa: E402
-from mla_quant.calibration.capture import CAPTURES, decoder_layers  # noqa: E402
+from mla_quant.calibration.capture import CAPTURES  # noqa: E402
 from mla_quant.cache.bytes import load_quant_option  # noqa: E402
 from mla_quant.checks import int_setting  # noqa: E402
-from mla_quant.models.absorbed import attention_modules  # noqa: E402
+from mla_quant.models.absorbed import attention_modules, decoder_layers  # noqa: E402
+from mla_quant.models.families import text_config  # noqa: E402
 from mla_quant.prepare import build_model  # noqa: E402
 from mla_quant.quant.formats import cache_format  # noqa: E402
 from mla_quant.record import write_text_atomic  # noqa: E402
@@ -59,7 +60,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         fmt = cache_format(load_quant_option(task.quant, groups=OmegaConf.to_container(task.model.quant_group_size)),
                            attn.kv_lora_rank, attn.qk_rope_head_dim)
         g = torch.Generator().manual_seed(int(cfg.seed))
-        ids = torch.randint(3, model.config.vocab_size, (int(task.samples), int(task.seq_len)), generator=g)
+        vocab = text_config(model.config).vocab_size
+        ids = torch.randint(3, vocab, (int(task.samples), int(task.seq_len)), generator=g)
         batches = -(-int(task.samples) // int(task.batch_size))
         counts = [0]
         hooks = [layer.register_forward_hook(lambda *a: counts.__setitem__(0, counts[0] + 1))

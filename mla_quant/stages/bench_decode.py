@@ -34,6 +34,7 @@ from transformers import DynamicCache
 
 from mla_quant.checks import int_setting
 from mla_quant.models.absorbed import absorb, attention_blocks, cache_kwargs, latent_dims, new_cache
+from mla_quant.models.families import text_config
 from mla_quant.memory import settled_resident_bytes, tensor_bytes
 from mla_quant.models.build import resolve_device
 from mla_quant.prepare import prepare_model
@@ -68,7 +69,7 @@ def time_decode(model, prompt, steps: int, warmup: int, make_cache, device: str)
     cache = make_cache()
     model(prompt, use_cache=True, **cache_kwargs(cache))
     n_bytes = cache_bytes(cache)
-    feed = torch.randint(3, model.config.vocab_size, (prompt.shape[0], warmup + steps),
+    feed = torch.randint(3, text_config(model.config).vocab_size, (prompt.shape[0], warmup + steps),
                          generator=torch.Generator().manual_seed(1)).to(device)
     times = []
     for i in range(warmup + steps):
@@ -114,7 +115,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
 
     rows, metrics = [], {}
     for ctx in tqdm(list(task.contexts), desc="bench_decode", unit="context"):
-        prompt = torch.randint(3, reference.config.vocab_size, (task.batch_size, ctx),
+        prompt = torch.randint(3, text_config(reference.config).vocab_size, (task.batch_size, ctx),
                                generator=torch.Generator().manual_seed(cfg.seed)).to(device)
         per_path = {}
         paths = {"transformers": (reference, lambda: DynamicCache(config=reference.config))} if with_reference else {}

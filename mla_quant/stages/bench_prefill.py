@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from mla_quant.kernels.attention import UNBLOCKED
 from mla_quant.memory import PeakMemory
 from mla_quant.models.absorbed import absorb, attention_blocks, latent_dims
+from mla_quant.models.families import text_config
 from mla_quant.prepare import build_model
 from mla_quant.record import write_text_atomic
 from mla_quant.stages import StageResult, selected_models
@@ -89,17 +90,18 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         attn = model.mla_family.attention_modules(model)[0]
         heads = attn.num_heads
         contexts = sorted(int(c) for c in task.contexts[name])
-        too_long = [c for c in contexts if c > model.config.max_position_embeddings]
+        text = text_config(model.config)
+        too_long = [c for c in contexts if c > text.max_position_embeddings]
         if too_long:
-            raise ValueError(f"task.contexts.{name}={too_long} exceed the model's {model.config.max_position_embeddings}"
+            raise ValueError(f"task.contexts.{name}={too_long} exceed the model's {text.max_position_embeddings}"
                              " positions")
         element = torch.finfo(next(model.parameters()).dtype).bits // 8
-        warm_ids, warm_mask = _inputs(model.config.vocab_size, task.batch_size, 64, task.left_pad, device, cfg.seed)
+        warm_ids, warm_mask = _inputs(text.vocab_size, task.batch_size, 64, task.left_pad, device, cfg.seed)
         for form in chosen:  # lazy initialisation and allocator warm-up outside the measurements
             absorb(model, known[form])
             _measure(model, warm_ids, warm_mask, device)
         for ctx in tqdm(contexts, desc=f"bench_prefill {name}", unit="context"):
-            ids, mask = _inputs(model.config.vocab_size, task.batch_size, ctx, task.left_pad, device, cfg.seed)
+            ids, mask = _inputs(text.vocab_size, task.batch_size, ctx, task.left_pad, device, cfg.seed)
             # scores, their float32 softmax and the probabilities: what the unblocked form holds at once
             reference_gb = task.batch_size * heads * ctx * ctx * (2 * element + 4) / GB
             forms = {f: known[f] for f in compared}

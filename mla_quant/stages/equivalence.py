@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from mla_quant.models.absorbed import absorb, cache_kwargs, latent_dims, new_cache
-from mla_quant.models.families import get_family
+from mla_quant.models.families import get_family, text_config
 from mla_quant.prepare import build_model
 from mla_quant.stages import StageResult, selected_models
 from mla_quant.record import write_text_atomic
@@ -80,7 +80,7 @@ def check_model(model_cfg: DictConfig, *, prefill_tokens: int, decode_steps: int
     for rope_name, cfg in rope_variants(model_cfg).items():
         reference = build_model(cfg, absorbed=False, attn_implementation="eager", dtype="float32")
         absorbed = absorb(copy.deepcopy(reference))
-        vocab = reference.config.vocab_size
+        vocab = text_config(reference.config).vocab_size
         for pad_name, pad in (("no_padding", 0), ("left_padding", left_pad)):
             ids, mask = (t.to(reference.device) for t in make_batch(vocab, batch_size, prefill_tokens, pad, seed))
             metrics = compare(reference, absorbed, ids, mask, decode_steps)

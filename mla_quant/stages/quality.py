@@ -27,6 +27,7 @@ from tqdm import tqdm
 from mla_quant.calibration.data import resolve_source, text_ids, toy_ids
 from mla_quant.cache.bytes import HeldBytes
 from mla_quant.models.absorbed import cache_kwargs, new_cache
+from mla_quant.models.families import text_config
 from mla_quant.prepare import check_context, model_dims, preflight, prepare_model
 from mla_quant.record import write_text_atomic
 from mla_quant.stages import StageResult
@@ -112,7 +113,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     chunk = t.get("chunk")
     prep = prepare_model(cfg, tokenizer=source in ("toy", "text"))
     model = prep.model
-    ids, scored = held_out_ids(t.data, source, prep.tokenizer, int(model.config.vocab_size))
+    ids, scored = held_out_ids(t.data, source, prep.tokenizer, int(text_config(model.config).vocab_size))
     device = next(model.parameters()).device
     factory = prep.layer_factory()
     parts: dict[str, list[torch.Tensor]] = {}
