@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from omegaconf import DictConfig
 
+from mla_quant.models.families import mla_layer_count
+
 GB = 1e9
 RUNTIME_BYTES = 0.04 * GB  # a first forward's one-time allocations beyond its tensors (CPU, toy and V2-Lite dims)
 RUNTIME_HOW = "one-time allocations of the first forward (thread pools, kernel workspaces; 0.02-0.04 GB measured)"
@@ -150,7 +152,7 @@ def forward_bytes(text, batch: int, tokens: int, act: int, blocks, logits_float:
 
 def cache_bytes(fmt, text, batch: int, tokens: int, act: int) -> float:
     """The latent cache of `batch` sequences of `tokens` over every layer, in `fmt` (None: unquantized)."""
-    d_c, d_r, layers = text.kv_lora_rank, text.qk_rope_head_dim, text.num_hidden_layers
+    d_c, d_r, layers = text.kv_lora_rank, text.qk_rope_head_dim, mla_layer_count(text)
     full = (d_c + d_r) * act
     if fmt is None or not getattr(fmt, "quantized", False):
         return batch * tokens * layers * full
@@ -191,7 +193,7 @@ def _stage_rows(plan: MemoryPlan, cfg, stage: str, text, batch: int, tokens: int
     shape = f"{batch} x {tokens} tokens"
     quant = (cfg.get("quant") or {}).get("name") if fmt is not None else None
     plan.add("latent cache", cache_bytes(fmt, text, batch, tokens, act),
-             f"{shape}, {text.num_hidden_layers} layers, {quant or 'unquantized'}")
+             f"{shape}, {mla_layer_count(text)} MLA layers, {quant or 'unquantized'}")
     v, bt = text.vocab_size, batch * tokens
     if stage == "quality":  # the unquantized pass's float logits are kept while the quantized pass runs
         plan.add("held", bt * v * 4, f"the unquantized pass's logits ({shape} x {v} vocab, float32)")

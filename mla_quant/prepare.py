@@ -30,7 +30,7 @@ from mla_quant.eval.harness import ContextTooLong
 from mla_quant.models.absorbed import absorb, attention_blocks, latent_dims, new_cache
 from mla_quant.models.build import (_plain, check_tokenizer_files, load_tokenizer, pretrained_config,
                                     tiny_config)
-from mla_quant.models.families import family_for_config
+from mla_quant.models.families import family_for_config, mla_layer_count
 from mla_quant.models.fp8 import check_fp8_config
 from mla_quant.plan import MemoryPlan, memory_plan
 from mla_quant.plan import mode_of as plan_mode
@@ -87,7 +87,7 @@ def model_dims(model_cfg) -> dict[str, int]:
     """{"d_c", "d_r", "layers", "context"} of a model YAML, without loading any weight."""
     config = model_config(model_cfg)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    return {"d_c": int(text.kv_lora_rank), "d_r": int(text.qk_rope_head_dim), "layers": int(text.num_hidden_layers),
+    return {"d_c": int(text.kv_lora_rank), "d_r": int(text.qk_rope_head_dim), "layers": mla_layer_count(config),
             "context": int(text.max_position_embeddings)}
 
 

@@ -1,6 +1,7 @@
 """The quantized latent cache: config options and errors, exactness of the bf16 format and of the protected region,
 simulated vs serving semantics through a tiny absorbed model, cache management, and the byte targets."""
 
+import copy
 from pathlib import Path
 
 import hydra
@@ -538,3 +539,45 @@ def test_attention_sinks_reach_quantized_decode_and_the_kernels_are_refused(monk
     for backend in ("cpu", "triton"):
         with pytest.raises(ValueError, match=f"quant.backend={backend}: .*attention sinks.*hy_v4"):
             quantized_cache(model, quant_cfg("int4_joint", *TINY, f"quant.backend={backend}"))
+
+
+def test_hybrid_stack_caches_latents_in_its_mla_layers_and_keeps_transformers_states_in_the_others():
+    """Kimi Linear (KDA layers 0 and 2, MLA layers 1 and 3): latent cache layers only in the MLA slots, transformers'
+    own linear-attention layers in the others, whose states equal those of transformers' DynamicCache run of the
+    untouched model; a quantized cache changes the state of the KDA layer after an MLA layer and not the one before;
+    bytes per token and layer count the MLA layers, the recurrent states apart; formats per layer are per MLA layer."""
+    from transformers import DynamicCache
+
+    from mla_quant.models.absorbed import absorb
+
+    reference = build_model(compose("model=tiny_kimi_linear").model, absorbed=False)
+    model = absorb(copy.deepcopy(reference))
+    ids = torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    ids[0, :5], mask[0, :5] = 0, 0
+
+    def states(cache, slot):
+        return cache.layers[slot].recurrent_states[0], cache.layers[slot].conv_states[0]
+
+    with torch.no_grad():
+        theirs = DynamicCache(config=reference.config)
+        reference(ids, attention_mask=mask, use_cache=True, **cache_kwargs(theirs))
+        ours = new_cache(model)
+        model(ids, attention_mask=mask, **cache_kwargs(ours))
+        q = quant_cfg("int4_joint", *TINY)
+        quantized = quantized_cache(model, q)
+        model(ids, attention_mask=mask, **cache_kwargs(quantized))
+    assert [type(layer).__name__ for layer in ours.layers] == ["LinearAttentionLayer", "LatentCacheLayer"] * 2
+    assert ours.latent_layers == [ours.layers[1], ours.layers[3]] and [m.layer_idx for m in ours.latent_layers] == [0, 1]
+    for slot in (0, 2):
+        for a, b in zip(states(ours, slot), states(theirs, slot)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(states(quantized, 0), states(ours, 0)):
+        assert torch.equal(a, b)  # before any MLA layer
+    assert (states(quantized, 2)[0] - states(ours, 2)[0]).abs().max() > 1e-4  # after the quantized MLA layer 0
+    assert all(layer.n_quantized > 0 for layer in quantized.latent_layers)
+    state = sum(t.numel() * t.element_size() for slot in (0, 2) for t in states(theirs, slot))
+    assert ours.state_bytes() == quantized.state_bytes() == state
+    assert ours.bytes_per_token_per_layer() == 4 * (32 + 8)  # float32 latents of the 2 MLA layers only
+    with pytest.raises(ValueError, match="4 entries; the model has 2 cache layers"):
+        quantized_cache(model, OmegaConf.merge(q, {"layers": [None] * 4}))

@@ -66,7 +66,7 @@ class HeldBytes:
         self.parts: dict[str, dict[str, float]] = {"held": {}, "bf16": {}}
 
     def add(self, cache) -> None:
-        self.token_layers += sum(layer.real_tokens() for layer in cache.layers)
+        self.token_layers += sum(layer.real_tokens() for layer in cache.latent_layers)
         for unit, act_bytes in (("held", None), ("bf16", 2)):
             for part, b in cache.byte_parts(act_bytes).items():
                 self.parts[unit][part] = self.parts[unit].get(part, 0.0) + b

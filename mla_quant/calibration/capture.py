@@ -28,7 +28,7 @@ import torch
 
 from mla_quant.kernels.attention import causal_latent_attention
 from mla_quant.models.absorbed import attention_modules, decoder_layers
-from mla_quant.models.families import MLAFamily, family_for_config
+from mla_quant.models.families import MLAFamily, family_for_config, text_config
 from mla_quant.models.fp8 import linear
 from mla_quant.quant.quantizers import all_finite
 
@@ -175,18 +175,33 @@ def capture_layers(model, ids: torch.Tensor, batch_size: int = 8, offload: str =
     device = next(model.parameters()).device
     keep = torch.device(offload) if offload != "device" else device
 
-    # 1. The inputs of decoder layer 0, per batch: its hidden states and the batch-independent arguments.
+    # 1. The inputs of decoder layer 0, per batch: its hidden states and the batch-independent arguments; and those
+    # arguments for the first decoder layer of every other layer type (a hybrid stack's masks differ by type).
+    kinds = list(getattr(text_config(model.config), "layer_types", None) or ["all"] * len(layers))
+    firsts = {kind: kinds.index(kind) for kind in dict.fromkeys(kinds)}  # layer type -> its first decoder layer
     hidden: list[torch.Tensor] = []
-    arguments: list[dict] = []
+    arguments: dict[int, list[dict]] = {j: [] for j in firsts.values()}
 
-    def first(module, args, kwargs):
-        h = kwargs.pop("hidden_states", args[0] if args else None)
-        hidden.append(h.to(keep))
-        kwargs = _move(kwargs, keep)
-        arguments.append(arguments[-1] if arguments and _same(arguments[-1], kwargs) else kwargs)
-        raise _Stop
+    def recorder(j: int, last: bool):
+        def hook(module, args, kwargs):
+            kwargs = dict(kwargs)  # the forward goes on with its own arguments where it is not the last
+            h = kwargs.pop("hidden_states", args[0] if args else None)
+            if j == 0:
+                hidden.append(h.to(keep))
+            kwargs, kept = _move(kwargs, keep), arguments[j]
+            kept.append(kept[-1] if kept and _same(kept[-1], kwargs) else kwargs)
+            if last:
+                raise _Stop
+        return hook
 
-    _stopped_forwards(model, ids, batch_size, layers[0], first)
+    last = max(firsts.values())
+    handles = [layers[j].register_forward_pre_hook(recorder(j, j == last), with_kwargs=True)
+               for j in firsts.values() if j != last]
+    try:
+        _stopped_forwards(model, ids, batch_size, layers[last], recorder(last, True))
+    finally:
+        for handle in handles:
+            handle.remove()
 
     # 2. Each decoder layer once over every batch, recording its MLA blocks on the way; what a layer hands the next
     # beside its hidden states (GLM-5's top-k) is passed on per batch.
@@ -198,7 +213,7 @@ def capture_layers(model, ids: torch.Tensor, batch_size: int = 8, offload: str =
         blocks = {i: modules[i] for i, o in enumerate(owner) if o == j}
         with _computed_from_pieces(family, blocks, parts, query_tokens):
             for b, h in enumerate(hidden):
-                out = layer(h.to(device), **_move({**arguments[b], **carried[b]}, device))
+                out = layer(h.to(device), **_move({**arguments[firsts[kinds[j]]][b], **carried[b]}, device))
                 carried[b] = _move(family.carried(out), keep)
                 out = out[0] if isinstance(out, tuple) else out
                 hidden[b] = out.to(keep)

@@ -120,9 +120,9 @@ def absorb(model: nn.Module, blocks: AttentionBlocks | None = None) -> nn.Module
     (default `DEFAULT_BLOCKS`), and the model to the compact causal mask (`latent_mask`). Returns the model."""
     family = family_for_config(model.config)
     modules = family.attention_modules(model)
-    for idx, attn in enumerate(modules):
-        if attn.layer_idx != idx:
-            raise RuntimeError(f"{family.name}: attention module {idx} has layer_idx {attn.layer_idx}")
+    for idx, (attn, slot) in enumerate(zip(modules, family.mla_slots(model.config), strict=True)):
+        if attn.layer_idx != slot:
+            raise RuntimeError(f"{family.name}: MLA layer {idx} has layer_idx {attn.layer_idx}; its cache slot is {slot}")
         if not isinstance(attn, AbsorbedMLA):
             attn.__class__ = _absorbed_class(type(attn))
         attn.mla_family = family
@@ -174,13 +174,23 @@ def is_absorbed(model: nn.Module) -> bool:
 
 
 def num_cache_layers(model: nn.Module) -> int:
-    # LongCat has two MLA blocks per decoder layer: its config's num_hidden_layers is 2 * num_layers.
-    return model.config.get_text_config(decoder=True).num_hidden_layers
+    """The model's MLA layers, each a latent cache layer (LongCat: two per decoder layer; a hybrid stack: its
+    full-attention layers only)."""
+    return len(family_for_config(model.config).mla_slots(model.config))
 
 
 def new_cache(model: nn.Module, factory=None) -> LatentCache:
-    """An empty latent cache sized for `model`, with layers from `factory` (default: unquantized)."""
-    return LatentCache(num_cache_layers(model), factory or layer_factory(None))
+    """An empty latent cache sized for `model`, with latent layers from `factory` (default: unquantized) in its MLA
+    slots and, in a hybrid stack, transformers' own cache layers (recurrent states) in the others."""
+    family = family_for_config(model.config)
+    slots = family.mla_slots(model.config)
+    others = {}
+    if len(slots) < family.cache_slots(model.config):
+        from transformers import DynamicCache
+
+        own = DynamicCache(config=model.config).layers  # the layer types transformers gives this model's slots
+        others = {i: layer for i, layer in enumerate(own) if i not in set(slots)}
+    return LatentCache(len(slots), factory or layer_factory(None), others)
 
 
 def model_layer_factory(model: nn.Module, quant_cfg):
@@ -230,7 +240,7 @@ def cached_latents(model: nn.Module, ids: torch.Tensor, batch: int = 8, desc: st
     for start in tqdm(range(0, ids.shape[0], batch), desc=desc, unit="batch"):
         cache = new_cache(model)
         model(ids[start:start + batch].to(model.device), use_cache=True, **cache_kwargs(cache))
-        yield [layer.read() for layer in cache.layers]
+        yield [layer.read() for layer in cache.latent_layers]
 
 
 def latent_dims(model: nn.Module) -> dict[str, int]:

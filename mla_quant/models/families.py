@@ -118,8 +118,21 @@ class MLAFamily:
         return model.model
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
-        """The MLA modules in cache-layer order (module.layer_idx == position in this list)."""
-        return [layer.self_attn for layer in self.text_model(model).layers]
+        """The MLA modules in cache-layer order: the i-th is the model's MLA layer i (its `layer_idx` is its slot
+        in transformers' cache, `mla_slots`)."""
+        layers = self.text_model(model).layers
+        return [layers[i].self_attn for i in self.mla_slots(text_config(model.config))]
+
+    def mla_slots(self, config) -> list[int]:
+        """The cache slots (decoder layers) whose attention is MLA, in order, from the config alone: every layer; a
+        hybrid stack's full-attention layers only (its other layers keep transformers' own cache layers)."""
+        return list(range(text_config(config).num_hidden_layers))
+
+    def cache_slots(self, config) -> int:
+        """The number of slots transformers' cache of this model has (a decoder layer each)."""
+        return text_config(config).num_hidden_layers
+
+    rotary = True  # False: the second key path is shared but not rotated (NoPE MLA, Kimi Linear)
 
     def rope_layout(self, config) -> str:
         return "interleaved" if getattr(config, "rope_interleave", True) else "half"
@@ -269,6 +282,8 @@ class LongcatFlashFamily(MLAFamily):
 
     def attention_modules(self, model):
         return [attn for layer in self.text_model(model).layers for attn in layer.self_attn]
+
+    # config.num_hidden_layers is 2 * num_layers: a cache slot per MLA block (2i + j)
 
     def rope_layout(self, config) -> str:
         return "interleaved"
@@ -476,6 +491,31 @@ class HYV4VLFamily(HYV4Family):
         return model.model.language_model
 
 
+class KimiLinearFamily(MLAFamily):
+    """Kimi Linear (kimi_linear): a hybrid stack of KDA (delta-rule linear attention) layers and MLA layers
+    (`config.layer_types`: "linear_attention" | "full_attention"); its MLA has no RoPE: the 64-dim shared key is
+    cached and scored as it is (a NoPE key path), with the softmax scale of the whole (d_nope + d_r) head. Only the
+    MLA layers get latent cache layers; the KDA layers keep transformers' recurrent and convolution states."""
+
+    name = "kimi_linear"
+    model_types = ("kimi_linear",)
+    modeling_module = "transformers.models.kimi_linear.modeling_kimi_linear"
+    config_class_name = "KimiLinearConfig"
+    model_class_name = "KimiLinearForCausalLM"
+    attention_class_name = "KimiLinearAttention"
+    rotary = False
+    plain_rope = False  # nothing is rotated: a RoPE scaling setting has nothing to act on
+
+    def mla_slots(self, config):
+        return [i for i, kind in enumerate(text_config(config).layer_types) if kind == "full_attention"]
+
+    def rope_layout(self, config):
+        return "half"  # no rotation: any pairing of the key's dims; a pair transform needs none
+
+    def rotate(self, attn, q_rope, k_rope, position_embeddings):
+        return q_rope, k_rope
+
+
 FAMILIES: dict[str, MLAFamily] = {
     f.name: f
     for f in (
@@ -493,6 +533,7 @@ FAMILIES: dict[str, MLAFamily] = {
         AXK2Family(),
         HYV4Family(),
         HYV4VLFamily(),
+        KimiLinearFamily(),
     )
 }
 
@@ -507,6 +548,11 @@ def get_family(name: str) -> MLAFamily:
 def text_config(config):
     """The decoder's config: a multimodal model's text config, or the config itself."""
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def mla_layer_count(config) -> int:
+    """The model's MLA layers (latent cache layers), from its config alone."""
+    return len(family_for_config(config).mla_slots(config))
 
 
 def family_for_config(config) -> MLAFamily:

@@ -97,7 +97,7 @@ def serving_shape(config, name: str = "model") -> ServingShape:
             totals[k][1] += size
     experts = int(getattr(text, "n_routed_experts", None) or 0)
     return ServingShape(
-        name=name, layers=int(text.num_hidden_layers), heads=int(text.num_attention_heads), d_c=int(text.kv_lora_rank),
+        name=name, layers=len(family.mla_slots(config)), heads=int(text.num_attention_heads), d_c=int(text.kv_lora_rank),
         d_r=int(text.qk_rope_head_dim), d_nope=int(text.qk_nope_head_dim), d_v=int(text.v_head_dim),
         max_positions=int(text.max_position_embeddings), params=totals["all"][0], expert_params=totals["experts"][0],
         lm_head_params=totals["lm_head"][0], embedding_params=totals["embedding"][0], weight_bytes=totals["all"][1],

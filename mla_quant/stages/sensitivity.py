@@ -177,7 +177,9 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     df = pd.DataFrame(rows)
     with atomic_path(run_dir / "sensitivity_rows.csv") as tmp:
         df.to_csv(tmp, index=False)
-    metrics, tables = summarise(df, specs, clean, headline, n_layers, attention_layer_of=clean.layer_of_attention)
+    family = model.mla_family
+    metrics, tables = summarise(df, specs, clean, headline, n_layers, attention_layer_of=clean.layer_of_attention,
+                                unrotated=None if family.rotary else family.name)
     metrics = {**(prep.transform_metrics or {}), **(prep.plan_metrics or {}), **metrics}
     write_text_atomic(run_dir / "sensitivity.md", tables)
     figures(df, metrics, headline, n_layers, run_dir)
@@ -198,7 +200,9 @@ def _match(df, where):
     return mask
 
 
-def summarise(df, specs, clean, headline, n_layers, attention_layer_of):
+def summarise(df, specs, clean, headline, n_layers, attention_layer_of, unrotated: str | None = None):
+    """The metrics and the markdown tables. `unrotated`: the family name where the second key path is not rotated
+    (the "RoPE" path is then a shared NoPE key, its pairs pairs of dims)."""
     m: dict[str, float] = {}
     allh = dict(kind="all_layers", nmse_target=headline)
     for path in PATHS:
@@ -222,6 +226,8 @@ def summarise(df, specs, clean, headline, n_layers, attention_layer_of):
             m[f"sensitivity/sweep/nmse_{t:g}/{path}/logits"] = sel.value.mean()
 
     lines = [f"# Fixed-NMSE sensitivity (cache NMSE {headline:g}, {df.seed.nunique()} seeds)\n",
+             *([f"{unrotated}'s second key path is not rotated (no RoPE): \"RoPE\" below names that shared key, "
+                "and its pairs are pairs of dims, not frequencies.\n"] if unrotated else []),
              "| injected | output NMSE content | output NMSE RoPE | amplification (mean ± std) |", "|---|---|---|---|"]
     lines.append(f"| all layers, logits | {m['sensitivity/output_nmse/content/logits']:.3g} | "
                  f"{m['sensitivity/output_nmse/rope/logits']:.3g} | {m['sensitivity/amplification/logits']:.2f} ± "
@@ -285,7 +291,7 @@ def summarise(df, specs, clean, headline, n_layers, attention_layer_of):
 
 def predicted_amplification(specs, clean, layer: int) -> float:
     """Predicted score-error ratio RoPE/content at `layer`, from query energies and the injected error energies."""
-    rec = clean.cache.layers[layer]
+    rec = clean.cache.latent_layers[layer]
     energy = {"content": [], "rope": []}
     for key, spec in specs:
         if key["kind"] == "one_layer" and key["layer"] == layer:
