@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", REPO / "experiments" / "README.md"]
 REAL = {"deepseek_v2_lite", "deepseek_v2_lite_chat", "deepseek_v3", "kimi_k2", "deepseek_v32", "glm4_7_flash",
         "longcat_flash", "minicpm3_4b", "axk1", "sarvam_105b", "youtu_llm_2b", "mistral_small4", "glm5", "axk2",
-        "hy4_preview", "hy4", "kimi_linear_48b"}
+        "hy4_preview", "hy4", "kimi_linear_48b", "ling3"}
 
 
 def documented_commands() -> list[str]:

@@ -103,10 +103,11 @@ def test_glm5_shared_layer_takes_the_top_k_before_it(monkeypatch):
 
 @pytest.mark.parametrize("option, family, dropped", [("tiny_axk2", "AXK2Family", "gated"),
                                                      ("tiny_hy_v4", "HYV4Family", "gated"),
-                                                     ("tiny_hy_v4", "HYV4Family", "sinks")])
+                                                     ("tiny_hy_v4", "HYV4Family", "sinks"),
+                                                     ("tiny_bailing_hybrid", "BailingHybridFamily", "gated")])
 def test_output_gate_and_sinks_are_applied(monkeypatch, option, family, dropped):
-    """Negative controls: without A.X K2's or Hunyuan V4's sigmoid gate on the attention output, or without Hunyuan
-    V4's attention sinks, the absorbed path leaves transformers' logits."""
+    """Negative controls: without A.X K2's, Hunyuan V4's or Ling 3's sigmoid gate on the attention output, or without
+    Hunyuan V4's attention sinks, the absorbed path leaves transformers' logits."""
     from mla_quant.models import families
 
     reference, absorbed = _reference_and_absorbed(option)

@@ -507,13 +507,49 @@ class KimiLinearFamily(MLAFamily):
     plain_rope = False  # nothing is rotated: a RoPE scaling setting has nothing to act on
 
     def mla_slots(self, config):
-        return [i for i, kind in enumerate(text_config(config).layer_types) if kind == "full_attention"]
+        return full_attention_slots(config)
 
     def rope_layout(self, config):
         return "half"  # no rotation: any pairing of the key's dims; a pair transform needs none
 
     def rotate(self, attn, q_rope, k_rope, position_embeddings):
         return q_rope, k_rope
+
+
+class BailingHybridFamily(MLAFamily):
+    """Ling 3 (bailing_hybrid): a hybrid stack as Kimi Linear's (KDA layers, and MLA in the "full_attention" layers of
+    `config.layer_types`), whose MLA is DeepSeek-V3's with interleaved RoPE and a per-head sigmoid output gate from
+    its own projection of the hidden states (g_proj: one value per head, for all of its value dims)."""
+
+    name = "bailing_hybrid"
+    model_types = ("bailing_hybrid",)
+    modeling_module = "transformers.models.bailing_hybrid.modeling_bailing_hybrid"
+    config_class_name = "BailingHybridConfig"
+    model_class_name = "BailingHybridForCausalLM"
+    attention_class_name = "BailingHybridAttention"
+    output_gate = True
+
+    def mla_slots(self, config):
+        return full_attention_slots(config)
+
+    def rope_layout(self, config):
+        return "interleaved"
+
+    def rotate(self, attn, q_rope, k_rope, position_embeddings):
+        q_rope, k_rope = self.modeling.apply_rotary_pos_emb_interleave(q_rope, k_rope.unsqueeze(1),
+                                                                       *position_embeddings)
+        return q_rope, k_rope[:, 0]
+
+    def query(self, attn, hidden_states):
+        q_nope, q_rope, q_resid, _ = super().query(attn, hidden_states)
+        b, t, _ = hidden_states.shape
+        gate = linear(attn.g_proj, hidden_states).view(b, t, -1, 1).transpose(1, 2)  # (B, H, T, 1)
+        return q_nope, q_rope, q_resid, gate.expand(-1, -1, -1, attn.v_head_dim)
+
+
+def full_attention_slots(config) -> list[int]:
+    """A hybrid stack's MLA layers: those `config.layer_types` calls "full_attention"."""
+    return [i for i, kind in enumerate(text_config(config).layer_types) if kind == "full_attention"]
 
 
 FAMILIES: dict[str, MLAFamily] = {
@@ -534,6 +570,7 @@ FAMILIES: dict[str, MLAFamily] = {
         HYV4Family(),
         HYV4VLFamily(),
         KimiLinearFamily(),
+        BailingHybridFamily(),
     )
 }
 
