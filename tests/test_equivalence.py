@@ -1,6 +1,7 @@
 """The absorbed latent-cache path equals transformers' own eager forward on every MLA family (float32)."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -19,6 +20,33 @@ TOL = 1e-4
 def test_every_family_has_a_tiny_model():
     families = {compose([f"model={name}"]).model.family for name in TINY}
     assert families == set(FAMILIES), f"families without a tiny_ model: {set(FAMILIES) - families}"
+
+
+def test_every_model_type_runs_from_the_registry_and_the_readme_lists_every_family():
+    """experiment=equivalence and verify task.families=all take every registered model type (its tiny model) from
+    the family registry; the README's family table names every family; a registry entry without its tiny model is
+    refused by name."""
+    from pathlib import Path
+
+    from mla_quant.stages import registry_models
+
+    types = {t for f in FAMILIES.values() for t in f.model_types if not t.endswith("_text")}
+    for overrides in (["experiment=equivalence"], ["experiment=verify", "task.families=all"]):
+        models = registry_models(compose(overrides))
+        assert set(models) == types
+        assert all(FAMILIES[m.family].tiny_options.get(t) for t, m in models.items())
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    listed = set(re.findall(r"^\| `([a-z0-9_]+)` \| [A-Z]", readme, flags=re.M))
+    assert set(FAMILIES) <= listed, f"families missing from the README table: {set(FAMILIES) - listed}"
+
+
+def test_a_registered_model_type_without_a_tiny_model_is_refused(monkeypatch):
+    from mla_quant.models.families import YoutuFamily
+    from mla_quant.stages import registry_models
+
+    monkeypatch.setattr(YoutuFamily, "model_types", ("youtu", "youtu_next"))
+    with pytest.raises(FileNotFoundError, match="'youtu_next' .*youtu.* has no tiny model option.*tiny_youtu_next"):
+        registry_models(compose(["experiment=equivalence"]))
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -94,6 +94,12 @@ class MLAFamily:
     attention_class_name = "DeepseekV3Attention"
     plain_rope = True  # transformers' plain (rope_type "default") RoPE runs on this family's RoPE dims
 
+    @property
+    def tiny_options(self) -> dict[str, str]:
+        """{model type: its tiny random model option (conf/model/<option>.yaml)}: one per model type, a multimodal
+        wrapper's text config type (`*_text`) excepted (the wrapper's option covers it)."""
+        return {t: f"tiny_{t}" for t in self.model_types if not t.endswith("_text")}
+
     # --- classes, imported lazily so that importing mla_quant stays cheap
     @property
     def modeling(self):

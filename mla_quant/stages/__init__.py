@@ -69,13 +69,49 @@ def refuse_overrides(groups, why: str, overrides: list[str] | None = None) -> No
         raise ValueError(f"{bad}: {why}; drop {'it' if len(bad) == 1 else 'them'}")
 
 
-def selected_models(task_cfg) -> list[str]:
-    """The keys of `task.models` a stage over several models runs: `task.only`, or all of them; unknown keys refused."""
-    names = list(task_cfg.models) if task_cfg.get("only") is None else list(task_cfg.only)
-    unknown = sorted(set(names) - set(task_cfg.models))
+def selected_models(task_cfg, models=None) -> list[str]:
+    """The keys of `models` (default `task.models`) a stage over several models runs: `task.only`, or all of them;
+    unknown keys refused."""
+    models = task_cfg.models if models is None else models
+    names = list(models) if task_cfg.get("only") is None else list(task_cfg.only)
+    unknown = sorted(set(names) - set(models))
     if unknown:
-        raise ValueError(f"task.only has unknown models {unknown}; known: {sorted(task_cfg.models)}")
+        raise ValueError(f"task.only has unknown models {unknown}; known: {sorted(models)}")
     return names
+
+
+def registry_models(cfg) -> dict[str, Any]:
+    """{model type: its tiny random model's config} for every model type of the family registry
+    (`MLAFamily.tiny_options`: conf/model/tiny_<model type>.yaml), resolved against the run's seed and device: the
+    models of `task.models: registry`. A registered model type without its tiny option is refused by name."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from mla_quant.models.families import FAMILIES
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "model"
+    out = {}
+    for family in FAMILIES.values():
+        for model_type, option in family.tiny_options.items():
+            path = conf / f"{option}.yaml"
+            if not path.is_file():
+                raise FileNotFoundError(f"model type {model_type!r} (family {family.name!r}) has no tiny model option: "
+                                        f"add {path.relative_to(conf.parents[1])}")
+            root = OmegaConf.create({"seed": cfg.get("seed"), "device": cfg.get("device", "auto"),
+                                     "model": OmegaConf.load(path)})
+            out[model_type] = root.model
+    return out
+
+
+def stage_models(cfg) -> dict[str, Any]:
+    """`task.models`: a mapping of model configs, or `registry` (every registered model type, `registry_models`)."""
+    models = cfg.task.models
+    if isinstance(models, str):
+        if models != "registry":
+            raise ValueError(f"task.models={models!r}; allowed: registry, or a mapping of model configs")
+        return registry_models(cfg)
+    return dict(models)
 
 
 def refuse_unused_groups(task_cfg, overrides: list[str] | None = None) -> None:

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from mla_quant.models.absorbed import absorb, cache_kwargs, latent_dims, new_cache
 from mla_quant.models.families import get_family, text_config
 from mla_quant.prepare import build_model
-from mla_quant.stages import StageResult, selected_models
+from mla_quant.stages import StageResult, selected_models, stage_models
 from mla_quant.record import write_text_atomic
 
 
@@ -92,12 +92,13 @@ def check_model(model_cfg: DictConfig, *, prefill_tokens: int, decode_steps: int
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
-    names = selected_models(task)
+    models = stage_models(cfg)
+    names = selected_models(task, models)
 
     metrics, rows = {}, []
     for name in tqdm(names, desc="equivalence", unit="family"):
         results = check_model(
-            task.models[name],
+            models[name],
             prefill_tokens=task.prefill_tokens,
             decode_steps=task.decode_steps,
             batch_size=task.batch_size,
@@ -111,7 +112,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                 metrics[f"equivalence/{name}/{variant}/{key}"] = value
             worst = max(worst, m["prefill_max_abs_logit_diff"], m["decode_max_abs_logit_diff"])
             all_match &= m["greedy_tokens_match"] == 1.0
-            rows.append({"model": name, "family": task.models[name].family, "variant": variant, **m})
+            rows.append({"model": name, "family": models[name].family, "variant": variant, **m})
         passed = worst <= task.tolerance and all_match
         metrics[f"equivalence/{name}/max_abs_logit_diff"] = worst
         metrics[f"equivalence/{name}/passed"] = passed

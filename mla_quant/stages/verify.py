@@ -22,7 +22,7 @@ from mla_quant.models.absorbed import attention_modules
 from mla_quant.models.families import family_for_config
 from mla_quant.prepare import build_model
 from mla_quant.record import write_text_atomic
-from mla_quant.stages import StageResult
+from mla_quant.stages import StageResult, stage_models
 from mla_quant.transforms import TransformSet, apply_transforms, sample_layer_transform
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -79,9 +79,12 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     for name in transforms:
         transform_kinds(name)  # unknown names fail before any model work
     if task.families == "configured":
+        if task.get("models", "registry") != "registry":
+            raise ValueError("task.models is read with task.families=all only; with task.families=configured the "
+                             "configured model runs: drop task.models, or set task.families=all")
         models = {"configured": cfg.model}
     elif task.families == "all":
-        models = dict(task.models)
+        models = stage_models(cfg)
     else:
         raise ValueError(f"task.families={task.families!r}; allowed: configured, all")
     rows = []
