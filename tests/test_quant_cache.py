@@ -11,7 +11,7 @@ from conftest import CPU_DECODE
 from omegaconf import OmegaConf
 
 from mla_quant.cache import LatentCacheLayer, cache_layer_factory
-from mla_quant.cache.bytes import byte_table, load_quant_option, measure_bytes
+from mla_quant.cache.bytes import HeldBytes, byte_table, load_quant_option, measure_bytes
 from mla_quant.kernels.attention import latent_attention
 from mla_quant.models.absorbed import cache_kwargs, latent_dims, new_cache, quantized_cache
 from mla_quant.prepare import build_model
@@ -578,6 +578,11 @@ def test_hybrid_stack_caches_latents_in_its_mla_layers_and_keeps_transformers_st
     assert all(layer.n_quantized > 0 for layer in quantized.latent_layers)
     state = sum(t.numel() * t.element_size() for slot in (0, 2) for t in states(theirs, slot))
     assert ours.state_bytes() == quantized.state_bytes() == state
+    held = HeldBytes()
+    held.add(quantized)
+    figures = held.metrics("cache")
+    assert figures["cache/state_B_per_sequence"] == state / 2  # the batch's 2 sequences
+    assert figures["cache/token_layers"] == 2 * (35 + 40)  # the real tokens of the 2 MLA layers
     assert ours.bytes_per_token_per_layer() == 4 * (32 + 8)  # float32 latents of the 2 MLA layers only
     with pytest.raises(ValueError, match="4 entries; the model has 2 cache layers"):
         quantized_cache(model, OmegaConf.merge(q, {"layers": [None] * 4}))

@@ -833,6 +833,11 @@ class LatentCache(Cache):
                 total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
         return total
 
+    def sequences(self) -> int:
+        """The batch size of what the cache holds (0 while empty)."""
+        valid = self.latent_layers[0].slot_valid if self.latent_layers else None
+        return 0 if valid is None else int(valid.shape[0])
+
     def backends_run(self) -> dict[str, str]:
         """{step type: backend(s) that ran it, "+"-joined} over every latent layer, for the run record."""
         ran: dict[str, set] = {}
