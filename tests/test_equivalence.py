@@ -40,6 +40,18 @@ def test_every_model_type_runs_from_the_registry_and_the_readme_lists_every_fami
     assert set(FAMILIES) <= listed, f"families missing from the README table: {set(FAMILIES) - listed}"
 
 
+def test_an_mla_model_type_without_an_adapter_is_refused_with_the_recipe():
+    from transformers import DeepseekV3Config
+
+    from mla_quant.models.families import family_for_config
+
+    config = DeepseekV3Config()
+    config.model_type = "deepseek_v9"
+    with pytest.raises(ValueError, match=r"'deepseek_v9' has no adapter; supported model types: \[.*'kimi_linear'.*"
+                                         r"MLAFamily subclass.*tiny_deepseek_v9.yaml"):
+        family_for_config(config)
+
+
 def test_a_registered_model_type_without_a_tiny_model_is_refused(monkeypatch):
     from mla_quant.models.families import YoutuFamily
     from mla_quant.stages import registry_models

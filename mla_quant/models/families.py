@@ -610,4 +610,7 @@ def family_for_config(config) -> MLAFamily:
         if config.model_type in family.model_types:
             return family
     known = sorted(t for f in FAMILIES.values() for t in f.model_types)
-    raise ValueError(f"MLA model_type {config.model_type!r} has no adapter; supported model types: {known}")
+    raise ValueError(f"MLA model_type {config.model_type!r} has no adapter; supported model types: {known}. To add "
+                     "it: one MLAFamily subclass in mla_quant/models/families.py naming its transformers classes (and "
+                     "overriding the accessors where its attention differs), added to FAMILIES, and "
+                     f"conf/model/tiny_{config.model_type}.yaml (README: Adding a family)")
