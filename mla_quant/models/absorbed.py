@@ -25,7 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from mla_quant.cache import LatentCache, layer_factory
 from mla_quant.kernels.attention import DEFAULT_BLOCKS, AttentionBlocks, CausalMask, key_validity, latent_attention
 from mla_quant.models import fp8
-from mla_quant.models.families import MLAFamily, family_for_config, text_config
+from mla_quant.models.families import MLAFamily, family_for_config, mla_layer_count, text_config
 from mla_quant.quant.formats import cache_format
 
 # The attention implementation an absorbed model runs under: transformers builds its mask through `latent_mask`
@@ -176,7 +176,7 @@ def is_absorbed(model: nn.Module) -> bool:
 def num_cache_layers(model: nn.Module) -> int:
     """The model's MLA layers, each a latent cache layer (LongCat: two per decoder layer; a hybrid stack: its
     full-attention layers only)."""
-    return len(family_for_config(model.config).mla_slots(model.config))
+    return mla_layer_count(model.config)
 
 
 def new_cache(model: nn.Module, factory=None) -> LatentCache:
@@ -189,7 +189,8 @@ def new_cache(model: nn.Module, factory=None) -> LatentCache:
         from transformers import DynamicCache
 
         own = DynamicCache(config=model.config).layers  # the layer types transformers gives this model's slots
-        others = {i: layer for i, layer in enumerate(own) if i not in set(slots)}
+        mla = set(slots)
+        others = {i: layer for i, layer in enumerate(own) if i not in mla}
     return LatentCache(len(slots), factory or layer_factory(None), others)
 
 
