@@ -26,7 +26,7 @@ def _layer(option: str, tokens: int = 120):
     quant = {"option": option, "protected": {"n_sink": 2, "recent": 10}}
     if option not in ("fp8_flat", "kivi_int2"):
         quant["content"] = {"group_size": 32}
-    return filled_layer(quant, d_c=64, d_r=16, batch=3, tokens=tokens, pads=(0, 7, 50))
+    return filled_layer(quant, d_c=64, d_r=16, batch=3, tokens=tokens, pads=(0, 7, 50), device="cpu")
 
 
 def _assert_blocks_are_a_fresh_decode(layer, block: int = 7):

@@ -13,6 +13,8 @@ Tokens leaving the recent window are quantized and written into the pages by the
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mla_quant.cache.layer import PATHS, LatentCacheLayer, step_type
@@ -60,7 +62,13 @@ class KernelDecode:
         frozen)."""
         cache = self.__dict__.setdefault("_backends", {})
         if device_type not in cache:
-            cache[device_type] = self.fmt.step_backends(device_type)
+            backends = self.fmt.step_backends(device_type)
+            if ("triton" in backends.values() and device_type != "cuda"
+                    and os.environ.get("TRITON_INTERPRET") != "1"):
+                raise ValueError(f"{self.where}: quant.backend=triton runs on CUDA tensors; this layer's are on "
+                                 f"{device_type} (use quant.backend=auto, or cpu for the C++ kernel; "
+                                 "TRITON_INTERPRET=1 before starting runs the Triton kernel in its CPU interpreter)")
+            cache[device_type] = backends
         return cache[device_type]
 
     def _write(self, rows, pos, tokens):

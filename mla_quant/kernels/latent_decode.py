@@ -51,11 +51,12 @@ from mla_quant.kernels.layout import (  # noqa: F401 (Segment, the checks: part 
 MAX_SEGMENTS = 3  # segments one stage-1 launch reads (the paged store, the sinks, the recent window)
 DOTS = ("auto", "ieee", "bf16")
 _POW2 = tl.constexpr(POW2_CODE)  # the code of int8 (power-of-two exponent) scales, as the kernels read it
+COMPILE_ONLY: list[int] = []  # the target architecture while `kernels.aot.ahead_of_time` is active
 
 
 def require_triton(what: str = "quant.backend=triton", hint: str = "") -> None:
     """Raise RuntimeError naming `what` unless the kernel can launch here (a CUDA GPU, or the CPU interpreter)."""
-    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" or COMPILE_ONLY):
         raise RuntimeError(f"{what} cannot run: no CUDA GPU here (set TRITON_INTERPRET=1 before starting to run the "
                            f"kernel in Triton's CPU interpreter){hint}")
 
@@ -215,15 +216,16 @@ def _typed(p, KIND: tl.constexpr):
 def _pairs_tile(page_base, blk, slot, ok_t, page_stride, D: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr):
     """[BLOCK_N, BLOCK_D] float32 tile, in channel order, of a RoPE key stored with bits per group of frequency pairs
     (format=pairs) for the tokens in slots `slot` of blocks `blk`: every part of a block lies in its page at the
-    byte offsets of DESC = (1, interleaved, pairs per group, symmetric, groups). Channel c belongs to pair
-    i = c mod D/2 (rotate-half order) or c // 2 (interleaved), so to group i // per at position
+    byte offsets of DESC = (1, interleaved, pairs per group, symmetric, number of groups, then each group's 8 fields
+    in turn: `_flat_pairs`, flat because Triton before 3.9 takes no nested tuple as a constexpr). Channel c belongs to
+    pair i = c mod D/2 (rotate-half order) or c // 2 (interleaved), so to group i // per at position
     j = 2 (i mod per) + (second channel of its pair); a group is (bits, row bytes, data offset, scales offset, zeros
     offset, data kind, scale kind, zero kind): its codes an LSB-first byte stream (code j at bits [j b, (j + 1) b)),
     one scale (and zero) per token; 16 bits: its values."""
     INTERLEAVED: tl.constexpr = DESC[1]
     PER: tl.constexpr = DESC[2]
     SYM: tl.constexpr = DESC[3]
-    GROUPS: tl.constexpr = DESC[4]
+    NG: tl.constexpr = DESC[4]
     HALF: tl.constexpr = D // 2
     c = tl.arange(0, BLOCK_D)
     c_ok = c < D
@@ -237,31 +239,39 @@ def _pairs_tile(page_base, blk, slot, ok_t, page_stride, D: tl.constexpr, BLOCK_
     j = 2 * (i % PER) + second
     page = page_base + blk * page_stride  # [BLOCK_N] byte pointers: each token's page
     x = tl.zeros([blk.shape[0], BLOCK_D], tl.float32)
-    for g in tl.static_range(len(GROUPS)):
-        BITS: tl.constexpr = GROUPS[g][0]
-        ROW: tl.constexpr = GROUPS[g][1]
+    for g in tl.static_range(NG):
         m = ok_t[:, None] & (c_ok & (grp == g))[None, :]
-        if BITS == 16:
-            v = tl.load(_typed(page + GROUPS[g][2], GROUPS[g][5])[:, None] + (slot * (2 * PER))[:, None] + j[None, :],
-                        mask=m, other=0.0).to(tl.float32)
-        else:
-            at = (j * BITS) // 8
-            byte = page[:, None] + GROUPS[g][2] + (slot * ROW)[:, None] + at[None, :]
-            lo = tl.load(byte, mask=m, other=0).to(tl.int32)
-            hi = tl.load(byte + 1, mask=m & (at + 1 < ROW)[None, :], other=0).to(tl.int32)
-            q = (((lo | (hi << 8)) >> ((j * BITS) % 8)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-            s = tl.load(_typed(page + GROUPS[g][3], GROUPS[g][6]) + slot, mask=ok_t, other=0)
-            if GROUPS[g][6] == _POW2:  # int8 scales: power-of-two exponents
-                s = tl.exp2(s.to(tl.float32))
-            else:
-                s = s.to(tl.float32)
-            if SYM:
-                v = (q - (1 << (BITS - 1))) * s[:, None]
-            else:
-                z = tl.load(_typed(page + GROUPS[g][4], GROUPS[g][7]) + slot, mask=ok_t, other=0).to(tl.float32)
-                v = q * s[:, None] + z[:, None]
+        v = _pairs_group(page, slot, ok_t, m, j, PER, SYM, DESC[5 + 8 * g], DESC[6 + 8 * g], DESC[7 + 8 * g],
+                         DESC[8 + 8 * g], DESC[9 + 8 * g], DESC[10 + 8 * g], DESC[11 + 8 * g], DESC[12 + 8 * g])
         x = tl.where(m, v, x)
     return x
+
+
+@triton.jit
+def _pairs_group(page, slot, ok_t, m, j, PER: tl.constexpr, SYM: tl.constexpr, BITS: tl.constexpr, ROW: tl.constexpr,
+                 AT_DATA: tl.constexpr, AT_SC: tl.constexpr, AT_Z: tl.constexpr, KIND_DATA: tl.constexpr,
+                 KIND_SC: tl.constexpr, KIND_Z: tl.constexpr):
+    """One group of `_pairs_tile`: its values at positions j of the tokens' pages (masked by m), float32."""
+    if BITS == 16:
+        v = tl.load(_typed(page + AT_DATA, KIND_DATA)[:, None] + (slot * (2 * PER))[:, None] + j[None, :],
+                    mask=m, other=0.0).to(tl.float32)
+    else:
+        at = (j * BITS) // 8
+        byte = page[:, None] + AT_DATA + (slot * ROW)[:, None] + at[None, :]
+        lo = tl.load(byte, mask=m, other=0).to(tl.int32)
+        hi = tl.load(byte + 1, mask=m & (at + 1 < ROW)[None, :], other=0).to(tl.int32)
+        q = (((lo | (hi << 8)) >> ((j * BITS) % 8)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+        s = tl.load(_typed(page + AT_SC, KIND_SC) + slot, mask=ok_t, other=0)
+        if KIND_SC == _POW2:  # int8 scales: power-of-two exponents
+            s = tl.exp2(s.to(tl.float32))
+        else:
+            s = s.to(tl.float32)
+        if SYM:
+            v = (q - (1 << (BITS - 1))) * s[:, None]
+        else:
+            z = tl.load(_typed(page + AT_Z, KIND_Z) + slot, mask=ok_t, other=0).to(tl.float32)
+            v = q * s[:, None] + z[:, None]
+    return v
 
 
 @triton.jit
@@ -443,8 +453,17 @@ def _format_constexprs(seg: Segment, i: int) -> dict:
         out.update({f"F{i}_{tag}B": p.bits, f"F{i}_{tag}G": p.group if p.bits else 1,
                     f"F{i}_{tag}S": bool(p.symmetric or p.bits == 0), f"F{i}_{tag}P": bool(p.pow2 and p.bits > 0),
                     f"F{i}_{tag}L": p.levels is not None and p.bits > 0})
-    out[f"F{i}_RQ"] = seg.rope.pairs if seg.rope.pairs is not None else (0,)
+    out[f"F{i}_RQ"] = _flat_pairs(seg.rope.pairs) if seg.rope.pairs is not None else (0,)
     return out
+
+
+def _flat_pairs(desc: tuple) -> tuple[int, ...]:
+    """The pairs descriptor (1, interleaved, per, symmetric, groups) as one flat tuple of ints: the four fields, the
+    number of groups, then each group's 8 fields (`_pairs_tile` reads field k of group g at 5 + 8 g + k)."""
+    *head, groups = desc
+    if any(len(g) != 8 for g in groups):
+        raise ValueError(f"a pairs group has 8 fields, got {[len(g) for g in groups]}")
+    return (*head, len(groups), *(int(v) for g in groups for v in g))
 
 
 def _segment_args(seg: Segment | None, plan: tuple[int, int], dummy: torch.Tensor) -> list:

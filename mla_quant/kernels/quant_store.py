@@ -28,7 +28,7 @@ from mla_quant.kernels.layout import DTYPE_CODES, SCALE_DTYPES, WORD_BITS, ZERO_
 
 SCALE_KINDS = {name: DTYPE_CODES[dtype] for name, dtype in SCALE_DTYPES.items()}  # the kernel's KIND per scale dtype
 MAX_GROUPS = 64  # groups per token one program unrolls
-_RNE = 12582912.0  # 1.5 * 2^23: (v + _RNE) - _RNE rounds |v| < 2^22 to the nearest integer, ties to even
+_RNE = tl.constexpr(12582912.0)  # 1.5 * 2^23: (v + _RNE) - _RNE rounds |v| < 2^22 to the nearest integer, ties to even
 
 
 @triton.jit

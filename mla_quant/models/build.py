@@ -330,6 +330,9 @@ def pretrained_model(
         device_map=device_map,
         trust_remote_code=trust_remote_code,
         output_loading_info=True,
+        # transformers >= 5.25 swaps modules (RMSNorm, MoE, ...) for Hub kernels after loading when `kernels` is
+        # installed, fetching them online: the study runs the modeling code as written, the same on every device
+        use_kernels=False,
         **kwargs,
     )
     missing = sorted(info.get("missing_keys") or [])

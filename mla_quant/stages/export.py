@@ -79,7 +79,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     write_json_atomic(out / "mla_quant_cache.json", description)
 
     family = family_for_config(model.config)
-    reloaded = family.model_class.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    reloaded = family.model_class.from_pretrained(out, dtype=torch.float32, attn_implementation="eager",
+                                                  use_kernels=False).eval()
     original = build_model(cfg.model, absorbed=False, dtype="float32").eval()
     vocab = model.config.get_text_config(decoder=True).vocab_size
     g = torch.Generator().manual_seed(int(cfg.seed))
