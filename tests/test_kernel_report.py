@@ -1,0 +1,37 @@
+"""experiment=kernel_report: the Triton kernels compiled ahead of time for Ampere and Hopper on this CPU-only machine
+(Triton's own ptxas; nothing launches). It runs in a subprocess because the test session imports the kernels under
+the interpreter (conftest.py sets TRITON_INTERPRET=1), which compiles nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_kernels_compile_for_ampere_and_hopper(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
+    # a format of each kind the stage-1 kernel reads: int codes with zeros, and bits per group of RoPE pairs
+    cmd = [sys.executable, "run.py", "experiment=kernel_report", "logger=none", "task.archs=[80,90]",
+           "task.formats=[int2_content_int4_rope]", "task.dtypes=[bfloat16]", "task.launches=[]",
+           "task.heads=[16,128]", "+task.quant_overrides.rope.bits=[8,4,4,16]", f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "record.json").read_text())["metrics"]
+    assert metrics["kernel_report/failed"] == 0
+    df = pd.read_csv(tmp_path / "kernel_report.csv")
+    for arch in ("sm_80", "sm_90"):
+        kernels = set(df[df.arch == arch].kernel)
+        assert kernels == {"decode_stage1", "decode_merge", "quant_store"}, (arch, kernels)
+    stage1 = df[df.kernel == "decode_stage1"]
+    assert list(stage1.heads) == ["16,128", "16,128"]  # 16 and 128 heads: the same tiles at d_c 512, one kernel
+    assert (df.regs <= 255).all() and (df.regs > 0).all()
+    assert df.shared_ok.all() and (df.blocks_per_sm >= 1).all()
+    assert (df[df.kernel != "decode_stage1"].stack_B == 0).all()  # the merge and the store keep to registers
