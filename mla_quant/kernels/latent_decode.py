@@ -482,12 +482,12 @@ def _segment_args(seg: Segment | None, plan: tuple[int, int], dummy: torch.Tenso
 def launch_config(heads: int, d_c: int, block_h: int | None = None, block_n: int | None = None,
                   num_warps: int | None = None) -> dict:
     """Tile sizes: BLOCK_H heads per program, BLOCK_N tokens per tile, warps; any of them may be given. At d_c = 512
-    the defaults (16 heads, 16 tokens, 8 warps) keep the float32 accumulators, the query and one dequantized tile in
-    registers without spilling on sm_90 for every format (ptxas resource usage of the compiled kernel)."""
+    the defaults are 16 heads, 32 tokens, 4 warps: the fastest of bench_kernel's candidates on an H200 for every
+    format at 16 and 128 heads (docs/kernel.md, "Measured figures"), though the int paths' tiles then spill."""
     wide = d_c > 256
     bh = _next_pow2(block_h or min(_next_pow2(heads), 16 if wide else 64))
-    bn = block_n or (16 if wide else 32)
-    return dict(block_h=bh, block_n=bn, num_warps=num_warps or (8 if wide or bh * d_c > 16 * 512 else 4))
+    bn = block_n or 32
+    return dict(block_h=bh, block_n=bn, num_warps=num_warps or (8 if bh * d_c > 16 * 512 else 4))
 
 
 def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments, *,
