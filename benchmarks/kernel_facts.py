@@ -24,8 +24,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 from omegaconf import OmegaConf
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from mla_quant.audit import HostReads
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.cache.factory import cache_layer_factory
 from mla_quant.kernels import latent_decode as kernel_module
@@ -37,25 +37,6 @@ DEVICE = "cuda" if CUDA else "cpu"
 TOKENS = int(os.environ.get("FACTS_TOKENS", "32768" if CUDA else "300"))
 D_C, D_R = (512, 64) if CUDA else (128, 64)
 OUT = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "outputs/kernel_facts"))
-
-
-class HostReads(TorchDispatchMode):
-    """Counts device values read on the host: `.item()`/`int()`/`bool()` (aten._local_scalar_dense), `nonzero`
-    (its output size), and copies of a CUDA tensor to the CPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if name in ("_local_scalar_dense", "nonzero", "masked_select") or (
-                name in ("_to_copy", "copy_") and src is not None and src.is_cuda
-                and str(kwargs.get("device", "cuda")).startswith("cpu")):
-            self.reads.append(name)
-        return func(*args, **kwargs)
 
 
 def timed_us(fn, iters: int = 50) -> float:
@@ -96,8 +77,8 @@ def decode_cases() -> list[dict]:
             eager = latent_decode(q, qr, scale, segments)
             with HostReads() as counter:
                 latent_decode(q, qr, scale, segments)
-            row = {"format": option, "heads": heads, "tokens": TOKENS, "host_reads": len(counter.reads),
-                   "host_read_ops": ",".join(sorted(set(counter.reads)))}
+            row = {"format": option, "heads": heads, "tokens": TOKENS, "host_reads": counter.count,
+                   "host_read_sites": ",".join(sorted(site for _, site in counter.sites))}
             if CUDA:
                 try:
                     stream = torch.cuda.Stream()
