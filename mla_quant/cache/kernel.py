@@ -24,14 +24,11 @@ from mla_quant.quant.quantizers import SCALE_DTYPES, ZERO_DTYPES
 
 
 def decode_kernel(backend: str):
-    """The decode kernel of a backend ("triton", "cpu"), imported on first use (Triton only where it runs)."""
-    if backend == "triton":
-        from mla_quant.kernels.latent_decode import latent_decode
+    """The decode kernel of a backend ("triton", "cpu") through its PyTorch operator (kernels/ops.py: traceable by
+    torch.compile and FakeTensorMode), imported on first use (Triton only where it runs)."""
+    from mla_quant.kernels.ops import decode_op
 
-        return latent_decode
-    from mla_quant.kernels.cpu_decode import latent_decode_cpu
-
-    return latent_decode_cpu
+    return decode_op(backend)
 
 
 class KernelDecode:

@@ -82,6 +82,9 @@ def _load() -> tuple[object | None, str | None]:
         # -fopenmp: at::parallel_for is inline OpenMP (ATen's parallel backend); the process's libgomp is torch's
         load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
              build_directory=str(build), is_python_module=False, verbose=False)
+        from mla_quant.kernels.ops import register_cpu_fake
+
+        register_cpu_fake()
         return torch.ops.mla_quant_cpu.latent_decode, None
     except Exception as err:  # no compiler, no ninja, a failed build: the reason, for the caller to report
         lines = [line for line in str(err).strip().splitlines() if line.strip()]
@@ -122,6 +125,12 @@ def latent_decode_cpu(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float
                              f"kernel; allowed: float values or int codes of one width (the PyTorch path, "
                              f"segment_attention, reads it)")
     op = require_cpu_kernel("latent_decode_cpu")
+    return op(q_latent.float().contiguous(), q_rope.float().contiguous(), float(scale), *operator_arguments(segments))
+
+
+def operator_arguments(segments) -> tuple[list, list[int]]:
+    """The operator's (tensors, meta) for `segments`: per segment and path 4 tensors and 3 ints, then its block
+    table and lengths."""
     tensors, meta = [], []
     for seg in segments:
         for p in (seg.content, seg.rope):
@@ -129,4 +138,4 @@ def latent_decode_cpu(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float
             tensors += t
             meta += m
         tensors += [seg.block_table, seg.lengths]
-    return op(q_latent.float().contiguous(), q_rope.float().contiguous(), float(scale), tensors, meta)
+    return tensors, meta

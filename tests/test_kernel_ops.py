@@ -1,0 +1,55 @@
+"""The decode kernels as PyTorch operators (mla_quant/kernels/ops.py): each equals its kernel, passes
+`torch.library.opcheck`'s schema and fake-tensor checks (a decode step traces under FakeTensorMode), and a decode
+step around the C++ operator compiles with torch.compile (inductor, fullgraph: the kernel one node, no graph break)
+to the eager result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import HAS_CXX
+from test_kernel import FORMATS, filled_layer
+
+from mla_quant.kernels.latent_decode import latent_decode
+from mla_quant.kernels.ops import decode_op, flatten, unflatten
+
+CASES = ["int4 g32 + int4 rope", "int4 g32 + pairs rope [8, 3, 2, 16]", "int2 g32 lloyd + int4 rope lloyd",
+         "bf16 (plain layer)"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_operators_equal_their_kernels_and_have_fake_implementations(name):
+    layer = filled_layer(dict(FORMATS[name]), d_c=96, d_r=16, batch=3, tokens=190, pads=(0, 9, 77), device="cpu")
+    segments = layer.segments()
+    g = torch.Generator().manual_seed(1)
+    q, qr = torch.randn(3, 4, 96, generator=g), torch.randn(3, 4, 16, generator=g)
+    tensors, meta = flatten(segments)
+    assert flatten(unflatten(tensors, meta)) == (tensors, meta)
+    assert torch.equal(decode_op("triton")(q, qr, 0.2, segments), latent_decode(q, qr, 0.2, segments))
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.mla_quant.latent_decode.default, (q, qr, 0.2, tensors, meta), test_utils=checks)
+    if HAS_CXX and "pairs" not in name:  # the C++ kernel reads one width per path
+        from mla_quant.kernels.cpu_decode import operator_arguments
+
+        torch.library.opcheck(torch.ops.mla_quant_cpu.latent_decode.default,
+                              (q, qr, 0.2, *operator_arguments(segments)), test_utils=checks)
+
+
+@pytest.mark.skipif(not HAS_CXX, reason="the C++ decode kernel did not build here")
+def test_a_decode_step_around_the_cpu_operator_compiles_in_one_graph():
+    from mla_quant.kernels.cpu_decode import operator_arguments
+
+    layer = filled_layer(dict(FORMATS["int4 g32 + int4 rope"]), d_c=96, d_r=16, batch=3, tokens=190, pads=(0, 9, 77),
+                         device="cpu")
+    tensors, meta = operator_arguments(layer.segments())
+    g = torch.Generator().manual_seed(0)
+    x, w_q, w_r = torch.randn(3, 64, generator=g), torch.randn(64, 384, generator=g), torch.randn(64, 64, generator=g)
+    w_o = torch.randn(384, 64, generator=g)
+
+    def step(x, tensors):  # query projections, the kernel, the output projection: what a decode step does
+        q, qr = (x @ w_q).view(3, 4, 96), (x @ w_r).view(3, 4, 16)
+        o = torch.ops.mla_quant_cpu.latent_decode(q, qr, 0.2, tensors, meta)
+        return torch.nn.functional.silu(o.flatten(1) @ w_o)
+
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    torch.testing.assert_close(compiled(x, tensors), step(x, tensors), rtol=1e-5, atol=1e-5)
