@@ -53,3 +53,31 @@ def test_a_decode_step_around_the_cpu_operator_compiles_in_one_graph():
 
     compiled = torch.compile(step, fullgraph=True, backend="inductor")
     torch.testing.assert_close(compiled(x, tensors), step(x, tensors), rtol=1e-5, atol=1e-5)
+
+
+def test_toy_decode_through_torch_compile_gives_the_same_tokens():
+    """The toy model with the int4_joint cache (decode steps through the C++ operator where it builds), compiled
+    whole with torch.compile (inductor; the cache's appends run eagerly, `torch.compiler.disable`): six greedy
+    decode steps give the eager tokens, logits within 1e-4."""
+    from conftest import compose
+
+    from mla_quant.models.absorbed import cache_kwargs
+    from mla_quant.prepare import prepare_model
+
+    prep = prepare_model(compose(["experiment=quality", "quant=int4_joint"]), tokenizer=False)
+    ids = torch.randint(5, 200, (2, 160), generator=torch.Generator().manual_seed(0))
+
+    def greedy(forward):
+        cache = prep.new_cache()
+        with torch.no_grad():
+            logits = prep.model(ids, **cache_kwargs(cache)).logits
+            tokens = [logits[:, -1:].argmax(-1)]
+            for _ in range(6):
+                logits = forward(tokens[-1], **cache_kwargs(cache)).logits
+                tokens.append(logits[:, -1:].argmax(-1))
+        return torch.cat(tokens, 1), logits
+
+    want, want_logits = greedy(prep.model)
+    got, got_logits = greedy(torch.compile(prep.model, backend="inductor"))
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-4)

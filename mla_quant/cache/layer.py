@@ -178,6 +178,8 @@ class LatentCacheLayer(LatentLayerContract):
                 self.pending[path] = x.new_zeros(b, 0, x.shape[-1])
         self.is_initialized = True
 
+    @torch.compiler.disable  # under torch.compile the cache's bookkeeping runs eagerly (its pages are written in place
+    # through views of other dtypes, which AOT autograd does not trace); the model's math and the kernel compile
     def append(self, content: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Store new tokens. content (B, T, d_c), rope (B, T, d_r), valid (B, T) bool: False marks padding."""
         all_real = valid is None
