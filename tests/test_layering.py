@@ -1,7 +1,7 @@
 """The package's import graph follows its layering (docs/layering.md): arrows only point down, no circles.
 
     entry (run.py) -> pipeline -> stages -> prepare -> sensitivity / eval / calibration / serving / plan -> transforms
-    -> models -> cache -> quant -> kernels;  record, tracking, tasks, stats, memory and checks are side modules any
+    -> models -> cache -> quant -> kernels;  record, tracking, tasks, stats, memory, checks and audit are side modules any
     layer may use, and they use no layer.
 Every import counts, also those inside functions (deferred for speed, still a dependency)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "mla_quant"
 LEVELS = {"kernels": 0, "quant": 1, "cache": 2, "models": 3, "toy": 3, "transforms": 4, "sensitivity": 5,
           "eval": 5, "calibration": 5, "serving": 5, "plan": 5, "prepare": 6, "stages": 7, "pipeline": 8, "workflow": 9}
-SIDE = {"record", "tracking", "tasks", "stats", "memory", "checks"}
+SIDE = {"record", "tracking", "tasks", "stats", "memory", "checks", "audit"}
 SAME_LEVEL_ALLOWED = {("toy", "models"), ("models", "toy")}  # the shipped toy is one of the models' sources
 
 

@@ -82,9 +82,14 @@ def _load() -> tuple[object | None, str | None]:
         # -fopenmp: at::parallel_for is inline OpenMP (ATen's parallel backend); the process's libgomp is torch's
         load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
              build_directory=str(build), is_python_module=False, verbose=False)
-        from mla_quant.kernels.ops import register_cpu_fake
-
-        register_cpu_fake()
+        # the operator's fake implementation (its output's shape and dtype): a decode step traces under
+        # FakeTensorMode and torch.compile (kernels/ops.py)
+        try:
+            torch.library.register_fake("mla_quant_cpu::latent_decode")(
+                lambda q_latent, q_rope, scale, tensors, meta: q_latent.new_empty(q_latent.shape,
+                                                                                  dtype=torch.float32))
+        except RuntimeError:  # registered by an earlier load in this process
+            pass
         return torch.ops.mla_quant_cpu.latent_decode, None
     except Exception as err:  # no compiler, no ninja, a failed build: the reason, for the caller to report
         lines = [line for line in str(err).strip().splitlines() if line.strip()]

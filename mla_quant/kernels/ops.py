@@ -8,7 +8,7 @@ captures it.
 An operator takes tensors and numbers only: `flatten(segments)` lays each `Segment` out as a list of tensors (None
 where a part is absent) and a list of ints (`SEGMENT_TENSORS` and `_segment_meta`), and the Triton operator's
 implementation rebuilds the segments (`unflatten`) to launch the kernel. The C++ kernel registers its own operator
-(kernels/csrc/latent_decode_cpu.cpp); its fake implementation is registered here once it is loaded.
+(kernels/csrc/latent_decode_cpu.cpp); kernels/cpu_decode.py registers its fake implementation once it is loaded.
 """
 
 from __future__ import annotations
@@ -82,18 +82,6 @@ def _triton_latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: f
 @_triton_latent_decode.register_fake
 def _(q_latent, q_rope, scale, tensors, meta):
     return q_latent.new_empty(q_latent.shape, dtype=torch.float32)
-
-
-_CPU_FAKE: list[bool] = []
-
-
-def register_cpu_fake() -> None:
-    """The C++ operator's fake implementation (once, after the extension has loaded and defined it)."""
-    if _CPU_FAKE:
-        return
-    torch.library.register_fake("mla_quant_cpu::latent_decode")(
-        lambda q_latent, q_rope, scale, tensors, meta: q_latent.new_empty(q_latent.shape, dtype=torch.float32))
-    _CPU_FAKE.append(True)
 
 
 def decode_op(backend: str):
