@@ -31,6 +31,37 @@ def decode_kernel(backend: str):
     return decode_op(backend)
 
 
+def store_unsupported(fmt, d: int) -> str | None:
+    """Why the Triton store kernel does not encode path format `fmt` of `d` dims (the PyTorch encoder then stores
+    it), or None (also for float paths, which are copied)."""
+    if not fmt.quantized:
+        return None
+    why = fmt.store_kernel_unsupported()  # the codec's and the quantizer's (PyTorch encodes what it refuses)
+    if why is not None:
+        return why
+    from mla_quant.kernels.quant_store import kernel_store_unsupported
+
+    return kernel_store_unsupported(fmt.bits, d, fmt.group_size)
+
+
+def store_quantized(store, rows, pos, table, path: str, fmt, d: int, x: torch.Tensor) -> None:
+    """Quantize x (N, d), path `path` of format `fmt`, with the Triton store kernel straight into the paged store's
+    pages at the reserved positions `pos` of `rows` (the path's page parts declared at once; the kernel writes
+    through their views, whose block stride is a page)."""
+    from mla_quant.kernels.quant_store import quantize_append
+
+    groups = fmt.n_groups(d)
+    specs = {"codes": ((WordLayout(fmt.bits, d).words,), torch.int32),
+             "scales": ((groups,), SCALE_DTYPES[fmt.scale_dtype])}
+    if not fmt.symmetric:
+        specs["zeros"] = ((groups,), ZERO_DTYPES[fmt.scale_dtype])
+    store.declare({f"{path}/{part}": spec for part, spec in specs.items()})
+    pools = {part: store.part(f"{path}/{part}") for part in specs}
+    quantize_append(x.contiguous(), rows, pos, table, store.block_size, pools["codes"], pools["scales"],
+                    pools.get("zeros"), bits=fmt.bits, group=fmt.group_size, symmetric=fmt.symmetric,
+                    scale_dtype=fmt.scale_dtype)
+
+
 class KernelDecode:
     """Mixin for `LatentCacheLayer`: one-token decode steps attend through the kernel that the format's backend picks
     for the device of the step's tensors (`CacheFormat.step_backends`: "triton" or "cpu"; "torch": the PyTorch
@@ -76,37 +107,18 @@ class KernelDecode:
         if (not self.quantized or self._step_backends(self.device.type)["decode"] != "triton"
                 or any(self._store_unsupported(p) for p in PATHS)):
             return super()._write(rows, pos, tokens)
-        from mla_quant.kernels.quant_store import quantize_append
-
         table = self.store.block_table()
         for p in PATHS:
-            fmt, d = self.path_format(p), self._dim(p)
+            fmt = self.path_format(p)
             if not fmt.quantized:
                 self.store.write(rows, pos, {f"{p}/values": tokens[p]})
                 continue
-            groups = fmt.n_groups(d)
-            specs = {"codes": ((WordLayout(fmt.bits, d).words,), torch.int32),
-                     "scales": ((groups,), SCALE_DTYPES[fmt.scale_dtype])}
-            if not fmt.symmetric:
-                specs["zeros"] = ((groups,), ZERO_DTYPES[fmt.scale_dtype])
-            self.store.declare({f"{p}/{part}": spec for part, spec in specs.items()})  # the path's page, at once
-            pools = {part: self.store.part(f"{p}/{part}") for part in specs}  # views into it (block stride: a page)
-            quantize_append(tokens[p].contiguous(), rows, pos, table, self.store.block_size, pools["codes"],
-                            pools["scales"], pools.get("zeros"), bits=fmt.bits, group=fmt.group_size,
-                            symmetric=fmt.symmetric, scale_dtype=fmt.scale_dtype)
+            store_quantized(self.store, rows, pos, table, p, fmt, self._dim(p), tokens[p])
             written = self.store.gather(rows, pos, [f"{p}/scales"] + ([] if fmt.symmetric else [f"{p}/zeros"]))
             check_finite(written, f"{self.where}, quant.{p} ({fmt.describe()})")
 
     def _store_unsupported(self, path: str) -> str | None:
-        fmt = self.path_format(path)
-        if not fmt.quantized:
-            return None
-        why = fmt.store_kernel_unsupported()  # the codec's and the quantizer's (PyTorch encodes what it refuses)
-        if why is not None:
-            return why
-        from mla_quant.kernels.quant_store import kernel_store_unsupported
-
-        return kernel_store_unsupported(fmt.bits, self._dim(path), fmt.group_size)
+        return store_unsupported(self.path_format(path), self._dim(path))
 
 
 class KernelLatentCacheLayer(KernelDecode, LatentCacheLayer):

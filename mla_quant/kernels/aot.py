@@ -91,22 +91,29 @@ def _compile_only(run):
     return compile_only
 
 
-def compiled_kernels(arch: int = 90) -> list[dict]:
-    """Every kernel compiled for sm_`arch` so far in this process: name, its constexprs, warps, stages, shared
-    memory and the cubin's resources (`resources`)."""
-    rows = []
+def compiled(arch: int = 90) -> list[tuple[str, object]]:
+    """(kernel name, compiled kernel) for every kernel compiled for sm_`arch` so far in this process."""
+    out = []
     for name, fn in jit_kernels().items():
         caches = fn.device_caches.get(f"aot-sm_{arch}")
-        if not caches:
-            continue
-        for compiled in caches[0].values():
-            compiled = compiled.result() if hasattr(compiled, "result") else compiled
-            meta = compiled.metadata
-            row = {"kernel": name, "arch": f"sm_{arch}", "warps": meta.num_warps, "stages": meta.num_stages,
-                   "shared_B": meta.shared, **resources(compiled.asm["cubin"])}
-            row["blocks_per_sm"] = occupancy(row, arch)
-            rows.append(row)
-    return rows
+        for kernel in (caches[0].values() if caches else ()):
+            out.append((name, kernel.result() if hasattr(kernel, "result") else kernel))
+    return out
+
+
+def kernel_row(kernel, arch: int) -> dict:
+    """A compiled kernel's warps, stages, shared memory, the cubin's resources (`resources`) and its blocks per SM."""
+    meta = kernel.metadata
+    row = {"warps": meta.num_warps, "stages": meta.num_stages, "shared_B": meta.shared,
+           **resources(kernel.asm["cubin"])}
+    row["blocks_per_sm"] = occupancy(row, arch)
+    row["shared_ok"] = meta.shared <= SHARED_LIMIT[arch]
+    return row
+
+
+def compiled_kernels(arch: int = 90) -> list[dict]:
+    """`kernel_row` of every kernel compiled for sm_`arch` so far in this process, with its name and target."""
+    return [{"kernel": name, "arch": f"sm_{arch}", **kernel_row(kernel, arch)} for name, kernel in compiled(arch)]
 
 
 def cuobjdump() -> str:

@@ -45,7 +45,8 @@ import triton.language as tl
 
 from mla_quant.kernels.attention import reference_attention
 from mla_quant.kernels.layout import (  # noqa: F401 (Segment, the checks: part of this API)
-    FLOAT_DTYPES, KERNEL_BITS, POW2_CODE, PagedPath, Segment, WordLayout, check_inputs, rows_contiguous,
+    FLOAT_DTYPES, KERNEL_BITS, POW2_CODE, PagedPath, Segment, WordLayout, check_inputs, flat_pairs,
+    rows_contiguous,
 )
 
 MAX_SEGMENTS = 3  # segments one stage-1 launch reads (the paged store, the sinks, the recent window)
@@ -217,7 +218,7 @@ def _pairs_tile(page_base, blk, slot, ok_t, page_stride, D: tl.constexpr, BLOCK_
     """[BLOCK_N, BLOCK_D] float32 tile, in channel order, of a RoPE key stored with bits per group of frequency pairs
     (format=pairs) for the tokens in slots `slot` of blocks `blk`: every part of a block lies in its page at the
     byte offsets of DESC = (1, interleaved, pairs per group, symmetric, number of groups, then each group's 8 fields
-    in turn: `_flat_pairs`, flat because Triton before 3.9 takes no nested tuple as a constexpr). Channel c belongs to
+    in turn: `layout.flat_pairs`). Channel c belongs to
     pair i = c mod D/2 (rotate-half order) or c // 2 (interleaved), so to group i // per at position
     j = 2 (i mod per) + (second channel of its pair); a group is (bits, row bytes, data offset, scales offset, zeros
     offset, data kind, scale kind, zero kind): its codes an LSB-first byte stream (code j at bits [j b, (j + 1) b)),
@@ -453,17 +454,8 @@ def _format_constexprs(seg: Segment, i: int) -> dict:
         out.update({f"F{i}_{tag}B": p.bits, f"F{i}_{tag}G": p.group if p.bits else 1,
                     f"F{i}_{tag}S": bool(p.symmetric or p.bits == 0), f"F{i}_{tag}P": bool(p.pow2 and p.bits > 0),
                     f"F{i}_{tag}L": p.levels is not None and p.bits > 0})
-    out[f"F{i}_RQ"] = _flat_pairs(seg.rope.pairs) if seg.rope.pairs is not None else (0,)
+    out[f"F{i}_RQ"] = flat_pairs(seg.rope.pairs) if seg.rope.pairs is not None else (0,)
     return out
-
-
-def _flat_pairs(desc: tuple) -> tuple[int, ...]:
-    """The pairs descriptor (1, interleaved, per, symmetric, groups) as one flat tuple of ints: the four fields, the
-    number of groups, then each group's 8 fields (`_pairs_tile` reads field k of group g at 5 + 8 g + k)."""
-    *head, groups = desc
-    if any(len(g) != 8 for g in groups):
-        raise ValueError(f"a pairs group has 8 fields, got {[len(g) for g in groups]}")
-    return (*head, len(groups), *(int(v) for g in groups for v in g))
 
 
 def _segment_args(seg: Segment | None, plan: tuple[int, int], dummy: torch.Tensor) -> list:

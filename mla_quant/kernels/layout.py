@@ -225,6 +225,21 @@ def _aligned(n: int) -> int:
     return -(-n // PAGE_ALIGN) * PAGE_ALIGN
 
 
+def flat_pairs(desc: tuple) -> tuple[int, ...]:
+    """A RoPE-pairs descriptor (1, interleaved, pairs per group, symmetric, groups of 8 ints; the codec's
+    `kernel_pairs`) as one flat tuple of ints: the four fields, the number of groups, then each group's 8 fields
+    (field k of group g at 5 + 8 g + k). Flat because Triton before 3.9 takes no nested tuple as a constexpr, and an
+    operator takes a list of ints; `nested_pairs` inverts it."""
+    *head, groups = desc
+    if any(len(g) != 8 for g in groups):
+        raise ValueError(f"a pairs group has 8 fields, got {[len(g) for g in groups]}")
+    return (*head, len(groups), *(int(v) for g in groups for v in g))
+
+
+def nested_pairs(flat) -> tuple:
+    head, n = tuple(flat[:4]), flat[4]
+    return (*head, tuple(tuple(flat[5 + 8 * i: 13 + 8 * i]) for i in range(n)))
+
 # --------------------------------------------------------------------------------------------- what a decode reads
 @dataclass
 class PagedPath:

@@ -6,7 +6,9 @@ captures it.
     out = decode_op("cpu")(q_latent, q_rope, scale, segments)      # torch.ops.mla_quant_cpu.latent_decode (C++)
 
 An operator takes tensors and numbers only: `flatten(segments)` lays each `Segment` out as a list of tensors (None
-where a part is absent) and a list of ints (`SEGMENT_TENSORS` and `_segment_meta`), and the Triton operator's
+where a part is absent, `SEGMENT_TENSORS` per segment) and a list of ints (per segment: each path's bits, group,
+symmetric and pow2, the longest length (-1: none), whether it is dense rows, then the RoPE pairs descriptor
+(`layout.flat_pairs`) after its length, 0 for none), and the Triton operator's
 implementation rebuilds the segments (`unflatten`) to launch the kernel. The C++ kernel registers its own operator
 (kernels/csrc/latent_decode_cpu.cpp); kernels/cpu_decode.py registers its fake implementation once it is loaded.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_quant.kernels.layout import PagedPath, Segment
+from mla_quant.kernels.layout import PagedPath, Segment, flat_pairs, nested_pairs
 
 SEGMENT_TENSORS = 10  # per segment: content data, scales, zeros, levels; rope the same; block table; lengths
 _PATH_META = 4  # per path: bits, group, symmetric, pow2
@@ -25,22 +27,6 @@ def _path_meta(p: PagedPath) -> list[int]:
     return [int(p.bits), int(p.group), int(bool(p.symmetric)), int(bool(p.pow2))]
 
 
-def _flat_pairs(desc: tuple | None) -> list[int]:
-    """A RoPE-pairs descriptor (1, interleaved, per, symmetric, groups of 8 ints) as [length, *ints] ([0]: none)."""
-    if desc is None:
-        return [0]
-    *head, groups = desc
-    flat = [*head, len(groups), *(int(v) for g in groups for v in g)]
-    return [len(flat), *flat]
-
-
-def _pairs_of(flat: list[int]) -> tuple | None:
-    if not flat:
-        return None
-    head, n = tuple(flat[:4]), flat[4]
-    return (*head, tuple(tuple(flat[5 + 8 * i: 13 + 8 * i]) for i in range(n)))
-
-
 def flatten(segments) -> tuple[list[torch.Tensor | None], list[int]]:
     """Segments -> (tensors, ints) for the operators (`unflatten` inverts it)."""
     tensors, meta = [], []
@@ -48,9 +34,15 @@ def flatten(segments) -> tuple[list[torch.Tensor | None], list[int]]:
         for p in (seg.content, seg.rope):
             tensors += [p.data, p.scales, p.zeros, p.levels]
         tensors += [seg.block_table, seg.lengths]
+        pairs = () if seg.rope.pairs is None else flat_pairs(seg.rope.pairs)
         meta += [*_path_meta(seg.content), *_path_meta(seg.rope), -1 if seg.max_len is None else int(seg.max_len),
-                 int(seg.rows), *_flat_pairs(seg.rope.pairs)]
+                 int(seg.rows), len(pairs), *pairs]
     return tensors, meta
+
+
+def _path(parts: list, meta: list[int], pairs: tuple | None = None) -> PagedPath:
+    bits, group, sym, pow2 = meta
+    return PagedPath(parts[0], parts[1], parts[2], bits, group, bool(sym), bool(pow2), parts[3], pairs)
 
 
 def unflatten(tensors: list[torch.Tensor | None], meta: list[int]) -> list[Segment]:
@@ -58,15 +50,11 @@ def unflatten(tensors: list[torch.Tensor | None], meta: list[int]) -> list[Segme
     for i in range(0, len(tensors), SEGMENT_TENSORS):
         t = tensors[i:i + SEGMENT_TENSORS]
         c_meta, r_meta = meta[at:at + _PATH_META], meta[at + _PATH_META:at + 2 * _PATH_META]
-        max_len, rows, n_pairs = meta[at + 2 * _PATH_META: at + 2 * _PATH_META + 3]
-        pairs = _pairs_of(meta[at + 2 * _PATH_META + 3: at + 2 * _PATH_META + 3 + n_pairs])
-        at += 2 * _PATH_META + 3 + n_pairs
-
-        def path(parts, m, pairs=None):
-            bits, group, sym, pow2 = m
-            return PagedPath(parts[0], parts[1], parts[2], bits, group, bool(sym), bool(pow2), parts[3], pairs)
-
-        segments.append(Segment(path(t[0:4], c_meta), path(t[4:8], r_meta, pairs), t[8], t[9],
+        at += 2 * _PATH_META
+        max_len, rows, n_pairs = meta[at:at + 3]
+        pairs = nested_pairs(meta[at + 3:at + 3 + n_pairs]) if n_pairs else None
+        at += 3 + n_pairs
+        segments.append(Segment(_path(t[0:4], c_meta), _path(t[4:8], r_meta, pairs), t[8], t[9],
                                 None if max_len < 0 else max_len, bool(rows)))
     return segments
 

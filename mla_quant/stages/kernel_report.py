@@ -25,12 +25,13 @@ from tqdm.auto import tqdm
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.cache.factory import layer_factory
 from mla_quant.calibration.codebooks import fitted_on
+from mla_quant.kernels.layout import FLOAT_DTYPES
 from mla_quant.quant.formats import cache_format
 from mla_quant.quant.peers import refuse_peer
 from mla_quant.record import write_text_atomic
 from mla_quant.stages import StageResult
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {str(d).removeprefix("torch."): d for d in FLOAT_DTYPES}  # the activation dtypes the kernel reads
 
 
 def check(cfg: DictConfig) -> None:
@@ -66,31 +67,19 @@ def _layer(option: str, task, g: torch.Generator):
 
 
 def _store_calls(layer, task, g: torch.Generator) -> int:
-    """Store-kernel compilations for the layer's int paths (quantize_append on a scratch store), counted."""
+    """Store-kernel compilations for the layer's int paths (written into a scratch store), counted."""
+    from mla_quant.cache.kernel import store_quantized, store_unsupported
     from mla_quant.cache.paged import PagedStore
-    from mla_quant.kernels.layout import WordLayout
-    from mla_quant.kernels.quant_store import kernel_store_unsupported, quantize_append
-    from mla_quant.quant.quantizers import SCALE_DTYPES, ZERO_DTYPES
 
     n = 0
     for path, d in (("content", task.d_c), ("rope", task.d_r)):
         fmt = layer.path_format(path)
-        if (not fmt.quantized or fmt.store_kernel_unsupported() is not None
-                or kernel_store_unsupported(fmt.bits, d, fmt.group_size) is not None):
+        if not fmt.quantized or store_unsupported(fmt, d) is not None:
             continue
         store = PagedStore(1, 16, "cpu")
         rows = torch.zeros(4, dtype=torch.long)
-        pos = store.reserve(rows)
-        groups = fmt.n_groups(d)
-        specs = {"codes": ((WordLayout(fmt.bits, d).words,), torch.int32),
-                 "scales": ((groups,), SCALE_DTYPES[fmt.scale_dtype])}
-        if not fmt.symmetric:
-            specs["zeros"] = ((groups,), ZERO_DTYPES[fmt.scale_dtype])
-        store.declare({f"x/{part}": spec for part, spec in specs.items()})
-        pools = {part: store.part(f"x/{part}") for part in specs}
-        quantize_append(torch.randn(4, d, generator=g), rows, pos, store.block_table(), 16, pools["codes"],
-                        pools["scales"], pools.get("zeros"), bits=fmt.bits, group=fmt.group_size,
-                        symmetric=fmt.symmetric, scale_dtype=fmt.scale_dtype)
+        store_quantized(store, rows, store.reserve(rows), store.block_table(), path, fmt, d,
+                        torch.randn(4, d, generator=g))
         n += 1
     return n
 
@@ -120,7 +109,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                         for r in seen[key]:
                             r["heads"] += f",{heads}"
                         continue
-                    before = {id(k) for _, k in _compiled(aot, arch)}
+                    before = {id(k) for _, k in aot.compiled(arch)}
                     row = {"arch": f"sm_{arch}", "format": option, "dtype": dtype_name, "heads": str(heads),
                            **tiles}
                     try:
@@ -133,39 +122,21 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                         rows.append({**row, "kernel": "decode_stage1", "error": f"{type(err).__name__}"})
                         seen[key] = [rows[-1]]
                         continue
-                    new = [{**row, "kernel": name, **_resources(aot, compiled, arch)}
-                           for name, compiled in _compiled(aot, arch) if id(compiled) not in before]
+                    new = [{**row, "kernel": name, **aot.kernel_row(kernel, arch)}
+                           for name, kernel in aot.compiled(arch) if id(kernel) not in before]
                     rows += new  # none: compiled before for another configuration with the same tiles
                     seen[key] = new
         with aot.ahead_of_time(arch):
-            before = {id(k) for _, k in _compiled(aot, arch)}
+            before = {id(k) for _, k in aot.compiled(arch)}
             try:
                 _store_calls(layer, task, g)
             except Exception as err:  # noqa: BLE001
                 failures.append(f"sm_{arch} {option} store: {type(err).__name__}: {err}")
-            for kernel_name, compiled in [(n, k) for n, k in _compiled(aot, arch) if id(k) not in before]:
+            for kernel_name, kernel in [(n, k) for n, k in aot.compiled(arch) if id(k) not in before]:
                 rows.append({"arch": f"sm_{arch}", "format": option, "dtype": "float32 (stored latents)", "heads": "",
-                             "kernel": kernel_name, **_resources(aot, compiled, arch)})
+                             "kernel": kernel_name, **aot.kernel_row(kernel, arch)})
     df = pd.DataFrame(rows)
     return _report(df, failures, run_dir)
-
-
-def _compiled(aot, arch: int) -> list[tuple[str, object]]:
-    out = []
-    for name, fn in aot.jit_kernels().items():
-        caches = fn.device_caches.get(f"aot-sm_{arch}")
-        if caches:
-            out += [(name, k) for k in caches[0].values()]
-    return out
-
-
-def _resources(aot, compiled, arch: int) -> dict:
-    meta = compiled.metadata
-    row = {"warps": meta.num_warps, "stages": meta.num_stages, "shared_B": meta.shared,
-           **aot.resources(compiled.asm["cubin"])}
-    row["blocks_per_sm"] = aot.occupancy(row, arch)
-    row["shared_ok"] = meta.shared <= aot.SHARED_LIMIT[arch]
-    return row
 
 
 def _report(df: pd.DataFrame, failures: list[str], run_dir: Path) -> StageResult:
