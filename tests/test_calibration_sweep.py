@@ -43,6 +43,9 @@ def test_sweep_captures_equal_stopped_forwards(option):
         want = capture_layer(model, ids, cap.layer, batch_size=2)
         for name in FIELDS:
             got, ref = getattr(cap, name), getattr(want, name)
+            if ref.numel() == 0:  # a path of no dims (no RoPE key)
+                assert got.shape == ref.shape
+                continue
             err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
             assert err <= 1e-6, f"{option} block {cap.layer}: {name} differs from the stopped forward by {err:.3g}"
         assert cap.scale == want.scale and cap.latent_scale == want.latent_scale
@@ -53,7 +56,7 @@ def test_blocks_computed_from_their_pieces_equal_the_models_own_attention(option
     """In a capture each block's output is computed from its recorded pieces (the attention runs once, for the next
     layer and for the objectives' reference): every block's per-head output, kept as the capture's ref_out, equals
     the model's own attention output (the o_proj input of a plain forward), and the objectives' reference from the
-    pieces equals it. A family whose mask is its own (the DSA indexer of V3.2, GLM-5, A.X K2, Hunyuan V4), that gates
+    pieces equals it. A family whose mask is its own (the DSA indexer of V3.2, GLM-5, GLM-5.3, A.X K2, Hunyuan V4), that gates
     the output (A.X K2, Hunyuan V4, Ling 3) or has attention sinks (Hunyuan V4), and a model given a dense mask (transformers' eager attention outside the absorbed view), run
     their own forward and keep no ref_out."""
     from mla_quant.calibration.objectives import reference_output
@@ -78,7 +81,7 @@ def test_blocks_computed_from_their_pieces_equal_the_models_own_attention(option
         m = modules[cap.layer]
         want = own[cap.layer].view(ids.shape[0], ids.shape[1], m.num_heads, -1).transpose(1, 2)
         if option in ("tiny_deepseek_v32", "tiny_glm_moe_dsa", "tiny_axk2", "tiny_hy_v4", "tiny_hy_v4_vl",
-                      "tiny_bailing_hybrid"):  # indexers, output gates
+                      "tiny_bailing_hybrid", "tiny_glm5_next"):  # indexers, output gates
             assert cap.ref_out is None
         else:
             torch.testing.assert_close(cap.ref_out, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import compose, options
 
-from mla_quant.prepare import build_model
+from mla_quant.prepare import build_model, model_dims
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -171,6 +171,13 @@ def test_study_runs_on_every_family(name, tmp_path):
                    "task.probe.num_sequences=2", "task.probe.seq_len=48"])
     result = sensitivity.run(cfg, tmp_path)
     m = result.metrics
+    if model_dims(cfg.model)["d_r"] == 0:  # no RoPE key: the content path alone, and the table says why
+        assert m["sensitivity/achieved_nmse_max_rel_error/content"] < 1e-6
+        assert m["sensitivity/output_nmse/content/logits"] > 0 and m["sensitivity/layer1/output_nmse/content/logits"] > 0
+        assert "sensitivity/mechanism/coupling/logits" in m and not any("rope" in k or "amplif" in k for k in m)
+        assert "has no RoPE key" in (tmp_path / "sensitivity.md").read_text()
+        assert not (tmp_path / "rope_pair_sensitivity.png").exists()
+        return
     for path in ("content", "rope"):
         assert m[f"sensitivity/achieved_nmse_max_rel_error/{path}"] < 1e-6
     assert m["sensitivity/amplification/logits"] > 0 and m["sensitivity/amplification/logits_std"] >= 0

@@ -59,7 +59,8 @@ class HeldBytes:
     """The bytes every cache of an evaluation used, measured from its tensors after each call (each sequence at its
     real length: prompt plus generated tokens), per token and layer and by part (`LatentCache.byte_parts`): as held
     in this run's dtype, and at BF16 (2 bytes per activation value: what a BF16 checkpoint's cache holds, the unit of
-    every byte figure the tables compare). A hybrid stack's linear-attention states are counted apart, per sequence
+    every byte figure the tables compare). A DSA indexer's keys (unquantized) and a hybrid stack's linear-attention
+    states are counted apart, the states per sequence
     (`LatentCache.state_bytes`: they do not grow with the tokens)."""
 
     def __init__(self):
@@ -67,12 +68,14 @@ class HeldBytes:
         self.parts: dict[str, dict[str, float]] = {"held": {}, "bf16": {}}
         self.state = 0  # bytes of the non-MLA layers' states, over the sequences that held them
         self.state_sequences = 0
+        self.indexer = 0  # bytes of the DSA indexers' keys (unquantized), over every layer's real tokens
 
     def add(self, cache) -> None:
         self.token_layers += sum(layer.real_tokens() for layer in cache.latent_layers)
         for unit, act_bytes in (("held", None), ("bf16", 2)):
             for part, b in cache.byte_parts(act_bytes).items():
                 self.parts[unit][part] = self.parts[unit].get(part, 0.0) + b
+        self.indexer += cache.indexer_bytes()
         state = cache.state_bytes()
         if state:
             self.state += state
@@ -85,6 +88,7 @@ class HeldBytes:
                      for unit, parts in self.parts.items()}
         out.state = self.state - earlier.state
         out.state_sequences = self.state_sequences - earlier.state_sequences
+        out.indexer = self.indexer - earlier.indexer
         return out
 
     def copy(self) -> "HeldBytes":
@@ -92,14 +96,17 @@ class HeldBytes:
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """{prefix/held_B_per_token_per_layer, prefix/bf16_B_per_token_per_layer, prefix/bf16/<part>: B per token
-        and MLA layer, prefix/tokens: tokens per layer; in a hybrid stack prefix/state_B_per_sequence: its other
-        layers' states, as held}; {} before any call."""
+        and MLA layer, prefix/tokens: tokens per layer; with a DSA indexer prefix/indexer_B_per_token_per_layer: its
+        keys, unquantized, apart from the latent; in a hybrid stack prefix/state_B_per_sequence: its other layers'
+        states, as held}; {} before any call."""
         n = self.token_layers
         if not n:
             return {}
         out = {f"{prefix}/{unit}_B_per_token_per_layer": sum(parts.values()) / n for unit, parts in self.parts.items()}
         out.update({f"{prefix}/bf16/{part.replace(' ', '_')}": b / n for part, b in self.parts["bf16"].items()})
         out[f"{prefix}/token_layers"] = float(n)
+        if self.indexer:
+            out[f"{prefix}/indexer_B_per_token_per_layer"] = self.indexer / n
         if self.state_sequences:
             out[f"{prefix}/state_B_per_sequence"] = self.state / self.state_sequences
         return out

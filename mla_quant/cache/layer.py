@@ -73,6 +73,22 @@ class LatentLayerContract(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.length
 
+    # A DSA indexer (DeepSeek-V3.2, GLM-5, GLM-5.3, ...) keeps its own key cache next to the latent, unquantized:
+    # `indexer_keys` (B, S, d_index), set to None by `_clear`.
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        if self.indexer_keys is None:
+            self.indexer_keys = indexer_key_states
+        else:
+            self.indexer_keys = torch.cat([self.indexer_keys, indexer_key_states], dim=1)
+        return self.indexer_keys
+
+    def indexer_bytes(self) -> int:
+        """Bytes of the indexer's keys of the real tokens (as held: unquantized)."""
+        keys = getattr(self, "indexer_keys", None)
+        if keys is None or self.slot_valid is None:
+            return 0
+        return self.real_tokens() * keys.shape[-1] * keys.element_size()
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
 
@@ -277,7 +293,7 @@ class LatentCacheLayer(LatentLayerContract):
         head = 0 if self._stage is None else self._stage.head
         slots = torch.arange(head, head + k, device=self.device) % window
         rows, pos = self.store.reserve_ahead(k)
-        self._write(rows, pos, {p: self.recent[p][:, slots].reshape(-1, self._dim(p)) for p in PATHS})
+        self._write(rows, pos, {p: self.recent[p][:, slots].flatten(0, 1) for p in PATHS})
         self._stage = _Stage(head=head, ahead=k)
         return self._stage
 
@@ -688,14 +704,6 @@ class LatentCacheLayer(LatentLayerContract):
         if self.is_initialized and self.store.device != self.device:
             self._move(self.device)
 
-    # ------------------------------------------------------------------ DSA indexer keys (DeepSeek-V3.2)
-    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
-        if self.indexer_keys is None:
-            self.indexer_keys = indexer_key_states
-        else:
-            self.indexer_keys = torch.cat([self.indexer_keys, indexer_key_states], dim=1)
-        return self.indexer_keys
-
 
 @dataclass
 class _Stage:
@@ -820,6 +828,10 @@ class LatentCache(Cache):
     def held_bytes(self) -> int:
         """Bytes allocated by all latent layers (whole blocks, protected buffers)."""
         return sum(layer.held_bytes() for layer in self.latent_layers)
+
+    def indexer_bytes(self) -> int:
+        """Bytes of the DSA indexers' keys (unquantized, beside the latent) of the real tokens, over every layer."""
+        return sum(layer.indexer_bytes() for layer in self.latent_layers)
 
     def state_bytes(self) -> int:
         """Bytes of the other decoder layers' states (a hybrid's linear-attention recurrent and convolution states),

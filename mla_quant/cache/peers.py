@@ -92,6 +92,7 @@ class PeerLatentCacheLayer(LatentLayerContract):
         self.slot_valid: torch.Tensor | None = None  # (B, S) bool
         self.rows: list = []  # per sequence: its transformers layer (None until its first real token)
         self.seen: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per sequence: (L, d_c), (L, d_r) last read
+        self.indexer_keys: torch.Tensor | None = None  # a DSA indexer's keys (B, S, d_index): `update_indexer`
 
     def _new_row(self):
         f = self.fmt

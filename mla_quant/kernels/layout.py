@@ -216,6 +216,8 @@ class PageLayout:
     def view(self, pages: torch.Tensor, name: str) -> torch.Tensor:
         """Part `name` of every page of `pages` (num_blocks, page_bytes) uint8: (num_blocks, block_size, *shape)."""
         shape, dtype = self.spec()[name]
+        if self.part_bytes(name) == 0:  # a part of no values (a path of zero dims: no RoPE key)
+            return torch.zeros(pages.shape[0], self.block_size, *shape, dtype=dtype, device=pages.device)
         start = self.offset(name)
         flat = pages[:, start : start + self.part_bytes(name)].view(dtype)  # (num_blocks, block elements)
         return flat.view(pages.shape[0], self.block_size, *shape)

@@ -553,6 +553,75 @@ class BailingHybridFamily(MLAFamily):
         return q_nope, q_rope, q_resid, gate.expand(-1, -1, -1, attn.v_head_dim)
 
 
+class Glm5NextFamily(MLAFamily):
+    """GLM-5.3 (glm5_next, text model glm5_next_text): a hybrid stack of KDA linear-attention layers and MLA layers
+    (`config.layer_types`: "linear_attention" | "indexed_attention") inside a vision-language model; its MLA has no
+    RoPE path at all (`qk_rope_head_dim` 0: the cache holds the content latent alone) and a DSA indexer that scores
+    pools of `index_kpool` keys and selects whole pools plus the incomplete tail; a "shared" layer
+    (`config.indexer_types`) reuses the top-k of the MLA layer before it. The model hands the attention a (B, T)
+    padding mask of the new tokens: causality and padding come from the indexer's selection."""
+
+    name = "glm5_next"
+    model_types = ("glm5_next", "glm5_next_text")  # the wrapper's config and its text config
+    modeling_module = "transformers.models.glm5_next.modeling_glm5_next"
+    config_class_name = "Glm5NextConfig"
+    model_class_name = "Glm5NextForConditionalGeneration"
+    attention_class_name = "Glm5NextTextAttention"
+    rotary = False
+    plain_rope = False  # no RoPE dims: nothing for a RoPE setting to act on
+
+    def text_model(self, model):
+        return model.model.language_model
+
+    def mla_slots(self, config):
+        return [i for i, kind in enumerate(text_config(config).layer_types) if kind == "indexed_attention"]
+
+    def rope_layout(self, config):
+        return "half"  # no RoPE dims
+
+    def rotate(self, attn, q_rope, k_rope, position_embeddings):
+        return q_rope, k_rope
+
+    def attention_mask(self, attn, mask, *, hidden_states, q_resid, cache=None, prev_topk_indices=None, **_):
+        b, t, _ = hidden_states.shape
+        if mask is None:
+            mask = torch.ones(b, t, dtype=torch.bool, device=hidden_states.device)
+        if attn.indexer is not None:
+            view = None if cache is None else _IndexerView(cache, attn.layer_idx)
+            top_k = attn.indexer(hidden_states=hidden_states, q_resid=q_resid, attention_mask=mask.bool(), cache=view)
+        elif prev_topk_indices is None:
+            raise ValueError(f"{self.name}: layer {attn.layer_idx} shares the top-k of an earlier layer "
+                             "(config.indexer_types) but none was passed")
+        else:
+            top_k = prev_topk_indices
+        past = cache.get_seq_length(attn.layer_idx) if cache is not None else 0
+        dense = attn.build_attention_mask_from_topk(top_k, hidden_states, past + t)  # (B, 1, T, S), 0 or min
+        return dense, (top_k if attn.next_skip_topk else None,)
+
+    def carried(self, layer_output):
+        return {"prev_topk_indices": layer_output[1]}  # the text model's loop: (hidden, top-k) per decoder layer
+
+
+class _IndexerView:
+    """What GLM-5.3's indexer reads of transformers' cache, over a latent cache: `update_indexer`, and the layer's
+    length (`layers[i].keys.shape[-2]`, `get_seq_length()`) as its packed indexer states count it, this step's
+    tokens included (transformers appends the latent before the indexer runs; the absorbed forward after)."""
+
+    def __init__(self, cache, layer_idx: int):
+        self.cache, self.layer_idx, self.keys = cache, layer_idx, None
+
+    def update_indexer(self, states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        self.keys = self.cache.update_indexer(states, layer_idx)  # (B, S, d): keys.shape[-2] is S
+        return self.keys
+
+    @property
+    def layers(self) -> dict:
+        return {self.layer_idx: self}
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[1]
+
+
 def full_attention_slots(config) -> list[int]:
     """A hybrid stack's MLA layers: those `config.layer_types` calls "full_attention"."""
     return [i for i, kind in enumerate(text_config(config).layer_types) if kind == "full_attention"]
@@ -577,6 +646,7 @@ FAMILIES: dict[str, MLAFamily] = {
         HYV4VLFamily(),
         KimiLinearFamily(),
         BailingHybridFamily(),
+        Glm5NextFamily(),
     )
 }
 

@@ -3,6 +3,8 @@ model's dims, the protected region, the backend, per-layer entries."""
 
 from __future__ import annotations
 
+import warnings
+
 from mla_quant.checks import int_setting
 from mla_quant.quant.codecs import PAIR_LAYOUTS
 from mla_quant.quant.codecs.base import TRITON_INT_BITS
@@ -89,6 +91,10 @@ def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None, num_
 
         rope = dataclasses.replace(rope, pair_layout=rope_layout)
     content.check(d_c, "quant.content")
+    if d_r == 0 and rope != PathFormat():  # no RoPE key (qk_rope_head_dim 0): nothing for quant.rope to store
+        warnings.warn(f"quant={cfg.get('name', '?')}: the model has no RoPE key (qk_rope_head_dim 0); quant.rope "
+                      f"({rope.describe()}) is skipped: the cache holds the content latent alone", stacklevel=2)
+        rope = PathFormat()
     rope.check(d_r, "quant.rope")
     if context is not None and (content.quantized or rope.quantized) and n_sink + recent >= context:
         raise ValueError(
@@ -96,7 +102,7 @@ def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None, num_
             f"{context} tokens, so nothing would be quantized; allowed: n_sink + recent < {context} "
             "(lower quant.protected.recent or use longer sequences)"
         )
-    shared = bool(cfg.get("shared_scale", False))
+    shared = bool(cfg.get("shared_scale", False)) and d_r > 0  # one path: nothing to share a scale with
     if shared and not (content.tensor_scaled and rope.tensor_scaled):
         raise ValueError(
             "quant.shared_scale=true needs both paths in format=fp8 with granularity=tensor (vLLM's flat FP8 "

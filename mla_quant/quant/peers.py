@@ -115,6 +115,10 @@ def peer_format(quant_cfg, d_c: int, d_r: int) -> PeerFormat:
             both = [g for g in range(1, min(d_c, d_r) + 1) if d_c % g == 0 and d_r % g == 0]
             raise ValueError(f"quant.peer.group_size={group} does not divide {path}={d} (groups are consecutive "
                              f"channels of one token on each path); allowed: one of {both}")
+    if d_r == 0 and library == "quanto":
+        raise ValueError(f"quant={name}: the model has no RoPE key (qk_rope_head_dim 0) and transformers' quanto "
+                         "cache cannot quantize a path of no dims (its groups must divide the path); allowed on this "
+                         "model: the hqq peers (quant=hf_hqq_int2, hf_hqq_int4) or the framework's own formats")
     residual = peer.get("residual_length")
     int_setting(residual, "quant.peer.residual_length",
                 allowed="an integer >= 1 (tokens held unquantized before transformers requantizes the history)")

@@ -34,7 +34,7 @@ class RecordingLatentLayer(LatentCacheLayer):
         self.q_rope_energy: torch.Tensor | None = None  # (d_r,)
 
     def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, **absorbed):
-        w_uk, d_r = absorbed.get("w_uk"), q_rope.shape[-1]
+        w_uk = absorbed.get("w_uk")
         # Summed one query token at a time block by block, so the (B, H, T, d_c) absorbed query never exists at once.
         energy, count = 0.0, 0
         for t0 in range(0, q_latent.shape[2], 64):
@@ -43,7 +43,7 @@ class RecordingLatentLayer(LatentCacheLayer):
             energy = energy + (q.double() * scale).pow(2).reshape(-1, q.shape[-1]).sum(0)
             count += q[..., 0].numel()
         self.q_latent_energy = (energy / count).cpu()
-        self.q_rope_energy = (q_rope.double() * scale).pow(2).reshape(-1, d_r).mean(0).cpu()
+        self.q_rope_energy = (q_rope.double() * scale).pow(2).flatten(0, -2).mean(0).cpu()  # (d_r,), d_r may be 0
         return super().attend(q_latent, q_rope, content, rope, scale, mask, valid, **absorbed)
 
 

@@ -53,7 +53,8 @@ def noise_quantizers(cfg: DictConfig, dims: dict[str, int]) -> dict:
         raise ValueError(f"task.noise=quantizer injects one format's error shape, rescaled, into every layer; "
                          f"quant={cfg.quant.name} sets formats per layer (quant.{per_layer[0]}): use a uniform "
                          f"option (e.g. int2_content_int4_rope)")
-    fmts = {path: PathFormat.from_cfg(cfg.quant[path], f"quant.{path}") for path in PATHS}
+    paths = [p for p in PATHS if dims[p] > 0]  # a model without a RoPE key: the content path alone
+    fmts = {path: PathFormat.from_cfg(cfg.quant[path], f"quant.{path}") for path in paths}
     for path, fmt in fmts.items():
         if not fmt.quantized:
             raise ValueError(f"task.noise=quantizer needs quant.{path}.format int or fp8; quant={cfg.quant.name} "
@@ -73,6 +74,9 @@ def validate(cfg: DictConfig) -> list[float]:
     groups = task.get("rope_groups")
     if groups is not None:
         d_r = model_dims(cfg.model)["d_r"]
+        if d_r == 0:
+            raise ValueError(f"task.rope_groups={groups!r}: the model has no RoPE key (qk_rope_head_dim 0), so there "
+                             "are no RoPE pairs to group; use task.rope_groups=null")
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or (d_r // 2) % groups:
             raise ValueError(f"task.rope_groups={groups!r}; allowed: null (off) or a number of groups dividing the "
                              f"RoPE key's {d_r // 2} frequency pairs")
@@ -156,14 +160,15 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         rows.extend(done["rows"])
         specs.append((done["key"], spec))
 
-    jobs = [("all_layers", dict(path=p, nmse=t, seed=s)) for t in targets for s in seeds for p in PATHS]
+    paths = [p for p in PATHS if dims[p] > 0]  # no RoPE key (qk_rope_head_dim 0): the content path alone
+    jobs = [("all_layers", dict(path=p, nmse=t, seed=s)) for t in targets for s in seeds for p in paths]
     if task.per_layer:
         jobs += [("one_layer", dict(path=p, nmse=headline, seed=s, layers={i}))
-                 for i in range(n_layers) for s in seeds for p in PATHS]
+                 for i in range(n_layers) for s in seeds for p in paths]
     if task.mechanism:
         jobs += [("mechanism", dict(path="content", nmse=headline, seed=s, side=side))
                  for side in ("score", "value") for s in seeds]
-    if task.rope_pairs:
+    if task.rope_pairs and dims["rope"]:  # without a RoPE key the table says the per-pair study was skipped
         jobs += [("rope_pair", dict(path="rope", nmse=headline, seed=s, pair=i))
                  for i in range(dims["rope"] // 2) for s in seeds]
     if groups:  # quant=mixed quant.allocation.rope_groups reads these
@@ -179,7 +184,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         df.to_csv(tmp, index=False)
     family = model.mla_family
     metrics, tables = summarise(df, specs, clean, headline, n_layers, attention_layer_of=clean.layer_of_attention,
-                                unrotated=None if family.rotary else family.name)
+                                unrotated=None if family.rotary else family.name,
+                                no_rope=family.name if dims["rope"] == 0 else None)
     metrics = {**(prep.transform_metrics or {}), **(prep.plan_metrics or {}), **metrics}
     write_text_atomic(run_dir / "sensitivity.md", tables)
     figures(df, metrics, headline, n_layers, run_dir)
@@ -200,9 +206,13 @@ def _match(df, where):
     return mask
 
 
-def summarise(df, specs, clean, headline, n_layers, attention_layer_of, unrotated: str | None = None):
+def summarise(df, specs, clean, headline, n_layers, attention_layer_of, unrotated: str | None = None,
+              no_rope: str | None = None):
     """The metrics and the markdown tables. `unrotated`: the family name where the second key path is not rotated
-    (the "RoPE" path is then a shared NoPE key, its pairs pairs of dims)."""
+    (the "RoPE" path is then a shared NoPE key, its pairs pairs of dims); `no_rope`: the family name where there is
+    no second key path at all (the content path alone: no amplification, no pairs)."""
+    if no_rope:
+        return _summarise_content(df, specs, headline, n_layers, no_rope)
     m: dict[str, float] = {}
     allh = dict(kind="all_layers", nmse_target=headline)
     for path in PATHS:
@@ -289,6 +299,44 @@ def summarise(df, specs, clean, headline, n_layers, attention_layer_of, unrotate
     return m, "\n".join(lines) + "\n"
 
 
+def _summarise_content(df, specs, headline, n_layers, family: str):
+    """`summarise` for a model without a RoPE key: the content path's output error, per layer when injected alone,
+    and the mechanism split; the table says why there is no amplification."""
+    m: dict[str, float] = {}
+    achieved = [v for key, spec in specs if key["nmse_target"] == headline for v in spec.achieved.values()]
+    m["sensitivity/achieved_nmse/content"] = sum(achieved) / len(achieved)
+    m["sensitivity/achieved_nmse_max_rel_error/content"] = max(abs(a / headline - 1) for a in achieved)
+    allh = dict(kind="all_layers", nmse_target=headline, path="content")
+    m["sensitivity/output_nmse/content/logits"] = df[(df.site == "logits") & _match(df, allh)].value.mean()
+    m["sensitivity/kl/content"] = df[(df.site == "kl") & _match(df, allh)].value.mean()
+    for t in sorted(df.nmse_target.unique()):
+        sel = df[(df.site == "logits") & _match(df, dict(kind="all_layers", nmse_target=t))]
+        m[f"sensitivity/sweep/nmse_{t:g}/content/logits"] = sel.value.mean()
+    lines = [f"# Fixed-NMSE sensitivity (cache NMSE {headline:g}, {df.seed.nunique()} seeds)\n",
+             f"{family} has no RoPE key (qk_rope_head_dim 0): the cache holds the content latent alone, so this "
+             "study measures the content path only; there is no RoPE/content amplification and no per-pair study "
+             "(task.rope_pairs is skipped).\n",
+             "| injected | output NMSE content |", "|---|---|",
+             f"| all layers, logits | {m['sensitivity/output_nmse/content/logits']:.3g} |",
+             f"| all layers, next-token KL | {m['sensitivity/kl/content']:.3g} |"]
+    if (df.kind == "one_layer").any():
+        lines += ["", "## One layer at a time (logits NMSE)", "", "| layer | logits NMSE |", "|---|---|"]
+        for i in range(n_layers):
+            v = df[(df.site == "logits") & _match(df, dict(kind="one_layer", layer=i))].value.mean()
+            m[f"sensitivity/layer{i}/output_nmse/content/logits"] = v
+            lines.append(f"| {i} | {v:.3g} |")
+    if (df.kind == "mechanism").any():
+        both = m["sensitivity/output_nmse/content/logits"]
+        match = df[(df.site == "logits") & _match(df, dict(kind="mechanism", side="score"))].value.mean()
+        agg = df[(df.site == "logits") & _match(df, dict(kind="mechanism", side="value"))].value.mean()
+        m.update({"sensitivity/mechanism/match/logits": match, "sensitivity/mechanism/aggregation/logits": agg,
+                  "sensitivity/mechanism/both/logits": both, "sensitivity/mechanism/coupling/logits": both - match - agg})
+        lines += ["", "## Content error mechanisms (all layers, logits NMSE)", "",
+                  "| match (score side) | aggregation (value side) | both | coupling = both - match - aggregation |",
+                  "|---|---|---|---|", f"| {match:.3g} | {agg:.3g} | {both:.3g} | {both - match - agg:.3g} |"]
+    return m, "\n".join(lines) + "\n"
+
+
 def predicted_amplification(specs, clean, layer: int) -> float:
     """Predicted score-error ratio RoPE/content at `layer`, from query energies and the injected error energies."""
     rec = clean.cache.latent_layers[layer]
@@ -326,6 +374,8 @@ def figures(df: pd.DataFrame, m: dict, headline: float, n_layers: int, run_dir: 
     mean, std = sweep.mean(), sweep.std(ddof=0).fillna(0)
     fig, ax = plt.subplots(figsize=(4.5, 3.2))
     for path, color in (("content", "tab:blue"), ("rope", "tab:orange")):
+        if path not in mean.index.get_level_values("path"):
+            continue  # no RoPE key
         ax.errorbar(mean[path].index, mean[path].values, yerr=std[path].values, marker="o", color=color,
                     label=f"{path} injected", capsize=3)
     ax.set_xscale("log")

@@ -83,7 +83,7 @@ class TransformSet:
 def pair_index(layout: str, d_r: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Coordinates (a_i), (b_i) of every RoPE frequency pair i in `layout` (one pair of tensors per layout and
     width: read them, never write them)."""
-    idx = torch.tensor([rope_pair(layout, d_r, i) for i in range(d_r // 2)])
+    idx = torch.tensor([rope_pair(layout, d_r, i) for i in range(d_r // 2)], dtype=torch.long).view(-1, 2)
     return idx[:, 0], idx[:, 1]
 
 
