@@ -44,3 +44,19 @@ def cfg_of():
 def options(group: str) -> list[str]:
     """Every option of a config group (file stems in conf/<group>/)."""
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def greedy_alone_and_in_batch(model, alone, batch, mask, make_cache, steps: int) -> list[tuple]:
+    """Greedy decoding of a prompt `alone` (1, T) and of row 0 of `batch` (B, S) under `mask` (the same prompt
+    padded), each for `steps` tokens with a fresh cache from `make_cache()`: [(tokens (steps,), scores (steps, V))]
+    for the prompt alone, then for its row in the batch."""
+    from mla_quant.models.absorbed import cache_kwargs
+
+    runs = []
+    for ids, m in ((alone, torch.ones_like(alone)), (batch, mask)):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=m, max_new_tokens=steps, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
+                                 **cache_kwargs(make_cache()))
+        runs.append((out.sequences[0, ids.shape[1]:], torch.stack(out.scores)[:, 0]))
+    return runs

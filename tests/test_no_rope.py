@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import greedy_alone_and_in_batch
 from test_quant_cache import TINY, compose, quant_cfg
 
 from mla_quant.cache.bytes import HeldBytes
@@ -85,13 +86,7 @@ def test_padding_in_a_batch_changes_no_row(dense_model, option):
     batch[0, 9:], batch[1] = short, long
     mask = torch.ones_like(batch)
     mask[0, :9] = 0
-    runs = []
-    for ids, m in ((short[None], torch.ones(1, 31, dtype=torch.long)), (batch, mask)):
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=m, max_new_tokens=12, do_sample=False, output_scores=True,
-                                 return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
-                                 **cache_kwargs(quantized_cache(model, cfg)))
-        runs.append((out.sequences[0, ids.shape[1]:], torch.stack(out.scores)[:, 0]))
+    runs = greedy_alone_and_in_batch(model, short[None], batch, mask, lambda: quantized_cache(model, cfg), 12)
     assert torch.equal(runs[0][0], runs[1][0])
     assert float((runs[0][1] - runs[1][1]).abs().max()) <= 1e-3  # as tests/test_peers.py: float order, 4-bit steps
 

@@ -5,6 +5,7 @@ and in a padded batch; bytes are what the transformers layers hold; bad settings
 import pytest
 import torch
 from omegaconf import OmegaConf
+from conftest import greedy_alone_and_in_batch
 from transformers.cache_utils import QuantizedCache
 
 from mla_quant.cache.bytes import load_quant_option
@@ -67,12 +68,7 @@ def test_prompt_alone_equals_prompt_in_a_left_padded_batch(toy, option):
     batch[0, 39:], batch[1] = short, long
     mask = torch.ones_like(batch)
     mask[0, :39] = 0
-    runs = []
-    for ids, m in ((short[None], torch.ones(1, 151, dtype=torch.long)), (batch, mask)):
-        out = toy.generate(ids, attention_mask=m, max_new_tokens=40, do_sample=False, output_scores=True,
-                           return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
-                           **cache_kwargs(quantized_cache(toy, cfg)))
-        runs.append((out.sequences[0, ids.shape[1]:], torch.stack(out.scores)[:, 0]))
+    runs = greedy_alone_and_in_batch(toy, short[None], batch, mask, lambda: quantized_cache(toy, cfg), 40)
     assert torch.equal(runs[0][0], runs[1][0]), f"{option}: greedy tokens depend on the batch"
     diff = float((runs[0][1] - runs[1][1]).abs().max())
     assert diff <= 1e-3, f"{option}: scores alone and in the batch differ by {diff:.3g}"

@@ -5,6 +5,7 @@ and decode; overflowing scales are refused, naming the layer and path."""
 import pytest
 import torch
 from omegaconf import OmegaConf
+from conftest import greedy_alone_and_in_batch
 
 from mla_quant.cache import LatentCacheLayer, cache_layer_factory
 from mla_quant.cache.bytes import load_quant_option
@@ -70,12 +71,7 @@ def test_prompt_alone_equals_prompt_in_padded_batches(toy, option):
 def test_greedy_decode_alone_equals_left_padded_batch(toy, option, extra, steps):
     cfg = quant(option, **extra)
     prompt, (ids, mask, _), _ = batches()
-    runs = []
-    for x, m in ((prompt, torch.ones_like(prompt)), (ids, mask)):
-        out = toy.generate(x, attention_mask=m, max_new_tokens=steps, do_sample=False, output_scores=True,
-                           return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
-                           **cache_kwargs(quantized_cache(toy, cfg)))
-        runs.append((out.sequences[0, x.shape[1]:], torch.stack(out.scores)[:, 0]))
+    runs = greedy_alone_and_in_batch(toy, prompt, ids, mask, lambda: quantized_cache(toy, cfg), steps)
     assert torch.equal(runs[0][0], runs[1][0]), f"{option}: greedy tokens depend on the padding"
     diff = float((runs[0][1] - runs[1][1]).abs().max())
     assert diff <= 1e-4, f"{option} {extra}: decode logits differ by {diff:.3g} (tokens leave the window)"

@@ -84,10 +84,8 @@ class LatentLayerContract(CacheLayerMixin):
 
     def indexer_bytes(self) -> int:
         """Bytes of the indexer's keys of the real tokens (as held: unquantized)."""
-        keys = getattr(self, "indexer_keys", None)
-        if keys is None or self.slot_valid is None:
-            return 0
-        return self.real_tokens() * keys.shape[-1] * keys.element_size()
+        keys = self.indexer_keys
+        return 0 if keys is None else self.real_tokens() * keys.shape[-1] * keys.element_size()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0

@@ -513,7 +513,7 @@ class KimiLinearFamily(MLAFamily):
     plain_rope = False  # nothing is rotated: a RoPE scaling setting has nothing to act on
 
     def mla_slots(self, config):
-        return full_attention_slots(config)
+        return layer_type_slots(config)
 
     def rope_layout(self, config):
         return "half"  # no rotation: any pairing of the key's dims; a pair transform needs none
@@ -536,7 +536,7 @@ class BailingHybridFamily(MLAFamily):
     output_gate = True
 
     def mla_slots(self, config):
-        return full_attention_slots(config)
+        return layer_type_slots(config)
 
     def rope_layout(self, config):
         return "interleaved"
@@ -553,7 +553,7 @@ class BailingHybridFamily(MLAFamily):
         return q_nope, q_rope, q_resid, gate.expand(-1, -1, -1, attn.v_head_dim)
 
 
-class Glm5NextFamily(MLAFamily):
+class Glm5NextFamily(GlmMoeDsaFamily):
     """GLM-5.3 (glm5_next, text model glm5_next_text): a hybrid stack of KDA linear-attention layers and MLA layers
     (`config.layer_types`: "linear_attention" | "indexed_attention") inside a vision-language model; its MLA has no
     RoPE path at all (`qk_rope_head_dim` 0: the cache holds the content latent alone) and a DSA indexer that scores
@@ -574,7 +574,7 @@ class Glm5NextFamily(MLAFamily):
         return model.model.language_model
 
     def mla_slots(self, config):
-        return [i for i, kind in enumerate(text_config(config).layer_types) if kind == "indexed_attention"]
+        return layer_type_slots(config, "indexed_attention")
 
     def rope_layout(self, config):
         return "half"  # no RoPE dims
@@ -582,24 +582,19 @@ class Glm5NextFamily(MLAFamily):
     def rotate(self, attn, q_rope, k_rope, position_embeddings):
         return q_rope, k_rope
 
-    def attention_mask(self, attn, mask, *, hidden_states, q_resid, cache=None, prev_topk_indices=None, **_):
+    def top_k(self, attn, mask, *, hidden_states=None, q_resid=None, cache=None, **context):
+        if attn.indexer is None:  # a shared layer: GLM-5's rule
+            return super().top_k(attn, mask, **context)
+        view = None if cache is None else _IndexerView(cache, attn.layer_idx)
+        return attn.indexer(hidden_states=hidden_states, q_resid=q_resid, attention_mask=mask, cache=view)
+
+    def attention_mask(self, attn, mask, *, hidden_states, cache=None, **context):
         b, t, _ = hidden_states.shape
-        if mask is None:
-            mask = torch.ones(b, t, dtype=torch.bool, device=hidden_states.device)
-        if attn.indexer is not None:
-            view = None if cache is None else _IndexerView(cache, attn.layer_idx)
-            top_k = attn.indexer(hidden_states=hidden_states, q_resid=q_resid, attention_mask=mask.bool(), cache=view)
-        elif prev_topk_indices is None:
-            raise ValueError(f"{self.name}: layer {attn.layer_idx} shares the top-k of an earlier layer "
-                             "(config.indexer_types) but none was passed")
-        else:
-            top_k = prev_topk_indices
+        mask = torch.ones(b, t, dtype=torch.bool, device=hidden_states.device) if mask is None else mask.bool()
+        top_k = self.top_k(attn, mask, hidden_states=hidden_states, cache=cache, **context)
         past = cache.get_seq_length(attn.layer_idx) if cache is not None else 0
         dense = attn.build_attention_mask_from_topk(top_k, hidden_states, past + t)  # (B, 1, T, S), 0 or min
-        return dense, (top_k if attn.next_skip_topk else None,)
-
-    def carried(self, layer_output):
-        return {"prev_topk_indices": layer_output[1]}  # the text model's loop: (hidden, top-k) per decoder layer
+        return dense, (top_k if attn.next_skip_topk else None,)  # the top-k goes on only to a shared layer
 
 
 class _IndexerView:
@@ -622,9 +617,9 @@ class _IndexerView:
         return self.keys.shape[1]
 
 
-def full_attention_slots(config) -> list[int]:
-    """A hybrid stack's MLA layers: those `config.layer_types` calls "full_attention"."""
-    return [i for i, kind in enumerate(text_config(config).layer_types) if kind == "full_attention"]
+def layer_type_slots(config, kind: str = "full_attention") -> list[int]:
+    """A hybrid stack's MLA layers: those `config.layer_types` calls `kind`."""
+    return [i for i, layer_type in enumerate(text_config(config).layer_types) if layer_type == kind]
 
 
 FAMILIES: dict[str, MLAFamily] = {

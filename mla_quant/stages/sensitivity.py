@@ -42,6 +42,11 @@ from mla_quant.sensitivity.study import (  # noqa: E402
 SITES = ("logits", "kl")
 
 
+def key_paths(dims: dict[str, int]) -> list[str]:
+    """The paths a model caches: both, or the content path alone where there is no RoPE key (qk_rope_head_dim 0)."""
+    return [p for p in PATHS if dims[p] > 0]
+
+
 def noise_quantizers(cfg: DictConfig, dims: dict[str, int]) -> dict:
     """Per path, x -> fake-quantized x in the format `quant.<path>` describes (for task.noise=quantizer)."""
     from mla_quant.quant.formats import PathFormat, fake_quantizer  # the quantized-cache formats
@@ -53,8 +58,7 @@ def noise_quantizers(cfg: DictConfig, dims: dict[str, int]) -> dict:
         raise ValueError(f"task.noise=quantizer injects one format's error shape, rescaled, into every layer; "
                          f"quant={cfg.quant.name} sets formats per layer (quant.{per_layer[0]}): use a uniform "
                          f"option (e.g. int2_content_int4_rope)")
-    paths = [p for p in PATHS if dims[p] > 0]  # a model without a RoPE key: the content path alone
-    fmts = {path: PathFormat.from_cfg(cfg.quant[path], f"quant.{path}") for path in paths}
+    fmts = {path: PathFormat.from_cfg(cfg.quant[path], f"quant.{path}") for path in key_paths(dims)}
     for path, fmt in fmts.items():
         if not fmt.quantized:
             raise ValueError(f"task.noise=quantizer needs quant.{path}.format int or fp8; quant={cfg.quant.name} "
@@ -160,7 +164,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         rows.extend(done["rows"])
         specs.append((done["key"], spec))
 
-    paths = [p for p in PATHS if dims[p] > 0]  # no RoPE key (qk_rope_head_dim 0): the content path alone
+    paths = key_paths(dims)
     jobs = [("all_layers", dict(path=p, nmse=t, seed=s)) for t in targets for s in seeds for p in paths]
     if task.per_layer:
         jobs += [("one_layer", dict(path=p, nmse=headline, seed=s, layers={i}))
@@ -213,16 +217,8 @@ def summarise(df, specs, clean, headline, n_layers, attention_layer_of, unrotate
     no second key path at all (the content path alone: no amplification, no pairs)."""
     if no_rope:
         return _summarise_content(df, specs, headline, n_layers, no_rope)
-    m: dict[str, float] = {}
+    m = _path_metrics(df, specs, headline, PATHS)
     allh = dict(kind="all_layers", nmse_target=headline)
-    for path in PATHS:
-        achieved = [v for key, spec in specs if key["path"] == path and key["nmse_target"] == headline
-                    for v in spec.achieved.values()]
-        m[f"sensitivity/achieved_nmse/{path}"] = sum(achieved) / len(achieved)
-        m[f"sensitivity/achieved_nmse_max_rel_error/{path}"] = max(abs(a / headline - 1) for a in achieved)
-        for site in SITES:
-            vals = df[(df.site == site) & (df.path == path) & _match(df, allh)].value
-            m[f"sensitivity/output_nmse/{path}/{site}" if site != "kl" else f"sensitivity/kl/{path}"] = vals.mean()
     for site in SITES:
         a = _ratio_over_seeds(df, site, **allh)
         name = "logits" if site == "logits" else "kl"
@@ -231,9 +227,6 @@ def summarise(df, specs, clean, headline, n_layers, attention_layer_of, unrotate
     for t in sorted(df.nmse_target.unique()):
         a = _ratio_over_seeds(df, "logits", kind="all_layers", nmse_target=t)
         m[f"sensitivity/sweep/nmse_{t:g}/amplification/logits"] = a.mean()
-        for path in PATHS:
-            sel = df[(df.site == "logits") & (df.path == path) & _match(df, dict(kind="all_layers", nmse_target=t))]
-            m[f"sensitivity/sweep/nmse_{t:g}/{path}/logits"] = sel.value.mean()
 
     lines = [f"# Fixed-NMSE sensitivity (cache NMSE {headline:g}, {df.seed.nunique()} seeds)\n",
              *([f"{unrotated}'s second key path is not rotated (no RoPE): \"RoPE\" below names that shared key, "
@@ -276,17 +269,7 @@ def summarise(df, specs, clean, headline, n_layers, attention_layer_of, unrotate
                 row.append(f"{slope:.3g}")
             lines.append(f"| {i} | " + " | ".join(row) + " |")
 
-    if (df.kind == "mechanism").any():
-        both = m["sensitivity/output_nmse/content/logits"]
-        match = df[(df.site == "logits") & _match(df, dict(kind="mechanism", side="score"))].value.mean()
-        agg = df[(df.site == "logits") & _match(df, dict(kind="mechanism", side="value"))].value.mean()
-        m["sensitivity/mechanism/match/logits"] = match
-        m["sensitivity/mechanism/aggregation/logits"] = agg
-        m["sensitivity/mechanism/both/logits"] = both
-        m["sensitivity/mechanism/coupling/logits"] = both - match - agg
-        lines += ["", "## Content error mechanisms (all layers, logits NMSE)", "",
-                  "| match (score side) | aggregation (value side) | both | coupling = both - match - aggregation |",
-                  "|---|---|---|---|", f"| {match:.3g} | {agg:.3g} | {both:.3g} | {both - match - agg:.3g} |"]
+    lines += _mechanism(df, m)
 
     if (df.kind == "rope_pair").any():
         pairs = (df[(df.site == "logits") & (df.kind == "rope_pair")].groupby("pair").value.mean())
@@ -302,16 +285,7 @@ def summarise(df, specs, clean, headline, n_layers, attention_layer_of, unrotate
 def _summarise_content(df, specs, headline, n_layers, family: str):
     """`summarise` for a model without a RoPE key: the content path's output error, per layer when injected alone,
     and the mechanism split; the table says why there is no amplification."""
-    m: dict[str, float] = {}
-    achieved = [v for key, spec in specs if key["nmse_target"] == headline for v in spec.achieved.values()]
-    m["sensitivity/achieved_nmse/content"] = sum(achieved) / len(achieved)
-    m["sensitivity/achieved_nmse_max_rel_error/content"] = max(abs(a / headline - 1) for a in achieved)
-    allh = dict(kind="all_layers", nmse_target=headline, path="content")
-    m["sensitivity/output_nmse/content/logits"] = df[(df.site == "logits") & _match(df, allh)].value.mean()
-    m["sensitivity/kl/content"] = df[(df.site == "kl") & _match(df, allh)].value.mean()
-    for t in sorted(df.nmse_target.unique()):
-        sel = df[(df.site == "logits") & _match(df, dict(kind="all_layers", nmse_target=t))]
-        m[f"sensitivity/sweep/nmse_{t:g}/content/logits"] = sel.value.mean()
+    m = _path_metrics(df, specs, headline, ("content",))
     lines = [f"# Fixed-NMSE sensitivity (cache NMSE {headline:g}, {df.seed.nunique()} seeds)\n",
              f"{family} has no RoPE key (qk_rope_head_dim 0): the cache holds the content latent alone, so this "
              "study measures the content path only; there is no RoPE/content amplification and no per-pair study "
@@ -325,16 +299,45 @@ def _summarise_content(df, specs, headline, n_layers, family: str):
             v = df[(df.site == "logits") & _match(df, dict(kind="one_layer", layer=i))].value.mean()
             m[f"sensitivity/layer{i}/output_nmse/content/logits"] = v
             lines.append(f"| {i} | {v:.3g} |")
-    if (df.kind == "mechanism").any():
-        both = m["sensitivity/output_nmse/content/logits"]
-        match = df[(df.site == "logits") & _match(df, dict(kind="mechanism", side="score"))].value.mean()
-        agg = df[(df.site == "logits") & _match(df, dict(kind="mechanism", side="value"))].value.mean()
-        m.update({"sensitivity/mechanism/match/logits": match, "sensitivity/mechanism/aggregation/logits": agg,
-                  "sensitivity/mechanism/both/logits": both, "sensitivity/mechanism/coupling/logits": both - match - agg})
-        lines += ["", "## Content error mechanisms (all layers, logits NMSE)", "",
-                  "| match (score side) | aggregation (value side) | both | coupling = both - match - aggregation |",
-                  "|---|---|---|---|", f"| {match:.3g} | {agg:.3g} | {both:.3g} | {both - match - agg:.3g} |"]
+    lines += _mechanism(df, m)
     return m, "\n".join(lines) + "\n"
+
+
+def _path_metrics(df, specs, headline, paths) -> dict[str, float]:
+    """Per injected path: the achieved cache NMSE at the headline target (mean, worst relative error), the output
+    NMSE of the logits and the next-token KL when every layer is injected, and the logits NMSE at every target."""
+    m: dict[str, float] = {}
+    allh = dict(kind="all_layers", nmse_target=headline)
+    for path in paths:
+        achieved = [v for key, spec in specs if key["path"] == path and key["nmse_target"] == headline
+                    for v in spec.achieved.values()]
+        m[f"sensitivity/achieved_nmse/{path}"] = sum(achieved) / len(achieved)
+        m[f"sensitivity/achieved_nmse_max_rel_error/{path}"] = max(abs(a / headline - 1) for a in achieved)
+        for site in SITES:
+            vals = df[(df.site == site) & (df.path == path) & _match(df, allh)].value
+            m[f"sensitivity/output_nmse/{path}/{site}" if site != "kl" else f"sensitivity/kl/{path}"] = vals.mean()
+    for t in sorted(df.nmse_target.unique()):
+        for path in paths:
+            sel = df[(df.site == "logits") & (df.path == path) & _match(df, dict(kind="all_layers", nmse_target=t))]
+            m[f"sensitivity/sweep/nmse_{t:g}/{path}/logits"] = sel.value.mean()
+    return m
+
+
+def _mechanism(df, m: dict) -> list[str]:
+    """The content error's mechanisms (score side, value side, both; the coupling), into `m`; their table's lines
+    (none when the study did not split them)."""
+    if not (df.kind == "mechanism").any():
+        return []
+    both = m["sensitivity/output_nmse/content/logits"]
+    match = df[(df.site == "logits") & _match(df, dict(kind="mechanism", side="score"))].value.mean()
+    agg = df[(df.site == "logits") & _match(df, dict(kind="mechanism", side="value"))].value.mean()
+    m["sensitivity/mechanism/match/logits"] = match
+    m["sensitivity/mechanism/aggregation/logits"] = agg
+    m["sensitivity/mechanism/both/logits"] = both
+    m["sensitivity/mechanism/coupling/logits"] = both - match - agg
+    return ["", "## Content error mechanisms (all layers, logits NMSE)", "",
+            "| match (score side) | aggregation (value side) | both | coupling = both - match - aggregation |",
+            "|---|---|---|---|", f"| {match:.3g} | {agg:.3g} | {both:.3g} | {both - match - agg:.3g} |"]
 
 
 def predicted_amplification(specs, clean, layer: int) -> float:
