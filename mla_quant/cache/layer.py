@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from mla_quant.cache.paged import PagedStore
+from mla_quant.cache.paged import PagedStore, read_path
 from mla_quant.kernels.attention import DEFAULT_BLOCKS, CausalMask, latent_attention, segment_attention, visible
-from mla_quant.kernels.layout import PagedPath, Segment
+from mla_quant.kernels.layout import Segment
 from mla_quant.quant.formats import PATHS, PathFormat, check_finite
 from mla_quant.quant.quantizers import FP8_MAX
 
@@ -510,17 +510,7 @@ class LatentCacheLayer(LatentLayerContract):
         per sequence), then the sinks and the recent window as dense buffers. Only formats the kernel reads."""
         store, segments = self.store, []
         if store.num_blocks and store.longest > 0:
-            paths = {}
-            for p in PATHS:
-                fmt = self.path_format(p)
-                spec = fmt.kernel_spec(self._dim(p))
-                pool = {k.split("/", 1)[1]: v for k, v in store.pool.items() if k.startswith(p + "/")}  # page views
-                if fmt.whole_page:  # parts of several widths: the kernel reads the whole page
-                    paths[p] = self._pairs_path(p, fmt, pool)
-                    continue
-                data = pool["values"] if spec["bits"] == 0 else pool["codes"]
-                paths[p] = PagedPath(data, pool.get("scales"), pool.get("zeros"), spec["bits"], spec["group"],
-                                     spec["symmetric"], spec["pow2"], fmt.codebook(required=True, device=data.device))
+            paths = {p: read_path(self.path_format(p), self._dim(p), store.layouts[p], store.pages[p]) for p in PATHS}
             longest = -(-store.longest // store.block_size) * store.block_size  # host-side bound: no device sync
             segments.append(Segment(paths["content"], paths["rope"], store.block_table(), store.lengths, longest))
         if self.quantized:
@@ -528,15 +518,6 @@ class LatentCacheLayer(LatentLayerContract):
                 if buffers["content"].shape[1]:
                     segments.append(Segment.dense(buffers["content"], buffers["rope"], lengths))
         return segments
-
-    def _pairs_path(self, path: str, fmt: PathFormat, pool: dict[str, torch.Tensor]) -> PagedPath:
-        """A format=pairs path as a decode segment reads it: its page pool, the page's description, its views."""
-        layout, d = self.store.layouts[path], self._dim(path)
-        spec = layout.spec()
-        desc = fmt.codec.kernel_pairs(fmt, d, lambda part: layout.offset(f"{path}/{part}"),
-                                      lambda part: spec[f"{path}/{part}"][1])
-        return PagedPath(self.store.pages[path], pairs=desc, parts=pool,
-                         decode=lambda parts: fmt.decode(parts, d, torch.float32))
 
     # ------------------------------------------------------------------ bytes
     def real_tokens(self) -> int:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from mla_quant.kernels.layout import PageLayout
+from mla_quant.kernels.layout import PagedPath, PageLayout
 
 Spec = tuple[tuple[int, ...], torch.dtype]  # a part's shape per token and dtype
 
@@ -258,3 +258,21 @@ class PagedStore:
         self._views = {}
         self.lengths = self.lengths.to(device)
         self._table = self._table_long = None
+
+
+def read_path(fmt, d: int, layout: PageLayout, pages: torch.Tensor) -> PagedPath:
+    """One path's pages as a decode kernel reads them: `fmt` (a `PathFormat` of `d` dims) stored in `layout`'s pages
+    `pages` (num_blocks, page bytes) uint8, any block stride. Formats with parts of several widths (`whole_page`)
+    are read as whole pages; the others as their codes or values, scales, zeros and codebook."""
+    spec = layout.spec()
+    path = layout.parts[0][0].split("/", 1)[0] if layout.parts else ""
+    views = {name.split("/", 1)[1]: layout.view(pages, name) for name in spec}
+    if fmt.whole_page:
+        desc = fmt.codec.kernel_pairs(fmt, d, lambda part: layout.offset(f"{path}/{part}"),
+                                      lambda part: spec[f"{path}/{part}"][1])
+        return PagedPath(pages, pairs=desc, parts=views, decode=lambda parts: fmt.decode(parts, d, torch.float32))
+    k = fmt.kernel_spec(d)
+    data = views["values"] if k["bits"] == 0 else views["codes"]
+    return PagedPath(data, views.get("scales"), views.get("zeros"), k["bits"], k["group"], k["symmetric"], k["pow2"],
+                     fmt.codebook(required=True, device=data.device))
+

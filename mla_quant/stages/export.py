@@ -19,10 +19,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mla_quant.models.families import family_for_config
-from mla_quant.prepare import build_model, prepare_model
+from mla_quant.prepare import build_model, prepare_model, rope_layout
 from mla_quant.quant.formats import PATHS, LayeredFormat
 from mla_quant.quant.peers import refuse_peer
 from mla_quant.record import write_json_atomic
+from mla_quant.serving import CACHE_FILE
 from mla_quant.stages import StageResult
 
 
@@ -57,18 +58,18 @@ def write_checkpoint(model, out: Path) -> list[str]:
     return dequantized
 
 
-def run(cfg: DictConfig, run_dir: Path) -> StageResult:
-    task = cfg.task
+def export_checkpoint(cfg: DictConfig, out: Path):
+    """Write the prepared model (transforms fused) to `out` with its tokenizer and `mla_quant_cache.json`.
+    -> (the preparation, the cache description written)."""
     refuse_peer(cfg.get("quant"), "experiment=export (the cache description serving engines read)")
     prep = prepare_model(cfg, absorbed=False)
     model = prep.model
-    out = run_dir / "checkpoint"
     dequantized = write_checkpoint(model, out)
     if prep.tokenizer is not None:
         prep.tokenizer.save_pretrained(out)
     tm = prep.transform_metrics or {}
     description = {
-        "cache": cache_description(prep),
+        "cache": {**cache_description(prep), "rope_layout": rope_layout(cfg.model)},
         "quant": OmegaConf.to_container(cfg.quant, resolve=True),
         "transform": OmegaConf.to_container(cfg.transform, resolve=True),
         "calibration": {k: v for k, v in tm.items() if k in ("calib/file", "calib/format", "calib/seconds")},
@@ -76,7 +77,15 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         # block-FP8 projections the transforms rewrote, stored in the model's compute dtype
         "dequantized_modules": dequantized,
     }
-    write_json_atomic(out / "mla_quant_cache.json", description)
+    write_json_atomic(out / CACHE_FILE, description)
+    return prep, description
+
+
+def run(cfg: DictConfig, run_dir: Path) -> StageResult:
+    task = cfg.task
+    out = run_dir / "checkpoint"
+    prep, description = export_checkpoint(cfg, out)
+    model = prep.model
 
     family = family_for_config(model.config)
     reloaded = family.model_class.from_pretrained(out, dtype=torch.float32, attn_implementation="eager",

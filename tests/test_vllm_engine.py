@@ -1,0 +1,86 @@
+"""vLLM itself serving an exported checkpoint with its latent cache in the project's formats
+(mla_quant/serving/vllm_backend.py): the pages in vLLM's blocks read back as the project's cache reads them, what the
+engine cannot store refused by name, and experiment=serve on the toy: the engine's greedy tokens equal the
+framework's, and vLLM's block budget counts the format's bytes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compose
+
+from mla_quant.cache.layer import LatentCacheLayer
+from mla_quant.kernels.attention import segment_attention
+from mla_quant.quant.formats import cache_format
+
+vllm_backend = pytest.importorskip("mla_quant.serving.vllm_backend", reason="vLLM's CPU build (README) is needed")
+REPO = Path(__file__).resolve().parents[1]
+ENGINE = ["quant.mode=serving", "quant.protected.n_sink=0", "quant.protected.recent=0"]
+
+
+def served(option: str, *overrides):
+    cfg = compose(["model=toy_mla", f"quant={option}", *ENGINE, *overrides])
+    return cache_format(cfg.quant, 96, 16, rope_layout="interleaved")
+
+
+@pytest.mark.parametrize("option", ["bf16", "int4_joint", "int2_content_int4_rope", "int8_joint", "int4_content"])
+def test_pages_in_vllm_blocks_read_as_the_cache_reads(option):
+    """Tokens written into slots of a vLLM-shaped block pool (blocks taken out of order) and read through a block
+    table attend exactly as the project's own paged cache holding the same tokens; the block's bytes are the
+    format's bytes per token x block_size (16-byte aligned pages)."""
+    fmt = served(option)
+    pages = vllm_backend.EnginePages(fmt, 16, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    length = 37
+    content, rope = torch.randn(1, length, 96, generator=g), torch.randn(1, length, 16, generator=g)
+    kv = torch.zeros(10, 1, 16, pages.token_bytes, dtype=torch.uint8)  # vLLM's (blocks, heads, block_size, bytes)
+    table = torch.tensor([[3, 7, 1]], dtype=torch.int32)
+    slots = torch.tensor([int(table[0, i // 16]) * 16 + i % 16 for i in range(length)])
+    pages.write(kv, slots, {"content": content[0], "rope": rope[0]})
+    q, q_rope = torch.randn(1, 4, 96, generator=g), torch.randn(1, 4, 16, generator=g)
+    got = segment_attention(q, q_rope, 0.1, [pages.segment(kv, table, torch.tensor([length]))])
+    layer = LatentCacheLayer(fmt)
+    layer.append(content, rope)
+    want = segment_attention(q, q_rope, 0.1, layer.segments())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    exact = 16 * sum(fmt.path(p).bytes_per_token(fmt.dim(p), 4) for p in ("content", "rope"))
+    assert exact <= pages.block_bytes < exact + 2 * 16 and pages.token_bytes * 16 >= pages.block_bytes
+
+
+@pytest.mark.parametrize("option, overrides, named", [
+    ("int4_joint", ["quant.protected.recent=128"], "quant.protected n_sink=0, recent=128"),
+    ("int4_joint", ["quant.mode=simulated"], "quant.mode=simulated"),
+    ("kivi_int4", [], "token_block=32"),
+    ("fp8_flat", [], "granularity=tensor"),
+])
+def test_what_the_engine_cannot_store_is_refused_by_name(option, overrides, named):
+    from omegaconf import OmegaConf
+
+    cfg = compose(["model=toy_mla", f"quant={option}", *ENGINE, *overrides])
+    description = {"quant": OmegaConf.to_container(cfg.quant, resolve=True),
+                   "cache": {"format": option, "d_c": 96, "d_r": 16}}
+    with pytest.raises(ValueError, match=named):
+        vllm_backend.served_format(description)
+
+
+@pytest.mark.slow
+def test_serve_the_toy_in_vllm(tmp_path):
+    """python run.py experiment=serve on the toy: the exported int4_joint checkpoint in vLLM's engine gives the
+    framework's greedy tokens on all 16 prompts (as does the unquantized cache), and at one KV memory budget vLLM
+    holds 448 / 72 = 6.2x the blocks (its page bytes are the format's), so the trace that preempts the unquantized
+    cache runs without preemption."""
+    done = subprocess.run([sys.executable, "run.py", "experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "record.json").read_text())["metrics"]
+    for cache in ("bf16", "int4_joint"):
+        assert metrics[f"serve/{cache}/tokens_equal"] == 16
+    assert metrics["serve/bf16/page_bytes_per_block"] == 16 * (96 + 16) * 4
+    assert metrics["serve/int4_joint/page_bytes_per_block"] == 16 * 72
+    budget = 1048576 // 4  # the budget over the toy's 4 layers
+    assert metrics["serve/bf16/blocks"] == budget // (16 * 448)
+    assert metrics["serve/int4_joint/blocks"] == budget // (16 * 72)
+    assert metrics["serve/bf16/preemptions"] > 0 and metrics["serve/int4_joint/preemptions"] == 0
