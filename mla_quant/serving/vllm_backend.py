@@ -12,7 +12,8 @@ decode with the project's decode kernels; any other model gets vLLM's own backen
 - **Write** (`do_kv_cache_update`): the step's latents encoded by the format's codecs (the encoder the cache uses)
   straight into their slots.
 - **Decode** (`forward_mqa`): the format's decode kernel (the fused C++ kernel on the CPU where it reads the format,
-  the framework's PyTorch decode otherwise, `quant.backend` as in the framework) reads the pages through vLLM's block table.
+  the framework's PyTorch decode otherwise, `quant.backend` as in the framework) reads the pages through vLLM's
+  block table.
   As in the framework's `quant.mode=serving`, the step's own token is read with its fresh values, every earlier
   token as stored; prefill attends to the prompt's fresh latents (vLLM's prefill path).
 - **Refused by name** at engine start: a protected region (sinks or a recent window in full precision: the engine
@@ -68,8 +69,8 @@ def served_format(description: dict) -> CacheFormat:
         raise ValueError(f"quant={name}: a format per layer (quant.layers) is not served by the engine backend yet; "
                          "export a uniform format")
     if fmt.mode != "serving":
-        raise ValueError(f"quant={name}: quant.mode={fmt.mode}: an engine serves (prefill attends to the prompt's fresh "
-                         "latents, decode reads the stored cache); export with quant.mode=serving")
+        raise ValueError(f"quant={name}: quant.mode={fmt.mode}: an engine serves (prefill attends to the prompt's "
+                         "fresh latents, decode reads the stored cache); export with quant.mode=serving")
     if fmt.n_sink or fmt.recent:
         raise ValueError(f"quant={name}: quant.protected n_sink={fmt.n_sink}, recent={fmt.recent}: the engine stores "
                          "every token in the format (no full-precision sinks or recent window in its blocks yet); "

