@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose
+from conftest import HAS_CXX, compose
 
 from mla_quant.cache.layer import LatentCacheLayer
 from mla_quant.kernels.attention import segment_attention
@@ -21,31 +21,38 @@ REPO = Path(__file__).resolve().parents[1]
 ENGINE = ["quant.mode=serving", "quant.protected.n_sink=0", "quant.protected.recent=0"]
 
 
-def served(option: str, *overrides):
+def served(option: str, *overrides, dims=(96, 16)):
     cfg = compose(["model=toy_mla", f"quant={option}", *ENGINE, *overrides])
-    return cache_format(cfg.quant, 96, 16, rope_layout="interleaved")
+    return cache_format(cfg.quant, *dims, rope_layout="interleaved")
 
 
+@pytest.mark.parametrize("dims", [(96, 16), (512, 64)], ids=["toy", "deepseek"])
 @pytest.mark.parametrize("option", ["bf16", "int4_joint", "int2_content_int4_rope", "int8_joint", "int4_content"])
-def test_pages_in_vllm_blocks_read_as_the_cache_reads(option):
+def test_pages_in_vllm_blocks_read_as_the_cache_reads(option, dims):
     """Tokens written into slots of a vLLM-shaped block pool (blocks taken out of order) and read through a block
-    table attend exactly as the project's own paged cache holding the same tokens; the block's bytes are the
-    format's bytes per token x block_size (16-byte aligned pages)."""
-    fmt = served(option)
+    table attend exactly as the project's own paged cache holding the same tokens, at the toy's and DeepSeek's
+    latent dims; the block's bytes are the format's bytes per token x block_size (16-byte aligned pages)."""
+    fmt = served(option, dims=dims)
+    d_c, d_r = dims
     pages = vllm_backend.EnginePages(fmt, 16, torch.float32)
     g = torch.Generator().manual_seed(0)
     length = 37
-    content, rope = torch.randn(1, length, 96, generator=g), torch.randn(1, length, 16, generator=g)
+    content, rope = torch.randn(1, length, d_c, generator=g), torch.randn(1, length, d_r, generator=g)
     kv = torch.zeros(10, 1, 16, pages.token_bytes, dtype=torch.uint8)  # vLLM's (blocks, heads, block_size, bytes)
     table = torch.tensor([[3, 7, 1]], dtype=torch.int32)
     slots = torch.tensor([int(table[0, i // 16]) * 16 + i % 16 for i in range(length)])
     pages.write(kv, slots, {"content": content[0], "rope": rope[0]})
-    q, q_rope = torch.randn(1, 4, 96, generator=g), torch.randn(1, 4, 16, generator=g)
+    q, q_rope = torch.randn(1, 4, d_c, generator=g), torch.randn(1, 4, d_r, generator=g)
     got = segment_attention(q, q_rope, 0.1, [pages.segment(kv, table, torch.tensor([length]))])
     layer = LatentCacheLayer(fmt)
     layer.append(content, rope)
     want = segment_attention(q, q_rope, 0.1, layer.segments())
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if HAS_CXX and fmt.cpu_kernel_unsupported() is None:  # the C++ kernel the engine decodes with, on vLLM's pages
+        from mla_quant.kernels.ops import decode_op
+
+        seg = pages.segment(kv, table, torch.tensor([length]))
+        torch.testing.assert_close(decode_op("cpu")(q, q_rope, 0.1, [seg]), want, rtol=1e-5, atol=1e-5)
     exact = 16 * sum(fmt.path(p).bytes_per_token(fmt.dim(p), 4) for p in ("content", "rope"))
     assert exact <= pages.block_bytes < exact + 2 * 16 and pages.token_bytes * 16 >= pages.block_bytes
 
@@ -78,15 +85,15 @@ def test_serve_the_toy_in_vllm(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((tmp_path / "record.json").read_text())["metrics"]
-    for cache in ("bf16", "int4_joint"):
+    for cache in ("unquantized", "int4_joint"):
         assert metrics[f"serve/{cache}/tokens_equal"] == 16
-    assert metrics["serve/bf16/page_bytes_per_block"] == 16 * (96 + 16) * 4
+    assert metrics["serve/unquantized/page_bytes_per_block"] == 16 * (96 + 16) * 4
     assert metrics["serve/int4_joint/page_bytes_per_block"] == 16 * 72
     budget = 1048576 // 4  # the budget over the toy's 4 layers
-    assert metrics["serve/bf16/blocks"] == budget // (16 * 448)
+    assert metrics["serve/unquantized/blocks"] == budget // (16 * 448)
     assert metrics["serve/int4_joint/blocks"] == budget // (16 * 72)
-    assert metrics["serve/bf16/preemptions"] > 0 and metrics["serve/int4_joint/preemptions"] == 0
-    for cache in ("bf16", "int4_joint"):
+    assert metrics["serve/unquantized/preemptions"] > 0 and metrics["serve/int4_joint/preemptions"] == 0
+    for cache in ("unquantized", "int4_joint"):
         assert metrics[f"serve/{cache}/simulated_preemptions"] == metrics[f"serve/{cache}/preemptions"]
     framework, engine = (metrics[f"serve/suites/toy_gsm8k/exact_match/{who}"] for who in ("framework", "engine"))
     assert framework == engine and framework > 0.5

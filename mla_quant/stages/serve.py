@@ -18,8 +18,10 @@ Metrics: serve/<cache>/tokens_equal (prompts whose engine tokens equal the frame
 first end-of-sequence token), blocks, page_bytes_per_block, preemptions (vLLM's counter),
 tokens_per_s (mean and std over `task.repeats` runs of the trace), ttft_s, inter_token_s, and simulated_preemptions
 / simulated_recomputed_tokens: experiment=serving's simulation (vLLM's scheduler alone) over the same requests and
-blocks, so the simulation is checked against the engine; serve/suites/<task>/<metric>/{framework,engine}. The run
-fails when the format's tokens differ from the framework's.
+blocks, so the simulation is checked against the engine; serve/suites/<task>/<metric>/{framework,engine}. On the
+toy suites' prompts the run fails when the format's tokens differ from the framework's; random prompts
+(`task.prompt_tokens`, e.g. long contexts for step times) have near-tied logits where a quantized cache's rounding
+flips on float noise, so their agreement is reported only.
 """
 
 from __future__ import annotations
@@ -42,13 +44,19 @@ from mla_quant.stages import StageResult
 from mla_quant.stages.export import export_checkpoint
 
 
+def random_prompts(task: DictConfig, tokenizer) -> bool:
+    """Random ids (task.prompt_tokens of them) rather than the toy suites' prompts: asked for, or no tokenizer."""
+    return task.prompt_tokens is not None or tokenizer is None
+
+
 def prompts_of(task: DictConfig, tokenizer, vocab: int) -> list[list[int]]:
     """The toy suites' held-out prompts (arithmetic and code: the tasks the toy model answers with a margin), or
-    random ids for a model without a tokenizer."""
+    `task.prompt_tokens` random ids each (48 for a model without a tokenizer)."""
     n = int(task.prompts)
-    if tokenizer is None:
+    if random_prompts(task, tokenizer):
         g = torch.Generator().manual_seed(0)
-        return [torch.randint(3, vocab, (int(task.prompt_tokens),), generator=g).tolist() for _ in range(n)]
+        length = 48 if task.prompt_tokens is None else int(task.prompt_tokens)
+        return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
     from mla_quant.tasks import arithmetic, code
 
     rows = arithmetic.test_set(n - n // 2, 0) + code.test_set(n // 2, 0)
@@ -94,15 +102,18 @@ def engine_run(folder: Path, prompts, task: DictConfig, work: Path, name: str, s
 
 
 def bf16_folder(checkpoint: Path, description: dict, out: Path) -> Path:
-    """The exported weights with the cache unquantized (`quant=bf16`, the activations' dtype): vLLM's own page bytes
-    per token, (d_c + d_r) x the dtype's. Served by the same backend (vLLM's CPU decode kernel reads head size 576
-    only, DeepSeek's)."""
+    """The exported weights with the cache unquantized, (d_c + d_r) x the activations' bytes per token: served by
+    vLLM's own MLA backend where its CPU decode kernel reads the model's head size (576: DeepSeek's d_c 512 + d_r
+    64), else by this project's backend with `quant=bf16` (the same page bytes)."""
     from omegaconf import OmegaConf
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
 
     out.mkdir(parents=True, exist_ok=True)
     for f in checkpoint.iterdir():
         if f.name != CACHE_FILE and not (out / f.name).exists():
             (out / f.name).symlink_to(f.resolve())
+    if int(description["cache"]["d_c"]) + int(description["cache"]["d_r"]) in CPUMLABackend.get_supported_head_sizes():
+        return out  # no cache description: vLLM's own backend, its own cache
     bf16 = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "conf" / "quant" / "bf16.yaml"))
     bf16.update(mode="serving", protected={"n_sink": 0, "recent": 0})
     write_json_atomic(out / CACHE_FILE, {**description, "quant": bf16, "cache": {**description["cache"],
@@ -125,8 +136,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     work = run_dir / "engine"
     work.mkdir(exist_ok=True)
     write_json_atomic(work / "framework_tokens.json", {"prompts": prompts, "tokens": reference})
-    runs = {"bf16": engine_run(bf16_folder(checkpoint, description, run_dir / "checkpoint_bf16"), prompts, task,
-                               work, "bf16"),
+    runs = {"unquantized": engine_run(bf16_folder(checkpoint, description, run_dir / "checkpoint_bf16"), prompts,
+                                      task, work, "unquantized"),
             fmt.name: engine_run(checkpoint, prompts, task, work, fmt.name)}
     eos = prep.model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -144,7 +155,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                         f"serve/{name}/page_bytes_per_block": r["page_bytes_per_block"],
                         f"serve/{name}/simulated_preemptions": predicted.preemptions,
                         f"serve/{name}/simulated_recomputed_tokens": predicted.recomputed_tokens})
-        label = f"{name} ({task.dtype} values)" if name == "bf16" else name
+        label = (name if name != "unquantized" else f"vLLM's own cache ({task.dtype})" if r["format"] is None
+                 else f"unquantized ({task.dtype} values)")
         rows.append({"cache": label, "decode": r["decode_backend"],
                      "tokens equal to the framework's": f"{equal}/{len(prompts)}", "KV blocks": r["num_blocks"],
                      "bytes per token and layer": r["page_bytes_per_block"] / r["block_size"],
@@ -163,7 +175,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         metrics.update({k: v for k, v in scores.items() if isinstance(v, float)})
         tables["serve_suites"] = scores.pop("table")
     equal = metrics[f"serve/{fmt.name}/tokens_equal"]
-    if equal != len(prompts):
+    if equal != len(prompts) and not random_prompts(task, prep.tokenizer):
         return StageResult(metrics=metrics, tables=tables, ok=False,
                            message=f"the engine's tokens differ from the framework's on {len(prompts) - equal} of "
                                    f"{len(prompts)} prompts ({fmt.name})")
