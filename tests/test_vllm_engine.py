@@ -62,6 +62,7 @@ def test_pages_in_vllm_blocks_read_as_the_cache_reads(option, dims):
     ("int4_joint", ["quant.mode=simulated"], "quant.mode=simulated"),
     ("kivi_int4", [], "token_block=32"),
     ("fp8_flat", [], "granularity=tensor"),
+    ("int2_joint", ["quant.content.quantizer=lloyd"], "quantizer=lloyd fits a codebook per layer"),
 ])
 def test_what_the_engine_cannot_store_is_refused_by_name(option, overrides, named):
     from omegaconf import OmegaConf
@@ -78,7 +79,8 @@ def test_serve_the_toy_in_vllm(tmp_path):
     """python run.py experiment=serve on the toy: the exported int4_joint checkpoint in vLLM's engine gives the
     framework's greedy tokens on all 16 prompts (as does the unquantized cache); at one KV memory budget vLLM holds
     448 / 72 = 6.2x the blocks (its page bytes are the format's), so the trace that preempts the unquantized cache
-    runs without preemption, as the scheduler simulation predicts; a toy suite scored through the engine (lm-eval's
+    runs without preemption, as the scheduler simulation predicts (also at every level of the concurrency sweep); a
+    toy suite scored through the engine (lm-eval's
     vLLM model) scores as through the framework."""
     done = subprocess.run([sys.executable, "run.py", "experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}",
                            "eval=toy", "eval.tasks=[toy_gsm8k]", "eval.limit=8"],
@@ -95,5 +97,9 @@ def test_serve_the_toy_in_vllm(tmp_path):
     assert metrics["serve/unquantized/preemptions"] > 0 and metrics["serve/int4_joint/preemptions"] == 0
     for cache in ("unquantized", "int4_joint"):
         assert metrics[f"serve/{cache}/simulated_preemptions"] == metrics[f"serve/{cache}/preemptions"]
+        for n in (4, 8, 16, 32):  # the concurrency sweep, engine against simulation
+            assert (metrics[f"serve/{cache}/sweep/{n}/simulated_preemptions"]
+                    == metrics[f"serve/{cache}/sweep/{n}/preemptions"]), (cache, n)
+    assert metrics["serve/unquantized/sweep/32/preemptions"] > 0 == metrics["serve/int4_joint/sweep/32/preemptions"]
     framework, engine = (metrics[f"serve/suites/toy_gsm8k/exact_match/{who}"] for who in ("framework", "engine"))
     assert framework == engine and framework > 0.5

@@ -18,8 +18,8 @@ decode with the project's decode kernels; any other model gets vLLM's own backen
   token as stored; prefill attends to the prompt's fresh latents (vLLM's prefill path).
 - **Refused by name** at engine start: a protected region (sinks or a recent window in full precision: the engine
   stores every token in the format; export with `quant.protected.n_sink=0 quant.protected.recent=0`), formats
-  quantized over blocks of tokens or scaled per sequence, a format per layer, and `quant.mode=simulated` (an engine
-  serves: prefill reads fresh latents).
+  quantized over blocks of tokens or scaled per sequence, a format per layer (`quant.layers`, `quant=mixed`, lloyd
+  codebooks), and `quant.mode=simulated` (an engine serves: prefill reads fresh latents).
 
 The module imports vLLM; `mla_quant.serving.vllm_plugin` registers it without importing vLLM's model code.
 """
@@ -79,6 +79,9 @@ def served_format(description: dict) -> CacheFormat:
         raise ValueError(f"quant={name}: token_block={fmt.token_block}: a path quantized over blocks of tokens waits "
                          "for whole blocks, which the engine's per-token writes do not give; use a per-token format")
     for p in PATHS:
+        if fmt.path(p).fitted_levels:
+            raise ValueError(f"quant={name}: quant.{p}.quantizer={fmt.path(p).quantizer} fits a codebook per layer (a "
+                             "format per layer), which the engine backend does not serve yet; use rtn, clip or hqq")
         if fmt.path(p).tensor_scaled:
             raise ValueError(f"quant={name}: quant.{p}.granularity=tensor scales each sequence once, which the "
                              "engine's blocks do not hold; use granularity=group")

@@ -5,9 +5,10 @@ format, both stored by `mla_quant.serving.vllm_backend`), so no engine state out
     python -m mla_quant.serving.vllm_run request.json result.json
 
 request: {"model": folder, "prompts": [[ids], ...], "max_tokens": n, "dtype": "float32", "kv_cache_memory_bytes": b,
-          "max_model_len": n, "max_num_seqs": n, "repeats": n}
+          "max_model_len": n, "max_num_seqs": n, "repeats": n, "sweep": [n, ...] (concurrent requests)}
 result:  {"tokens": [[ids], ...] (the last run's), "runs": [{"seconds", "output_tokens", "preemptions",
-          "ttft_s", "inter_token_s"} per repeat, from vLLM's own counters], "num_blocks": n,
+          "ttft_s", "inter_token_s"} per repeat, from vLLM's own counters], "sweep": [{"requests", "seconds",
+          "output_tokens", "preemptions"} per level], "num_blocks": n,
           "block_size": n, "page_bytes_per_block": n (one layer), "format": name or null, "decode_backend": ...,
           "scheduler": the engine's scheduler settings}
 """
@@ -81,6 +82,18 @@ def run_engine(request: dict) -> dict:
                      "preemptions": int(delta.get("vllm:num_preemptions", (0, 0))[0]),
                      "ttft_s": _mean(delta.get("vllm:time_to_first_token_seconds")),
                      "inter_token_s": _mean(delta.get("vllm:inter_token_latency_seconds"))})
+    sweep = []
+    for n in request.get("sweep") or []:  # the trace's prompts cycled to n concurrent requests, one run each
+        cycled = [prompts[i % len(prompts)] for i in range(int(n))]
+        before = _metrics(llm)
+        start = time.perf_counter()
+        outs = llm.generate(cycled, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        after = _metrics(llm)
+        sweep.append({"requests": int(n), "seconds": seconds,
+                      "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                      "preemptions": int(after.get("vllm:num_preemptions", (0, 0))[0]
+                                         - before.get("vllm:num_preemptions", (0, 0))[0])})
     sched = config.scheduler_config
     description = read_description(request["model"])
     fmt = None if description is None else served_format(description)
@@ -90,7 +103,7 @@ def run_engine(request: dict) -> dict:
         page = block_size * (int(text.kv_lora_rank) + int(text.qk_rope_head_dim)) * config.model_config.dtype.itemsize
     else:
         page = EnginePages(fmt, block_size, config.model_config.dtype).token_bytes * block_size
-    return {"tokens": tokens, "runs": runs, "num_blocks": int(config.cache_config.num_gpu_blocks),
+    return {"tokens": tokens, "runs": runs, "sweep": sweep, "num_blocks": int(config.cache_config.num_gpu_blocks),
             "block_size": block_size, "page_bytes_per_block": page, "format": None if fmt is None else fmt.name,
             "decode_backend": "vllm" if fmt is None else fmt.step_backends("cpu")["decode"],
             "scheduler": {"chunked_prefill": bool(sched.enable_chunked_prefill),

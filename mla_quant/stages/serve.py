@@ -10,7 +10,7 @@
    greedily on the prompts.
 3. The engine, once per cache (bf16, the format), each in its own process (`mla_quant.serving.vllm_run`) at the
    same KV memory budget (`task.kv_budget_bytes`): greedy tokens, KV blocks, page bytes, preemptions (vLLM's
-   counter), output tokens/s.
+   counter), output tokens/s; then the trace's prompts cycled to each of `task.concurrency` requests (a sweep).
 4. With eval.tasks (toy suites): each suite scored by the framework (its model and cache through lm-eval's HF model)
    and through the engine (lm-eval's own vLLM model on the exported checkpoint), on the same task files.
 
@@ -34,8 +34,9 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
+from mla_quant.checks import int_setting
 from mla_quant.models.absorbed import cache_kwargs, new_cache
 from mla_quant.prepare import prepare_model
 from mla_quant.record import write_json_atomic
@@ -87,7 +88,7 @@ def engine_run(folder: Path, prompts, task: DictConfig, work: Path, name: str, s
     module's `engine_scores` (lm-eval's vLLM model over those suites)."""
     request = {"model": str(folder), "prompts": prompts, "max_tokens": int(task.max_tokens), "dtype": str(task.dtype),
                "kv_cache_memory_bytes": int(task.kv_budget_bytes), "max_model_len": int(task.max_model_len),
-               "repeats": int(task.repeats)}
+               "repeats": int(task.repeats), "sweep": [int(n) for n in task.concurrency or []]}
     if suites is not None:  # the suites' prompts up to the model's positions
         request = {**request, "lm_eval": suites, "prompts": [], "max_model_len": suites.pop("max_model_len")}
     req, res = work / f"{name}_request.json", work / f"{name}_result.json"
@@ -121,8 +122,22 @@ def bf16_folder(checkpoint: Path, description: dict, out: Path) -> Path:
     return out
 
 
+def check_task(task: DictConfig) -> None:
+    """The stage's own settings, before anything is exported."""
+    for key in ("prompts", "max_tokens", "repeats", "kv_budget_bytes", "max_model_len", "timeout_s"):
+        int_setting(task[key], f"task.{key}", 1)
+    if task.prompt_tokens is not None:
+        int_setting(task.prompt_tokens, "task.prompt_tokens", 1)
+    levels = task.concurrency or []
+    if not isinstance(levels, (list, tuple, ListConfig)):
+        raise ValueError(f"task.concurrency={levels!r}; allowed: a list of request counts, e.g. [4, 8, 16], or null")
+    for n in levels:
+        int_setting(n, "task.concurrency[]", 1)
+
+
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
+    check_task(task)
     from mla_quant.serving.vllm_backend import served_format  # refuses what the engine cannot store, by name
 
     checkpoint = run_dir / "checkpoint"
@@ -166,10 +181,15 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                      "TTFT ms": round(1e3 * (first["ttft_s"] or 0.0), 1),
                      "ms per output token": round(1e3 * (first["inter_token_s"] or 0.0), 2)})
     table = pd.DataFrame(rows)
+    held = runs["unquantized"]["num_blocks"] * runs["unquantized"]["block_size"]
+    needed = sum(len(p) + int(task.max_tokens) for p in prompts)
     print(f"[serve] vLLM {task.dtype}, KV budget {int(task.kv_budget_bytes)} B, {len(prompts)} prompts x "
-          f"{int(task.max_tokens)} tokens (greedy), {int(task.repeats)} runs; in brackets vLLM's scheduler alone "
-          f"(experiment=serving's simulation) over the same requests and blocks:\n{table.to_string(index=False)}")
+          f"{int(task.max_tokens)} tokens (greedy; {needed} tokens, {needed / held:.2f}x what the unquantized cache "
+          f"holds), {int(task.repeats)} runs; in brackets vLLM's scheduler alone (experiment=serving's simulation) "
+          f"over the same requests and blocks:\n{table.to_string(index=False)}")
     tables = {"serve": table}
+    if task.concurrency:
+        tables["serve_sweep"] = sweep_table(runs, prompts, int(task.max_tokens), metrics)
     if list(cfg.eval.tasks):
         scores = score_suites(cfg, prep, checkpoint, task, work, fmt.name)
         metrics.update({k: v for k, v in scores.items() if isinstance(v, float)})
@@ -220,6 +240,26 @@ def score_suites(cfg: DictConfig, prep, checkpoint: Path, task: DictConfig, work
     print(f"[serve] the suites scored by the framework and through the engine ({name}):\n"
           f"{out['table'].to_string(index=False)}")
     return out
+
+
+def sweep_table(runs: dict, prompts: list[list[int]], max_tokens: int, metrics: dict) -> pd.DataFrame:
+    """Per cache and concurrency (the trace's prompts cycled to n requests): the engine's preemptions beside the
+    simulation's, and output tokens/s."""
+    rows = []
+    for name, r in runs.items():
+        for level in r["sweep"]:
+            n = level["requests"]
+            cycled = [prompts[i % len(prompts)] for i in range(n)]
+            predicted = simulated(cycled, r, max_tokens)
+            tps = level["output_tokens"] / level["seconds"] if level["seconds"] > 0 else 0.0
+            metrics.update({f"serve/{name}/sweep/{n}/preemptions": level["preemptions"],
+                            f"serve/{name}/sweep/{n}/simulated_preemptions": predicted.preemptions,
+                            f"serve/{name}/sweep/{n}/tokens_per_s": tps})
+            rows.append({"cache": name, "requests": n, "preemptions": level["preemptions"],
+                         "simulated preemptions": predicted.preemptions, "output tokens/s": round(tps, 1)})
+    table = pd.DataFrame(rows)
+    print(f"[serve] concurrency sweep:\n{table.to_string(index=False)}")
+    return table
 
 
 def simulated(prompts: list[list[int]], run: dict, max_tokens: int):
