@@ -14,6 +14,8 @@
 4. With eval.tasks (toy suites): each suite scored by the framework (its model and cache through lm-eval's HF model)
    and through the engine (lm-eval's own vLLM model on the exported checkpoint), on the same task files.
 
+Tables in <run_dir>/serve.md; each engine run's request and result in <run_dir>/engine/.
+
 Metrics: serve/<cache>/tokens_equal (prompts whose engine tokens equal the framework's, up to and including the
 first end-of-sequence token), blocks, page_bytes_per_block, preemptions (vLLM's counter),
 tokens_per_s (mean and std over `task.repeats` runs of the trace), ttft_s, inter_token_s, and simulated_preemptions
@@ -39,7 +41,7 @@ from omegaconf import DictConfig, ListConfig
 from mla_quant.checks import int_setting
 from mla_quant.models.absorbed import cache_kwargs, new_cache
 from mla_quant.prepare import prepare_model
-from mla_quant.record import write_json_atomic
+from mla_quant.record import write_json_atomic, write_text_atomic
 from mla_quant.serving import CACHE_FILE
 from mla_quant.stages import StageResult
 from mla_quant.stages.export import export_checkpoint
@@ -194,6 +196,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         scores = score_suites(cfg, prep, checkpoint, task, work, fmt.name)
         metrics.update({k: v for k, v in scores.items() if isinstance(v, float)})
         tables["serve_suites"] = scores.pop("table")
+    write_text_atomic(run_dir / "serve.md", "\n\n".join(f"## {name}\n\n{t.to_markdown(index=False)}"
+                                                       for name, t in tables.items()) + "\n")
     equal = metrics[f"serve/{fmt.name}/tokens_equal"]
     if equal != len(prompts) and not random_prompts(task, prep.tokenizer):
         return StageResult(metrics=metrics, tables=tables, ok=False,
