@@ -62,7 +62,7 @@ def test_pages_in_vllm_blocks_read_as_the_cache_reads(option, dims):
     ("int4_joint", ["quant.mode=simulated"], "quant.mode=simulated"),
     ("kivi_int4", [], "token_block=32"),
     ("fp8_flat", [], "granularity=tensor"),
-    ("int2_joint", ["quant.content.quantizer=lloyd"], "quantizer=lloyd fits a codebook per layer"),
+    ("int2_joint", ["quant.content.quantizer=lloyd"], "lloyd reads a codebook fitted per layer, and .* holds none"),
 ])
 def test_what_the_engine_cannot_store_is_refused_by_name(option, overrides, named):
     from omegaconf import OmegaConf
@@ -103,3 +103,26 @@ def test_serve_the_toy_in_vllm(tmp_path):
     assert metrics["serve/unquantized/sweep/32/preemptions"] > 0 == metrics["serve/int4_joint/sweep/32/preemptions"]
     framework, engine = (metrics[f"serve/suites/toy_gsm8k/exact_match/{who}"] for who in ("framework", "engine"))
     assert framework == engine and framework > 0.5
+
+
+def test_a_format_per_layer_round_trips_through_the_description():
+    """An exported format per layer (quant.layers; lloyd codebooks per layer) is rebuilt by the engine as it was:
+    each layer's paths and levels."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from mla_quant.stages.export import cache_description
+
+    layers = "+quant.layers=[null,{content:{bits:2,quantizer:lloyd}},null,{rope:{bits:2}}]"
+    cfg = compose(["model=toy_mla", "quant=int4_joint", *ENGINE, layers])
+    fmt = cache_format(cfg.quant, 96, 16, num_layers=4, rope_layout="interleaved")
+    book = (-0.4, 1.1, 2.0, 3.3)  # a codebook as the preparation step fits it (2^bits levels in code units)
+    fitted = dataclasses.replace(fmt.layers[1], content=dataclasses.replace(fmt.layers[1].content, levels=book))
+    fmt = dataclasses.replace(fmt, layers=(fmt.layers[0], fitted, *fmt.layers[2:]))
+    description = {"quant": OmegaConf.to_container(cfg.quant, resolve=True),
+                   "cache": {**cache_description(SimpleNamespace(fmt=fmt)), "rope_layout": "interleaved"}}
+    served = vllm_backend.served_format(json.loads(json.dumps(description)))
+    assert served.layers == fmt.layers and served.layers[1].content.levels == book
+    assert [vllm_backend.EnginePages(f, 16, torch.float32).token_bytes for f in served.layers] == [72, 48, 72, 68]

@@ -107,6 +107,12 @@ class PathFormat:
                     f"allowed: null (whole vector) or one of {divisors}"
                 )
 
+    def to_cfg(self) -> dict:
+        """The config block this format parses from (`from_cfg`): its config keys, without what the model sets or
+        the preparation step fits (DERIVED_KEYS)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in DERIVED_KEYS}
+        return {**out, "bits": list(out["bits"]) if isinstance(out["bits"], tuple) else out["bits"]}
+
     @property
     def quantized(self) -> bool:
         return self.codec.quantized

@@ -18,16 +18,21 @@ decode with the project's decode kernels; any other model gets vLLM's own backen
   token as stored; prefill attends to the prompt's fresh latents (vLLM's prefill path).
 - **Refused by name** at engine start: a protected region (sinks or a recent window in full precision: the engine
   stores every token in the format; export with `quant.protected.n_sink=0 quant.protected.recent=0`), formats
-  quantized over blocks of tokens or scaled per sequence, a format per layer (`quant.layers`, `quant=mixed`, lloyd
-  codebooks), and `quant.mode=simulated` (an engine serves: prefill reads fresh latents).
+  quantized over blocks of tokens or scaled per sequence, and `quant.mode=simulated` (an engine serves: prefill reads
+  fresh latents).
+- **A format per layer** (`quant.layers`, `quant=mixed`'s allocation, lloyd codebooks per layer): rebuilt from the
+  description's layers; vLLM gives every layer of a cache group one page size, so each layer's block takes the
+  largest layer's bytes (the budget counts the largest layer's bytes for every layer).
 
 The module imports vLLM; `mla_quant.serving.vllm_plugin` registers it without importing vLLM's model code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -39,7 +44,7 @@ from mla_quant.cache.paged import read_path
 from mla_quant.kernels.attention import segment_attention
 from mla_quant.kernels.ops import decode_op
 from mla_quant.kernels.layout import PageLayout, Segment
-from mla_quant.quant.format import CacheFormat
+from mla_quant.quant.format import MIXED_KEYS, CacheFormat
 from mla_quant.quant.formats import PATHS, LayeredFormat, cache_format
 from mla_quant.quant.peers import PeerFormat
 from mla_quant.serving import CACHE_FILE
@@ -53,21 +58,27 @@ def read_description(model: str | Path) -> dict | None:
     return json.loads(path.read_text())
 
 
-def served_format(description: dict) -> CacheFormat:
-    """The format an exported checkpoint's description names, as the engine can store it; refused by name where it
-    cannot."""
-    quant, cache = description.get("quant") or {}, description.get("cache") or {}
+def served_format(description: dict) -> CacheFormat | LayeredFormat:
+    """The format an exported checkpoint's description names (one for every layer, or a `LayeredFormat` rebuilt from
+    its layers' paths and codebooks), as the engine can store it; refused by name where it cannot."""
+    quant, cache = dict(description.get("quant") or {}), description.get("cache") or {}
     if cache.get("format") in (None, "none"):
         raise ValueError(f"{CACHE_FILE}: the checkpoint was exported without a cache format (quant=none)")
     if "d_c" not in cache or "d_r" not in cache:
         raise ValueError(f"{CACHE_FILE}: the cache description names no latent dims (d_c, d_r); export it again")
+    if cache.get("layers_quant") is not None:  # a format per layer (quant.layers, quant=mixed, lloyd codebooks)
+        quant = {k: v for k, v in quant.items() if k not in MIXED_KEYS}
+        quant["layers"] = cache["layers_quant"]
     fmt = cache_format(quant, int(cache["d_c"]), int(cache["d_r"]), rope_layout=cache.get("rope_layout", "half"))
     name = fmt.name
     if isinstance(fmt, PeerFormat):
         raise ValueError(f"quant={name}: a transformers QuantizedCache peer has no engine layout")
-    if isinstance(fmt, LayeredFormat):
-        raise ValueError(f"quant={name}: a format per layer (quant.layers) is not served by the engine backend yet; "
-                         "export a uniform format")
+    if isinstance(fmt, LayeredFormat) and cache.get("codebooks"):
+        books = cache["codebooks"]
+        fmt = LayeredFormat(fmt.name, tuple(
+            dataclasses.replace(f, **{p: dataclasses.replace(f.path(p), levels=tuple(levels))
+                                      for p, levels in book.items()}) for f, book in zip(fmt.layers, books)),
+            fmt.source)
     if fmt.mode != "serving":
         raise ValueError(f"quant={name}: quant.mode={fmt.mode}: an engine serves (prefill attends to the prompt's "
                          "fresh latents, decode reads the stored cache); export with quant.mode=serving")
@@ -75,17 +86,26 @@ def served_format(description: dict) -> CacheFormat:
         raise ValueError(f"quant={name}: quant.protected n_sink={fmt.n_sink}, recent={fmt.recent}: the engine stores "
                          "every token in the format (no full-precision sinks or recent window in its blocks yet); "
                          "export with quant.protected.n_sink=0 quant.protected.recent=0")
-    if fmt.token_block is not None:
-        raise ValueError(f"quant={name}: token_block={fmt.token_block}: a path quantized over blocks of tokens waits "
-                         "for whole blocks, which the engine's per-token writes do not give; use a per-token format")
-    for p in PATHS:
-        if fmt.path(p).fitted_levels:
-            raise ValueError(f"quant={name}: quant.{p}.quantizer={fmt.path(p).quantizer} fits a codebook per layer (a "
-                             "format per layer), which the engine backend does not serve yet; use rtn, clip or hqq")
-        if fmt.path(p).tensor_scaled:
-            raise ValueError(f"quant={name}: quant.{p}.granularity=tensor scales each sequence once, which the "
-                             "engine's blocks do not hold; use granularity=group")
+    for i, layer in enumerate(layers_of(fmt)):
+        where = f"quant={name}" + (f", layer {i}" if isinstance(fmt, LayeredFormat) else "")
+        if layer.token_block is not None:
+            raise ValueError(f"{where}: token_block={layer.token_block}: a path quantized over blocks of tokens "
+                             "waits for whole blocks, which the engine's per-token writes do not give; use a per-token "
+                             "format")
+        for p in PATHS:
+            path = layer.path(p)
+            if path.fitted_levels and path.levels is None:
+                raise ValueError(f"{where}: quant.{p}.quantizer={path.quantizer} reads a codebook fitted per layer, "
+                                 f"and {CACHE_FILE} holds none for it; export the checkpoint again")
+            if path.tensor_scaled:
+                raise ValueError(f"{where}: quant.{p}.granularity=tensor scales each sequence once, which the "
+                                 "engine's blocks do not hold; use granularity=group")
     return fmt
+
+
+def layers_of(fmt) -> tuple[CacheFormat, ...]:
+    """Each cache layer's format (one repeated for a uniform format: `len` of it is 1)."""
+    return fmt.layers if isinstance(fmt, LayeredFormat) else (fmt,)
 
 
 @dataclass(frozen=True)
@@ -145,15 +165,15 @@ class EnginePages:
 
 
 @functools.lru_cache(maxsize=8)
-def _served(model: str) -> CacheFormat | None:
+def _served(model: str) -> CacheFormat | LayeredFormat | None:
     description = read_description(model)
     return None if description is None else served_format(description)
 
 
-_LOADED: dict[str, CacheFormat | None] = {}  # the format of the model this process loaded (see current_format)
+_LOADED: dict[str, object] = {}  # the format of the model this process loaded (see current_format)
 
 
-def current_format() -> tuple[CacheFormat | None, object | None]:
+def current_format() -> tuple[CacheFormat | LayeredFormat | None, object | None]:
     """The served format of the model vLLM is loading (None: not an exported checkpoint) and vLLM's config. Where
     vLLM asks outside its config context (sizing the KV cache), the format found when the model's attention layers
     were built in this process."""
@@ -205,8 +225,10 @@ class LatentMLABackend(CPUMLABackend):
         fmt, config = current_format()
         if fmt is None:
             return super().customize_spec(spec)
-        pages = EnginePages(fmt, spec.block_size, config.model_config.dtype)
-        return replace(spec, dtype=torch.uint8, state_content_bytes=pages.token_bytes)
+        # vLLM gives every layer of a cache group one page size: a format per layer takes its largest layer's
+        dtype = config.model_config.dtype
+        token_bytes = max(EnginePages(f, spec.block_size, dtype).token_bytes for f in layers_of(fmt))
+        return replace(spec, dtype=torch.uint8, state_content_bytes=token_bytes)
 
 
 class LatentMLAImpl(CPUMLAImpl):
@@ -214,19 +236,38 @@ class LatentMLAImpl(CPUMLAImpl):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fmt, config = current_format()
+        self.served, config = current_format()
         self.act_dtype = None if config is None else config.model_config.dtype
         self.block_size = None if config is None else config.cache_config.block_size
         self._fresh: dict[str, torch.Tensor] | None = None
-        if self.fmt is not None:
-            self.decode_backend = self.fmt.step_backends("cpu")["decode"]  # "cpu" (C++ kernel) or "torch"
+
+    @functools.cached_property
+    def fmt(self) -> CacheFormat:
+        """This layer's format: the served one, or its entry for this layer (the layer found by its name among the
+        engine's MLA layers, in decoder order, on the first step)."""
+        layers = layers_of(self.served)
+        if len(layers) == 1:
+            return layers[0]
+        from vllm.forward_context import get_forward_context
+
+        ours = {name: layer for name, layer in get_forward_context().no_compile_layers.items()
+                if isinstance(getattr(layer, "impl", None), LatentMLAImpl)}
+        order = sorted(ours, key=lambda name: [int(n) for n in re.findall(r"\d+", name)])
+        if len(order) != len(layers):
+            raise ValueError(f"quant={self.served.name}: a format for each of {len(layers)} cache layers, and the "
+                             f"engine runs {len(order)} MLA layers")
+        return layers[next(i for i, name in enumerate(order) if ours[name].impl is self)]
 
     @functools.cached_property
     def pages(self) -> EnginePages:
         return EnginePages(self.fmt, self.block_size, self.act_dtype)
 
+    @functools.cached_property
+    def decode_backend(self) -> str:
+        return self.fmt.step_backends("cpu")["decode"]  # "cpu" (the C++ kernel) or "torch"
+
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale):
-        if self.fmt is None:
+        if self.served is None:
             return super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
         k_pe = k_pe.reshape(k_pe.shape[0], -1)
         self._fresh = {"content": kv_c_normed, "rope": k_pe}  # decode reads its own token fresh (serving semantics)
@@ -238,7 +279,7 @@ class LatentMLAImpl(CPUMLAImpl):
         self.pages.write(kv_cache, slots[ok], {"content": kv_c_normed[:n][ok], "rope": k_pe[:n][ok]})
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
-        if self.fmt is None:
+        if self.served is None:
             return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
         decode = attn_metadata.decode
         q_latent, q_rope = q if isinstance(q, tuple) else q.split([self.kv_lora_rank, self.qk_rope_head_dim], -1)

@@ -63,7 +63,7 @@ def run_engine(request: dict) -> dict:
     args = engine_args(request)
     from vllm import LLM, SamplingParams
 
-    from mla_quant.serving.vllm_backend import EnginePages, read_description, served_format
+    from mla_quant.serving.vllm_backend import EnginePages, layers_of, read_description, served_format
 
     llm = LLM(model=request["model"], **args)
     config = llm.llm_engine.vllm_config
@@ -102,7 +102,8 @@ def run_engine(request: dict) -> dict:
         text = config.model_config.hf_text_config
         page = block_size * (int(text.kv_lora_rank) + int(text.qk_rope_head_dim)) * config.model_config.dtype.itemsize
     else:
-        page = EnginePages(fmt, block_size, config.model_config.dtype).token_bytes * block_size
+        page = block_size * max(EnginePages(f, block_size, config.model_config.dtype).token_bytes
+                                for f in layers_of(fmt))  # one page size for every layer (the largest layer's)
     return {"tokens": tokens, "runs": runs, "sweep": sweep, "num_blocks": int(config.cache_config.num_gpu_blocks),
             "block_size": block_size, "page_bytes_per_block": page, "format": None if fmt is None else fmt.name,
             "decode_backend": "vllm" if fmt is None else fmt.step_backends("cpu")["decode"],
