@@ -126,3 +126,11 @@ def test_a_format_per_layer_round_trips_through_the_description():
     served = vllm_backend.served_format(json.loads(json.dumps(description)))
     assert served.layers == fmt.layers and served.layers[1].content.levels == book
     assert [vllm_backend.EnginePages(f, 16, torch.float32).token_bytes for f in served.layers] == [72, 48, 72, 68]
+
+
+def test_serve_refuses_before_exporting(tmp_path):
+    """A format the engine cannot store fails experiment=serve at once, before any preparation or export."""
+    done = subprocess.run([sys.executable, "run.py", "experiment=serve", "quant=kivi_int4", "logger=none",
+                           f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "token_block=32" in done.stderr
+    assert not (tmp_path / "checkpoint").exists()

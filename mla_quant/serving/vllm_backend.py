@@ -58,10 +58,13 @@ def read_description(model: str | Path) -> dict | None:
     return json.loads(path.read_text())
 
 
-def served_format(description: dict) -> CacheFormat | LayeredFormat:
+def served_format(description: dict, fitted: bool = True) -> CacheFormat | LayeredFormat:
     """The format an exported checkpoint's description names (one for every layer, or a `LayeredFormat` rebuilt from
-    its layers' paths and codebooks), as the engine can store it; refused by name where it cannot."""
+    its layers' paths and codebooks), as the engine can store it; refused by name where it cannot. fitted=False:
+    checked before the preparation step allocates layers or fits codebooks (a `quant` config and the model's dims)."""
     quant, cache = dict(description.get("quant") or {}), description.get("cache") or {}
+    if not fitted:
+        quant = {k: v for k, v in quant.items() if k not in MIXED_KEYS}
     if cache.get("format") in (None, "none"):
         raise ValueError(f"{CACHE_FILE}: the checkpoint was exported without a cache format (quant=none)")
     if "d_c" not in cache or "d_r" not in cache:
@@ -94,7 +97,7 @@ def served_format(description: dict) -> CacheFormat | LayeredFormat:
                              "format")
         for p in PATHS:
             path = layer.path(p)
-            if path.fitted_levels and path.levels is None:
+            if fitted and path.fitted_levels and path.levels is None:
                 raise ValueError(f"{where}: quant.{p}.quantizer={path.quantizer} reads a codebook fitted per layer, "
                                  f"and {CACHE_FILE} holds none for it; export the checkpoint again")
             if path.tensor_scaled:

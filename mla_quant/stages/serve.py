@@ -36,11 +36,11 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mla_quant.checks import int_setting
 from mla_quant.models.absorbed import cache_kwargs, new_cache
-from mla_quant.prepare import prepare_model
+from mla_quant.prepare import model_dims, prepare_model, rope_layout
 from mla_quant.record import write_json_atomic, write_text_atomic
 from mla_quant.serving import CACHE_FILE
 from mla_quant.stages import StageResult
@@ -103,7 +103,6 @@ def bf16_folder(checkpoint: Path, description: dict, out: Path) -> Path:
     """The exported weights with the cache unquantized, (d_c + d_r) x the activations' bytes per token: served by
     vLLM's own MLA backend where its CPU decode kernel reads the model's head size (576: DeepSeek's d_c 512 + d_r
     64), else by this project's backend with `quant=bf16` (the same page bytes)."""
-    from omegaconf import OmegaConf
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
 
     out.mkdir(parents=True, exist_ok=True)
@@ -137,7 +136,17 @@ def check_task(task: DictConfig) -> None:
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
     check_task(task)
-    from mla_quant.serving.vllm_backend import served_format  # refuses what the engine cannot store, by name
+    try:
+        from mla_quant.serving.vllm_backend import served_format  # refuses what the engine cannot store, by name
+    except ImportError as err:
+        from mla_quant.serving.engine import INSTALL_HINT
+
+        raise ImportError(f"experiment=serve runs vLLM's engine, which is not installed ({err}): "
+                          f"{INSTALL_HINT}") from err
+    dims = model_dims(cfg.model)  # what the engine cannot store is refused before anything is prepared or exported
+    served_format({"quant": OmegaConf.to_container(cfg.quant, resolve=True),
+                   "cache": {"format": cfg.quant.get("name"), "d_c": dims["d_c"], "d_r": dims["d_r"],
+                             "rope_layout": rope_layout(cfg.model)}}, fitted=False)
 
     checkpoint = run_dir / "checkpoint"
     export, description = export_checkpoint(cfg, checkpoint)
@@ -207,8 +216,6 @@ def score_suites(cfg: DictConfig, prep, checkpoint: Path, task: DictConfig, work
     """The eval group's toy suites scored by the framework (its model and cache through lm-eval's HF model) and by
     the engine (lm-eval's vLLM model on the exported checkpoint), on the same task files: metrics
     serve/suites/<task>/<metric>/{framework,engine} and a table."""
-    from omegaconf import OmegaConf
-
     from mla_quant.eval.harness import LatentCacheHFLM, evaluate_tasks
     from mla_quant.eval.task_files import TOY_TASKS, write_task_files
     from mla_quant.models.build import load_tokenizer
