@@ -160,11 +160,22 @@ class EnginePages:
                     layout.view(pages[p], f"{p}/{part}")[block, pos] = value.to(layout.spec()[f"{p}/{part}"][1])
 
     def segment(self, kv_cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor) -> Segment:
-        """The stored tokens of each sequence as a decode segment: (B, max_blocks) table, (B,) tokens."""
+        """The stored tokens of each sequence as a decode segment: (B, max_blocks) table, (B,) tokens. A format the
+        decode kernels read stays in its pages; any other (3-bit codes, fp8, codebooks over channels) is decoded by
+        its codec into a dense float32 segment of every sequence's tokens."""
         pages = self.pages(kv_cache)
-        paths = {p: read_path(self.fmt.path(p), self.fmt.dim(p), self.layouts[p], pages[p]) for p in PATHS}
-        return Segment(paths["content"], paths["rope"], block_table.to(torch.int32).contiguous(),
-                       lengths.to(torch.int32))
+        table, lengths = block_table.to(torch.int32).contiguous(), lengths.to(torch.int32)
+        if self.fmt.kernel_unsupported() is None:
+            paths = {p: read_path(self.fmt.path(p), self.fmt.dim(p), self.layouts[p], pages[p]) for p in PATHS}
+            return Segment(paths["content"], paths["rope"], table, lengths)
+        pos = torch.arange(table.shape[1] * self.block_size, device=table.device)
+        blocks, slot = table.long().clamp(min=0)[:, pos // self.block_size], pos % self.block_size  # (B, L), (L,)
+        dense = {}
+        for p in PATHS:
+            layout = self.layouts[p]
+            parts = {name.split("/", 1)[1]: layout.view(pages[p], name)[blocks, slot] for name in layout.spec()}
+            dense[p] = self.fmt.path(p).decode(parts, self.fmt.dim(p), torch.float32)
+        return Segment.dense(dense["content"], dense["rope"], lengths)
 
 
 @functools.lru_cache(maxsize=8)
