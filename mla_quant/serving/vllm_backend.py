@@ -13,9 +13,9 @@ decode with the project's decode kernels; any other model gets vLLM's own backen
   straight into their slots.
 - **Decode** (`forward_mqa`): the format's decode kernel (the fused C++ kernel on the CPU where it reads the format,
   the framework's PyTorch decode otherwise, `quant.backend` as in the framework) reads the pages through vLLM's
-  block table.
-  As in the framework's `quant.mode=serving`, the step's own token is read with its fresh values, every earlier
-  token as stored; prefill attends to the prompt's fresh latents (vLLM's prefill path).
+  block table; a format no kernel reads (3-bit codes, fp8) is decoded by its codec into a dense buffer. As in the
+  framework's `quant.mode=serving`, the step's own token is read with its fresh values, every earlier token as
+  stored; prefill attends to the prompt's fresh latents (vLLM's prefill path).
 - **Refused by name** at engine start: a protected region (sinks or a recent window in full precision: the engine
   stores every token in the format; export with `quant.protected.n_sink=0 quant.protected.recent=0`), formats
   quantized over blocks of tokens or scaled per sequence, and `quant.mode=simulated` (an engine serves: prefill reads
@@ -42,10 +42,10 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from mla_quant.cache.paged import read_path
 from mla_quant.kernels.attention import segment_attention
-from mla_quant.kernels.ops import decode_op
 from mla_quant.kernels.layout import PageLayout, Segment
+from mla_quant.kernels.ops import decode_op
 from mla_quant.quant.format import MIXED_KEYS, CacheFormat
-from mla_quant.quant.formats import PATHS, LayeredFormat, cache_format
+from mla_quant.quant.formats import PATHS, LayeredFormat, cache_format, check_finite
 from mla_quant.quant.peers import PeerFormat
 from mla_quant.serving import CACHE_FILE
 
@@ -144,7 +144,11 @@ class EnginePages:
 
     def pages(self, kv_cache: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each path's pages (num_blocks, page bytes) uint8: views into vLLM's blocks (block stride: vLLM's)."""
-        blocks = kv_cache.view(torch.uint8).flatten(1)  # (num_blocks, block bytes, padded to whole tokens)
+        raw = kv_cache.view(torch.uint8)
+        if raw.shape[0] and not raw[0].is_contiguous():  # flatten would copy, and writes would be lost
+            raise ValueError(f"vLLM's KV cache layout does not keep a block's bytes together (strides "
+                             f"{tuple(raw.stride())}); the latent formats need one block per contiguous page")
+        blocks = raw.flatten(1)  # (num_blocks, block bytes, padded to whole tokens)
         return {p: blocks[:, self.offsets[p]: self.offsets[p] + self.layouts[p].page_bytes] for p in PATHS}
 
     def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, tokens: dict[str, torch.Tensor]) -> None:
@@ -154,6 +158,8 @@ class EnginePages:
         for p in PATHS:
             fmt = self.fmt.path(p)
             encoded = fmt.encode(tokens[p].to(self.act_dtype) if not fmt.quantized else tokens[p])
+            if fmt.quantized:  # scales that overflow their dtype are refused, as the framework's cache refuses them
+                check_finite(encoded, f"quant.{p} ({fmt.describe()})")
             layout = self.layouts[p]
             for part, value in encoded.items():
                 if value.numel():
