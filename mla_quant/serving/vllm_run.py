@@ -27,6 +27,7 @@ def engine_args(request: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the machine's cores with the caller
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no usage report sent from a study's engine
     # vLLM's C++ rotary op gives wrong query RoPE values for some heads at small head dims on the CPU; its PyTorch
     # rotary is exact.
     return dict(runner="generate", enforce_eager=True, dtype=request.get("dtype", "float32"),
