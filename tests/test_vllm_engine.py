@@ -34,7 +34,8 @@ def served(option: str, *overrides, dims=(96, 16)):
 def test_pages_in_vllm_blocks_read_as_the_cache_reads(option, overrides, dims):
     """Tokens written into slots of a vLLM-shaped block pool (blocks taken out of order) and read through a block
     table attend exactly as the project's own paged cache holding the same tokens, at the toy's and DeepSeek's
-    latent dims (formats no decode kernel reads, 3-bit codes, through their codecs); the block's bytes are the format's bytes per token x block_size (16-byte aligned pages)."""
+    latent dims (formats no decode kernel reads, 3-bit codes, through their codecs); the block's bytes are the
+    format's bytes per token x block_size (16-byte aligned pages)."""
     fmt = served(option, *overrides, dims=dims)
     d_c, d_r = dims
     pages = vllm_backend.EnginePages(fmt, 16, torch.float32)
@@ -84,13 +85,15 @@ def test_what_the_engine_cannot_store_is_refused_by_name(option, overrides, name
 
 @pytest.mark.slow
 def test_serve_the_toy_in_vllm(tmp_path):
-    """python run.py experiment=serve on the toy: the exported int4_joint checkpoint in vLLM's engine gives the
-    framework's greedy tokens on all 16 prompts (as does the unquantized cache); at one KV memory budget vLLM holds
-    448 / 72 = 6.2x the blocks (its page bytes are the format's), so the trace that preempts the unquantized cache
+    """python run.py experiment=serve on the toy: the exported int4_joint checkpoint, with INT2 content in layer 1 and
+    INT2 RoPE in layer 3 (each engine layer finds its own format), in vLLM's engine gives the framework's greedy
+    tokens on all 16 prompts (as does the unquantized cache); at one KV memory budget vLLM holds 448 / 72 = 6.2x the
+    blocks (its page bytes are the largest layer's), so the trace that preempts the unquantized cache
     runs without preemption, as the scheduler simulation predicts (also at every level of the concurrency sweep); a
     toy suite scored through the engine (lm-eval's
     vLLM model) scores as through the framework."""
     done = subprocess.run([sys.executable, "run.py", "experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}",
+                           "+quant.layers=[null,{content:{bits:2}},null,{rope:{bits:2}}]",  # a format per layer
                            "eval=toy", "eval.tasks=[toy_gsm8k]", "eval.limit=8"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -109,6 +112,9 @@ def test_serve_the_toy_in_vllm(tmp_path):
             assert (metrics[f"serve/{cache}/sweep/{n}/simulated_preemptions"]
                     == metrics[f"serve/{cache}/sweep/{n}/preemptions"]), (cache, n)
     assert metrics["serve/unquantized/sweep/32/preemptions"] > 0 == metrics["serve/int4_joint/sweep/32/preemptions"]
+    engine_layers = json.loads((tmp_path / "engine" / "int4_joint_result.json").read_text())["layer_formats"]
+    exported = json.loads((tmp_path / "checkpoint" / "mla_quant_cache.json").read_text())["cache"]["layers"]
+    assert [engine_layers[f"model.layers.{i}.self_attn.attn"] for i in range(4)] == exported  # each layer its own
     framework, engine = (metrics[f"serve/suites/toy_gsm8k/exact_match/{who}"] for who in ("framework", "engine"))
     assert framework == engine and framework > 0.5
 

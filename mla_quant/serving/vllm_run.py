@@ -10,7 +10,7 @@ result:  {"tokens": [[ids], ...] (the last run's), "runs": [{"seconds", "output_
           "ttft_s", "inter_token_s"} per repeat, from vLLM's own counters], "sweep": [{"requests", "seconds",
           "output_tokens", "preemptions"} per level], "num_blocks": n,
           "block_size": n, "page_bytes_per_block": n (one layer), "format": name or null, "decode_backend": ...,
-          "scheduler": the engine's scheduler settings}
+          "scheduler": the engine's scheduler settings, "layer_formats": {layer name: the format it stored and read}}
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def run_engine(request: dict) -> dict:
     args = engine_args(request)
     from vllm import LLM, SamplingParams
 
-    from mla_quant.serving.vllm_backend import EnginePages, layers_of, read_description, served_format
+    from mla_quant.quant.formats import PATHS
+    from mla_quant.serving.vllm_backend import EnginePages, LatentMLAImpl, layers_of, read_description, served_format
 
     llm = LLM(model=request["model"], **args)
     config = llm.llm_engine.vllm_config
@@ -95,6 +96,10 @@ def run_engine(request: dict) -> dict:
                       "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                       "preemptions": int(after.get("vllm:num_preemptions", (0, 0))[0]
                                          - before.get("vllm:num_preemptions", (0, 0))[0])})
+    # the format each engine layer stored and read (a format per layer: found by the layer itself)
+    layers = {name: {p: module.impl.fmt.path(p).describe() for p in PATHS}
+              for name, module in config.compilation_config.static_forward_context.items()
+              if isinstance(getattr(module, "impl", None), LatentMLAImpl) and "fmt" in vars(module.impl)}
     sched = config.scheduler_config
     description = read_description(request["model"])
     fmt = None if description is None else served_format(description)
@@ -105,7 +110,8 @@ def run_engine(request: dict) -> dict:
     else:
         page = block_size * max(EnginePages(f, block_size, config.model_config.dtype).token_bytes
                                 for f in layers_of(fmt))  # one page size for every layer (the largest layer's)
-    return {"tokens": tokens, "runs": runs, "sweep": sweep, "num_blocks": int(config.cache_config.num_gpu_blocks),
+    return {"tokens": tokens, "runs": runs, "sweep": sweep, "layer_formats": layers,
+            "num_blocks": int(config.cache_config.num_gpu_blocks),
             "block_size": block_size, "page_bytes_per_block": page, "format": None if fmt is None else fmt.name,
             "decode_backend": "vllm" if fmt is None else fmt.step_backends("cpu")["decode"],
             "scheduler": {"chunked_prefill": bool(sched.enable_chunked_prefill),
