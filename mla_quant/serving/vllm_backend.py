@@ -63,14 +63,13 @@ def served_format(description: dict, fitted: bool = True) -> CacheFormat | Layer
     its layers' paths and codebooks), as the engine can store it; refused by name where it cannot. fitted=False:
     checked before the preparation step allocates layers or fits codebooks (a `quant` config and the model's dims)."""
     quant, cache = dict(description.get("quant") or {}), description.get("cache") or {}
-    if not fitted:
+    if not fitted or cache.get("layers_quant") is not None:  # the allocation's settings: done, or not yet
         quant = {k: v for k, v in quant.items() if k not in MIXED_KEYS}
     if cache.get("format") in (None, "none"):
         raise ValueError(f"{CACHE_FILE}: the checkpoint was exported without a cache format (quant=none)")
     if "d_c" not in cache or "d_r" not in cache:
         raise ValueError(f"{CACHE_FILE}: the cache description names no latent dims (d_c, d_r); export it again")
     if cache.get("layers_quant") is not None:  # a format per layer (quant.layers, quant=mixed, lloyd codebooks)
-        quant = {k: v for k, v in quant.items() if k not in MIXED_KEYS}
         quant["layers"] = cache["layers_quant"]
     fmt = cache_format(quant, int(cache["d_c"]), int(cache["d_r"]), rope_layout=cache.get("rope_layout", "half"))
     name = fmt.name
@@ -109,6 +108,12 @@ def served_format(description: dict, fitted: bool = True) -> CacheFormat | Layer
 def layers_of(fmt) -> tuple[CacheFormat, ...]:
     """Each cache layer's format (one repeated for a uniform format: `len` of it is 1)."""
     return fmt.layers if isinstance(fmt, LayeredFormat) else (fmt,)
+
+
+def page_token_bytes(fmt, block_size: int, act_dtype: torch.dtype) -> int:
+    """vLLM's per-token page bytes for a served format: vLLM gives every layer of a cache group one page size, so a
+    format per layer takes its largest layer's."""
+    return max(EnginePages(f, block_size, act_dtype).token_bytes for f in layers_of(fmt))
 
 
 @dataclass(frozen=True)
@@ -185,7 +190,8 @@ class EnginePages:
 
 
 @functools.lru_cache(maxsize=8)
-def _served(model: str) -> CacheFormat | LayeredFormat | None:
+def served(model: str) -> CacheFormat | LayeredFormat | None:
+    """The served format of an exported checkpoint folder (read once per process), or None (not one of ours)."""
     description = read_description(model)
     return None if description is None else served_format(description)
 
@@ -204,7 +210,7 @@ def current_format() -> tuple[CacheFormat | LayeredFormat | None, object | None]
     except AssertionError:
         return _LOADED.get("format"), _LOADED.get("config")
     model = getattr(config.model_config, "model", None)
-    fmt = None if model is None else _served(str(model))
+    fmt = None if model is None else served(str(model))
     if fmt is not None:
         _LOADED.update(format=fmt, config=config)
     return fmt, config
@@ -245,9 +251,7 @@ class LatentMLABackend(CPUMLABackend):
         fmt, config = current_format()
         if fmt is None:
             return super().customize_spec(spec)
-        # vLLM gives every layer of a cache group one page size: a format per layer takes its largest layer's
-        dtype = config.model_config.dtype
-        token_bytes = max(EnginePages(f, spec.block_size, dtype).token_bytes for f in layers_of(fmt))
+        token_bytes = page_token_bytes(fmt, spec.block_size, config.model_config.dtype)
         return replace(spec, dtype=torch.uint8, state_content_bytes=token_bytes)
 
 

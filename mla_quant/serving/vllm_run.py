@@ -65,7 +65,7 @@ def run_engine(request: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     from mla_quant.quant.formats import PATHS
-    from mla_quant.serving.vllm_backend import EnginePages, LatentMLAImpl, layers_of, read_description, served_format
+    from mla_quant.serving.vllm_backend import LatentMLAImpl, page_token_bytes, served
 
     llm = LLM(model=request["model"], **args)
     config = llm.llm_engine.vllm_config
@@ -73,12 +73,7 @@ def run_engine(request: dict) -> dict:
     prompts = [{"prompt_token_ids": list(p)} for p in request["prompts"]]
     runs = []
     for _ in range(int(request.get("repeats", 1))):  # the same trace again: the spread of tokens/s
-        before = _metrics(llm)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        after = _metrics(llm)
-        delta = {k: tuple(a - b for a, b in zip(v, before.get(k, (0, 0)))) for k, v in after.items()}
+        outs, seconds, delta = _timed_generate(llm, prompts, params)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         runs.append({"seconds": seconds, "output_tokens": sum(len(t) for t in tokens),
                      "preemptions": int(delta.get("vllm:num_preemptions", (0, 0))[0]),
@@ -86,30 +81,22 @@ def run_engine(request: dict) -> dict:
                      "inter_token_s": _mean(delta.get("vllm:inter_token_latency_seconds"))})
     sweep = []
     for n in request.get("sweep") or []:  # the trace's prompts cycled to n concurrent requests, one run each
-        cycled = [prompts[i % len(prompts)] for i in range(int(n))]
-        before = _metrics(llm)
-        start = time.perf_counter()
-        outs = llm.generate(cycled, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        after = _metrics(llm)
+        outs, seconds, delta = _timed_generate(llm, [prompts[i % len(prompts)] for i in range(int(n))], params)
         sweep.append({"requests": int(n), "seconds": seconds,
                       "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-                      "preemptions": int(after.get("vllm:num_preemptions", (0, 0))[0]
-                                         - before.get("vllm:num_preemptions", (0, 0))[0])})
+                      "preemptions": int(delta.get("vllm:num_preemptions", (0, 0))[0])})
     # the format each engine layer stored and read (a format per layer: found by the layer itself)
     layers = {name: {p: module.impl.fmt.path(p).describe() for p in PATHS}
               for name, module in config.compilation_config.static_forward_context.items()
               if isinstance(getattr(module, "impl", None), LatentMLAImpl) and "fmt" in vars(module.impl)}
     sched = config.scheduler_config
-    description = read_description(request["model"])
-    fmt = None if description is None else served_format(description)
+    fmt = served(str(request["model"]))  # as the backend read it in this process
     block_size = int(config.cache_config.block_size)
     if fmt is None:
         text = config.model_config.hf_text_config
         page = block_size * (int(text.kv_lora_rank) + int(text.qk_rope_head_dim)) * config.model_config.dtype.itemsize
     else:
-        page = block_size * max(EnginePages(f, block_size, config.model_config.dtype).token_bytes
-                                for f in layers_of(fmt))  # one page size for every layer (the largest layer's)
+        page = block_size * page_token_bytes(fmt, block_size, config.model_config.dtype)
     return {"tokens": tokens, "runs": runs, "sweep": sweep, "layer_formats": layers,
             "num_blocks": int(config.cache_config.num_gpu_blocks),
             "block_size": block_size, "page_bytes_per_block": page, "format": None if fmt is None else fmt.name,
@@ -118,6 +105,16 @@ def run_engine(request: dict) -> dict:
                           "max_num_batched_tokens": int(sched.max_num_batched_tokens),
                           "max_num_seqs": int(sched.max_num_seqs),
                           "reserve_full_isl": bool(sched.scheduler_reserve_full_isl)}}
+
+
+def _timed_generate(llm, prompts, params):
+    """One `generate` over the prompts -> (outputs, seconds, the change of vLLM's metrics over it)."""
+    before = _metrics(llm)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = _metrics(llm)
+    return outs, seconds, {k: tuple(a - b for a, b in zip(v, before.get(k, (0, 0)))) for k, v in after.items()}
 
 
 def _metrics(llm) -> dict[str, tuple[float, float]]:

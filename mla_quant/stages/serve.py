@@ -38,6 +38,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from mla_quant.cache.bytes import load_quant_option
 from mla_quant.checks import int_setting
 from mla_quant.models.absorbed import cache_kwargs, new_cache
 from mla_quant.prepare import model_dims, prepare_model, rope_layout
@@ -111,7 +112,7 @@ def bf16_folder(checkpoint: Path, description: dict, out: Path) -> Path:
             (out / f.name).symlink_to(f.resolve())
     if int(description["cache"]["d_c"]) + int(description["cache"]["d_r"]) in CPUMLABackend.get_supported_head_sizes():
         return out  # no cache description: vLLM's own backend, its own cache
-    bf16 = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "conf" / "quant" / "bf16.yaml"))
+    bf16 = OmegaConf.to_container(load_quant_option("bf16"))
     bf16.update(mode="serving", protected={"n_sink": 0, "recent": 0})
     cache = {k: v for k, v in description["cache"].items() if k not in ("layers_quant", "codebooks")}
     write_json_atomic(out / CACHE_FILE, {**description, "quant": bf16, "cache": {**cache, "format": "bf16"}})
@@ -151,7 +152,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     checkpoint = run_dir / "checkpoint"
     export, description = export_checkpoint(cfg, checkpoint)
     fmt = served_format(description)
-    del export
+    del export  # the unabsorbed model: freed before the framework's own is prepared
     prep = prepare_model(cfg)
     vocab = prep.model.config.get_text_config(decoder=True).vocab_size
     prompts = prompts_of(task, prep.tokenizer, vocab)
@@ -169,11 +170,12 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         equal = sum(answer(a, eos) == b[:len(answer(a, eos))] for a, b in zip(reference, r["tokens"]))
         first = r["runs"][0]
         tps = torch.tensor([x["output_tokens"] / x["seconds"] for x in r["runs"]])
+        spread = float(tps.std()) if len(tps) > 1 else 0.0
         predicted = simulated(prompts, r, int(task.max_tokens))
         metrics.update({f"serve/{name}/tokens_equal": equal, f"serve/{name}/blocks": r["num_blocks"],
                         f"serve/{name}/preemptions": first["preemptions"],
                         f"serve/{name}/tokens_per_s": float(tps.mean()),
-                        f"serve/{name}/tokens_per_s_std": float(tps.std()) if len(tps) > 1 else 0.0,
+                        f"serve/{name}/tokens_per_s_std": spread,
                         f"serve/{name}/ttft_s": first["ttft_s"], f"serve/{name}/inter_token_s": first["inter_token_s"],
                         f"serve/{name}/page_bytes_per_block": r["page_bytes_per_block"],
                         f"serve/{name}/simulated_preemptions": predicted.preemptions,
@@ -185,7 +187,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                      "bytes per token and layer": r["page_bytes_per_block"] / r["block_size"],
                      "preemptions (simulated)": f"{first['preemptions']} ({predicted.preemptions})",
                      "simulated recomputed tokens": predicted.recomputed_tokens,
-                     "output tokens/s": f"{float(tps.mean()):.1f} ± {float(tps.std()) if len(tps) > 1 else 0.0:.1f}",
+                     "output tokens/s": f"{float(tps.mean()):.1f} ± {spread:.1f}",
                      "TTFT ms": round(1e3 * (first["ttft_s"] or 0.0), 1),
                      "ms per output token": round(1e3 * (first["inter_token_s"] or 0.0), 2)})
     table = pd.DataFrame(rows)
