@@ -148,3 +148,13 @@ def test_serve_refuses_before_exporting(tmp_path):
                            f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "token_block=32" in done.stderr
     assert not (tmp_path / "checkpoint").exists()
+
+
+@pytest.mark.parametrize("override, named", [("task.dtype=fp32", "task.dtype='fp32'"),
+                                             ("task.concurrency=4", "task.concurrency=4"),
+                                             ("task.repeats=0", "task.repeats")])
+def test_serve_settings_refused_by_name(override, named):
+    from mla_quant.stages.serve import check_task
+
+    with pytest.raises(ValueError, match=named):
+        check_task(compose(["experiment=serve", override]).task)

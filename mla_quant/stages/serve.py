@@ -119,12 +119,17 @@ def bf16_folder(checkpoint: Path, description: dict, out: Path) -> Path:
     return out
 
 
+ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def check_task(task: DictConfig) -> None:
     """The stage's own settings, before anything is exported."""
     for key in ("prompts", "max_tokens", "repeats", "kv_budget_bytes", "max_model_len", "timeout_s"):
         int_setting(task[key], f"task.{key}", 1)
     if task.prompt_tokens is not None:
         int_setting(task.prompt_tokens, "task.prompt_tokens", 1)
+    if task.dtype not in ENGINE_DTYPES:
+        raise ValueError(f"task.dtype={task.dtype!r}; allowed: {list(ENGINE_DTYPES)} (the engine's activations)")
     if not isinstance(task.require_equal, bool):
         raise ValueError(f"task.require_equal={task.require_equal!r}; allowed: true or false")
     levels = task.concurrency or []
