@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from omegaconf import DictConfig
 
-from mla_quant.models.families import mla_layer_count
+from mla_quant.models.families import family_for_config, mla_layer_count, mla_setting
 
 GB = 1e9
 RUNTIME_BYTES = 0.04 * GB  # a first forward's one-time allocations beyond its tensors (CPU, toy and V2-Lite dims)
@@ -126,9 +126,9 @@ def forward_bytes(text, batch: int, tokens: int, act: int, blocks, logits_float:
     """A prefill forward of `batch` x `tokens` through one decoder layer at a time (what lives at its peak), and the
     logits: {component: bytes}. flash=True: the attention through a flash kernel (a tile of scores, not counted)."""
     bt = batch * tokens
-    h, heads = text.hidden_size, text.num_attention_heads
-    d_c, d_r = text.kv_lora_rank, text.qk_rope_head_dim
-    d_nope, d_v = text.qk_nope_head_dim, text.v_head_dim
+    h, heads = text.hidden_size, mla_setting(text, "num_attention_heads")  # the largest layer's, where they differ
+    d_c, d_r = mla_setting(text, "kv_lora_rank"), mla_setting(text, "qk_rope_head_dim")
+    d_nope, d_v = mla_setting(text, "qk_nope_head_dim"), mla_setting(text, "v_head_dim")
     residual = bt * h * act * 3  # the residual stream, the normed input and the sublayer's output
     q = bt * heads * (d_nope + d_r) * act  # the per-head queries
     expanded = blocks.expand_from is not None and tokens >= blocks.expand_from
@@ -152,8 +152,9 @@ def forward_bytes(text, batch: int, tokens: int, act: int, blocks, logits_float:
 
 def cache_bytes(fmt, text, batch: int, tokens: int, act: int) -> float:
     """The latent cache of `batch` sequences of `tokens` over every layer, in `fmt` (None: unquantized)."""
-    d_c, d_r, layers = text.kv_lora_rank, text.qk_rope_head_dim, mla_layer_count(text)
-    full = (d_c + d_r) * act
+    d_c, d_r, layers = mla_setting(text, "kv_lora_rank"), mla_setting(text, "qk_rope_head_dim"), mla_layer_count(text)
+    layer_dims = family_for_config(text).layer_dims(text)  # a NoPE layer (Mistral Large 4) caches no RoPE key
+    full = sum(c + r for c, r in layer_dims) * act / len(layer_dims)
     if fmt is None or not getattr(fmt, "quantized", False):
         return batch * tokens * layers * full
     protected = min(tokens, int(getattr(fmt, "n_sink", 0)) + int(getattr(fmt, "recent", 0)))
@@ -212,7 +213,8 @@ def _stage_rows(plan: MemoryPlan, cfg, stage: str, text, batch: int, tokens: int
 def capture_bytes(text, sequences: int, tokens: int, queries: int) -> int:
     """One layer's calibration capture (float32): the latents and RoPE keys of every token, the per-head queries and
     reference outputs at `queries` positions per sequence."""
-    d_c, d_r, d_v, heads = text.kv_lora_rank, text.qk_rope_head_dim, text.v_head_dim, text.num_attention_heads
+    d_c, d_r, d_v, heads = (mla_setting(text, k) for k in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim",
+                                                            "num_attention_heads"))
     return sequences * tokens * (d_c + d_r) * 4 + sequences * heads * queries * (d_c + d_r + d_v) * 4
 
 
@@ -222,7 +224,8 @@ def _calibrate_rows(plan: MemoryPlan, cfg, text, batch: int, tokens: int, act: i
     hidden states between layers and one layer's capture; its peak is the larger of making the next layer's
     capture (the previous one still held, one batch's forward) and fitting on it (a minibatch's copy and the
     default objectives' workspace: the content path's attention, the RoPE path's cumulative key products)."""
-    n, heads, h, d_r = int(cfg.calib.samples), text.num_attention_heads, text.hidden_size, text.qk_rope_head_dim
+    n, heads, h = int(cfg.calib.samples), mla_setting(text, "num_attention_heads"), text.hidden_size
+    d_r = mla_setting(text, "qk_rope_head_dim")
     q = min(tokens, int(cfg.calib.get("query_tokens") or tokens))
     hidden = (n + batch) * tokens * h * act
     capture = capture_bytes(text, n, tokens, q)
@@ -236,7 +239,7 @@ def _calibrate_rows(plan: MemoryPlan, cfg, text, batch: int, tokens: int, act: i
     b = min(n, int(cfg.transform.fit.get("batch", n))) if fitted else min(n, eval_chunk or n)
     if flash:  # PyTorch's flash kernel holds a tile of scores; its queries, keys, values and outputs per head (the
         # shared latent made contiguous), with their gradients when fitted
-        attention = b * heads * tokens * (text.kv_lora_rank + d_r) * 4 * (8 if fitted else 4)
+        attention = b * heads * tokens * (mla_setting(text, "kv_lora_rank") + d_r) * 4 * (8 if fitted else 4)
         what = "queries, keys, values and outputs per head through the flash kernel"
     else:  # sampled queries under a mask: every score of a query over its keys
         attention = b * heads * q * tokens * 4 * (6 if fitted else 2)

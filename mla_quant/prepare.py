@@ -25,16 +25,16 @@ from mla_quant.cache import layer_factory
 from mla_quant.calibration import calibrated_transforms, check_transform, transformed_format, weights_sha256
 from mla_quant.calibration.codebooks import fitted_codebooks, uses_lloyd
 from mla_quant.calibration.data import calibration_ids, check_calib, resolve_source, text_ids
-from mla_quant.calibration.options import check_layered_transform
+from mla_quant.calibration.options import check_family_transform, check_layered_transform
 from mla_quant.eval.harness import ContextTooLong
 from mla_quant.models.absorbed import absorb, attention_blocks, latent_dims, new_cache
 from mla_quant.models.build import (_plain, check_tokenizer_files, load_tokenizer, pretrained_config,
                                     tiny_config)
-from mla_quant.models.families import family_for_config, mla_layer_count
+from mla_quant.models.families import dims_of, family_for_config, text_config
 from mla_quant.models.fp8 import check_fp8_config
 from mla_quant.plan import MemoryPlan, memory_plan
 from mla_quant.plan import mode_of as plan_mode
-from mla_quant.quant.formats import PATHS, CacheFormat, LayeredFormat, cache_format
+from mla_quant.quant.formats import PATHS, CacheFormat, LayeredFormat, model_format
 from mla_quant.quant.peers import PeerFormat
 from mla_quant.quant.quantizers import FITTED
 from mla_quant.sensitivity.allocation import MixedSpec, allocate, is_mixed, mixed_spec
@@ -83,12 +83,12 @@ def model_config(model_cfg) -> Any:
     return config
 
 
-def model_dims(model_cfg) -> dict[str, int]:
-    """{"d_c", "d_r", "layers", "context"} of a model YAML, without loading any weight."""
+def model_dims(model_cfg) -> dict:
+    """The latent dims of a model YAML (`families.dims_of`: each MLA layer's (d_c, d_r), the number of layers, the
+    largest d_c and d_r) and its "context", without loading any weight."""
     config = model_config(model_cfg)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    return {"d_c": int(text.kv_lora_rank), "d_r": int(text.qk_rope_head_dim), "layers": mla_layer_count(config),
-            "context": int(text.max_position_embeddings)}
+    return dims_of(family_for_config(config).layer_dims(config),
+                   context=int(text_config(config).max_position_embeddings))
 
 
 def rope_layout(model_cfg) -> str:
@@ -103,6 +103,7 @@ def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True, calib
     (for quant=mixed its validated spec, allocated once the model is loaded). calib_report=True: calibration data is
     read even for a data-free transform (experiment=calibrate)."""
     check_transform(cfg.get("transform"), cfg.get("objective"))
+    check_family_transform(family_for_config(model_config(cfg.model)), cfg.get("transform"))
     attention_blocks(cfg.get("attention"))
     from mla_quant.calibration import needs_data
 
@@ -126,14 +127,17 @@ def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True, calib
     if not quant or cfg.get("quant") is None:
         return None
     if mixed:
+        if len(set(dims["layer_dims"])) > 1:
+            raise ValueError(f"quant={cfg.quant.get('name')!r} allocates widths from one (d_c, d_r) for every layer; "
+                             f"this model's MLA layers differ ({sorted(set(dims['layer_dims']))}): use a uniform "
+                             "option, or give each layer its widths with quant.layers")
         spec = mixed_spec(cfg.quant, dims["d_c"], dims["d_r"], dims["layers"], dims["context"],
                           _plain(cfg.model.get("quant_group_size")) or None, rope_layout(cfg.model))
         codec = (_plain(cfg.get("transform") or {}).get("content") or {}).get("codec")
         if codec is not None or spec.budget_name is None:  # else the transforms are fitted for the budget's option
             check_layered_transform(cfg.get("transform"), spec.name, codec)
         return spec
-    return transformed_format(cfg.get("transform"), cache_format(cfg.quant, dims["d_c"], dims["d_r"],
-                                                                 context=dims["context"], num_layers=dims["layers"],
+    return transformed_format(cfg.get("transform"), model_format(cfg.quant, dims["layer_dims"], dims["context"],
                                                                  rope_layout=rope_layout(cfg.model)))
 
 
@@ -204,7 +208,8 @@ class Prepared:
         backends = {} if self.fmt is None else {f"cache/backend/{step}": backend for step, backend
                                                 in self.fmt.step_backends(param.device.type).items()}
         d_c, d_r = self.dims["d_c"], self.dims["d_r"]
-        bf16 = (d_c + d_r) * 2  # bytes per token per layer of the BF16 cache the analysis compares against
+        layer_dims = self.dims.get("layer_dims") or [(d_c, d_r)]  # bytes per token per layer of the BF16 cache the
+        bf16 = sum(c + r for c, r in layer_dims) * 2 / len(layer_dims)  # analysis compares against: mean over layers
         if isinstance(self.fmt, PeerFormat):  # transformers' QuantizedCache: nominal bytes at 2 B scales and zeros
             return {"cache/content": self.fmt.describe(), "cache/rope": self.fmt.describe(),
                     "cache/protected": f"the latest < {self.fmt.residual_length} per sequence, {dtype}",
@@ -301,9 +306,9 @@ def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True
         fmt, book_metrics = codebook_formats(model, cfg, tok, fmt, transform_metrics)
         alloc_metrics = {**(alloc_metrics or {}), **book_metrics}
     measured = latent_dims(model) if absorbed else None
-    if measured is not None and (measured["d_c"], measured["d_r"]) != (dims["d_c"], dims["d_r"]):
-        raise RuntimeError(f"the loaded model has (d_c, d_r) = {(measured['d_c'], measured['d_r'])}, its config "
-                           f"said {(dims['d_c'], dims['d_r'])}")
+    if measured is not None and measured["layer_dims"] != dims["layer_dims"]:
+        raise RuntimeError(f"the loaded model's MLA layers have (d_c, d_r) = {measured['layer_dims']}, its config "
+                           f"said {dims['layer_dims']}")
     return Prepared(model, tok if tokenizer else None, dims, fmt, transform_metrics, report, alloc_metrics,
                     plan.metrics() if plan is not None else None)
 

@@ -60,3 +60,26 @@ def greedy_alone_and_in_batch(model, alone, batch, mask, make_cache, steps: int)
                                  **cache_kwargs(make_cache()))
         runs.append((out.sequences[0, ids.shape[1]:], torch.stack(out.scores)[:, 0]))
     return runs
+
+
+def prompt_ids(n: int = 40, seed: int = 0) -> torch.Tensor:
+    """Two random prompts of `n` tokens (ids 5..499: no special ids of the tiny models)."""
+    return torch.randint(5, 500, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+def prefill_logits(model, cache, ids, mask=None) -> torch.Tensor:
+    """The logits of one forward of `ids` into `cache`."""
+    from mla_quant.models.absorbed import cache_kwargs
+
+    with torch.no_grad():
+        return model(ids, **({} if mask is None else {"attention_mask": mask}), **cache_kwargs(cache)).logits
+
+
+def alone_and_padded(model, make_cache, steps: int = 12) -> list[tuple]:
+    """`greedy_alone_and_in_batch` for a 31-token prompt alone and left-padded by 9 beside a 40-token one."""
+    short, long = prompt_ids(31, 1)[0], prompt_ids(40, 2)[0]
+    batch = torch.zeros(2, 40, dtype=torch.long)
+    batch[0, 9:], batch[1] = short, long
+    mask = torch.ones_like(batch)
+    mask[0, :9] = 0
+    return greedy_alone_and_in_batch(model, short[None], batch, mask, make_cache, steps)

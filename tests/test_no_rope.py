@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import greedy_alone_and_in_batch
+from conftest import alone_and_padded, prefill_logits, prompt_ids
 from test_quant_cache import TINY, compose, quant_cfg
 
 from mla_quant.cache.bytes import HeldBytes
-from mla_quant.models.absorbed import cache_kwargs, new_cache, quantized_cache
+from mla_quant.models.absorbed import new_cache, quantized_cache
 from mla_quant.prepare import build_model
 from mla_quant.stages import sensitivity
 
@@ -22,22 +22,13 @@ def model():
     return build_model(compose("model=tiny_glm5_next").model)
 
 
-def _ids(n: int = 40, seed: int = 0) -> torch.Tensor:
-    return torch.randint(5, 500, (2, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _prefill(model, cache, ids, mask=None):
-    with torch.no_grad():
-        return model(ids, **({} if mask is None else {"attention_mask": mask}), **cache_kwargs(cache)).logits
-
-
 def test_a_rope_part_is_skipped_by_name_and_stores_nothing(model):
-    ids = _ids()
+    ids = prompt_ids()
     with pytest.warns(UserWarning, match=r"quant=int4_joint: the model has no RoPE key .*quant.rope \(int4 .*skipped"):
         joint = quantized_cache(model, quant_cfg("int4_joint", *TINY))
     content_only = quantized_cache(model, quant_cfg("int4_content", *TINY))
     exact = new_cache(model)
-    a, b, c = (_prefill(model, cache, ids) for cache in (joint, content_only, exact))
+    a, b, c = (prefill_logits(model, cache, ids) for cache in (joint, content_only, exact))
     assert torch.equal(a, b)  # int4_joint on this model is int4_content
     assert (a - c).abs().max() > 1e-3  # and it does quantize
     assert joint.nbytes() == content_only.nbytes() > 0
@@ -53,9 +44,9 @@ def test_a_rope_part_is_skipped_by_name_and_stores_nothing(model):
 
 
 def test_the_indexer_keys_are_counted_apart(model):
-    ids = _ids()
+    ids = prompt_ids()
     cache = new_cache(model)
-    _prefill(model, cache, ids)
+    prefill_logits(model, cache, ids)
     keys = [layer.indexer_keys for layer in cache.latent_layers]
     assert keys[0] is not None and keys[1] is None  # layer 1 is "shared": it reuses layer 0's top-k
     assert cache.indexer_bytes() == 2 * 40 * keys[0].shape[-1] * 4
@@ -81,12 +72,7 @@ def test_padding_in_a_batch_changes_no_row(dense_model, option):
     model = dense_model
     cfg = quant_cfg(option, *TINY) if option.startswith("int") else quant_cfg(option, "peer.group_size=8",
                                                                              "peer.residual_length=16")
-    short, long = _ids(31, 1)[0], _ids(40, 2)[0]
-    batch = torch.zeros(2, 40, dtype=torch.long)
-    batch[0, 9:], batch[1] = short, long
-    mask = torch.ones_like(batch)
-    mask[0, :9] = 0
-    runs = greedy_alone_and_in_batch(model, short[None], batch, mask, lambda: quantized_cache(model, cfg), 12)
+    runs = alone_and_padded(model, lambda: quantized_cache(model, cfg))
     assert torch.equal(runs[0][0], runs[1][0])
     assert float((runs[0][1] - runs[1][1]).abs().max()) <= 1e-3  # as tests/test_peers.py: float order, 4-bit steps
 

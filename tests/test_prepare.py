@@ -21,7 +21,8 @@ def config_only_checkpoint(tmp_path):
 
 def test_dims_come_from_config_json_without_weights(config_only_checkpoint):
     cfg = compose(["model=deepseek_v2_lite", f"model.path={config_only_checkpoint}"])
-    assert model_dims(cfg.model) == {"d_c": 32, "d_r": 8, "layers": 2, "context": 512}
+    assert model_dims(cfg.model) == {"d_c": 32, "d_r": 8, "layers": 2, "layer_dims": [(32, 8), (32, 8)],
+                                     "context": 512}
 
 
 @pytest.mark.parametrize("override, match", [

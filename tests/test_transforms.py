@@ -30,8 +30,15 @@ TASK = Task(seed=0, prompt_tokens=24, decode_steps=6)
 
 @pytest.mark.parametrize("option", TINY)
 def test_every_transform_leaves_every_family_unchanged(option):
+    """Every transform a family can fold leaves its function unchanged; the one it cannot (a rotation within the
+    pairs of dots.3 Note's RMS-normed RoPE key: QuantMLA's pairwise kind) is refused by name, its pair scales run."""
     rows = check_model(compose([f"model={option}"]).model, TRANSFORMS, TASK)
+    refused = {row["transform"] for row in rows if row.get("refused")}
+    assert refused == ({"quantmla"} if option == "tiny_dots3_note" else set())
     for row in rows:
+        if row.get("refused"):
+            assert "RMS-normed before RoPE" in row["refused"] and "pair_scale or none" in row["refused"], row
+            continue
         assert row["logits_rel_err"] <= 1e-5, row
         assert row["greedy_equal"], row
 

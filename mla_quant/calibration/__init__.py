@@ -27,11 +27,11 @@ from mla_quant.calibration.options import (CONTENT_CODECS, DEFAULT_FIT_FORMAT, F
                                            transformed_format)
 from mla_quant.calibration.store import load_transforms, save_transforms, transform_path
 from mla_quant.calibration.sweep import fit_all, report_metrics
-from mla_quant.models.absorbed import attention_modules
+from mla_quant.models.absorbed import attention_modules, latent_dims
 from mla_quant.models.build import _plain
 from mla_quant.models.families import family_for_config
 from mla_quant.models.fp8 import weight_of
-from mla_quant.quant.formats import CacheFormat
+from mla_quant.quant.formats import CacheFormat, LayeredFormat
 from mla_quant.record import config_sha256
 from mla_quant.transforms import TransformSet
 
@@ -58,6 +58,13 @@ def weights_sha256(model) -> str:
     return h.hexdigest()
 
 
+def fit_identity(fmt: CacheFormat | LayeredFormat) -> list[str]:
+    """What identifies the format transforms are fitted for: its paths (calibration quantizes every token, whatever
+    the protected region or backend), per layer where the layers' dims differ."""
+    layers = fmt.layers if isinstance(fmt, LayeredFormat) else (fmt,)
+    return [repr(part) for f in layers for part in (f.content, f.rope)]
+
+
 def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None, report: bool = False
                           ) -> tuple[TransformSet | None, dict, list[dict]]:
     """The configured transforms for `model` (unabsorbed or absorbed, unquantized): loaded from the store when the
@@ -68,10 +75,8 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
     name = _plain(tcfg).get("name", "none")
     if k == {"content": "none", "rope": "none"} and not report:
         return None, {"calib/transform": name}, []
-    modules = attention_modules(model)
-    d_c, d_r = modules[0].kv_lora_rank, modules[0].qk_rope_head_dim
     groups = _plain(cfg.model.get("quant_group_size")) or None
-    fmt = fit_format(tcfg, run_format, d_c, d_r, groups)
+    fmt = fit_format(tcfg, run_format, latent_dims(model)["layer_dims"], groups)
     calib = cfg.get("calib")
     use_data = needs_data(tcfg) or report
     source = resolve_source(calib, cfg.model.get("_target_")) if use_data else None
@@ -84,7 +89,7 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
                "objective": _plain(cfg.get("objective")) if fitted_paths(tcfg) else None,
                "calib": {**_plain(calib), "source": source} if use_data else None,
                # the paths' formats only: calibration quantizes every token, whatever the protected region or backend
-               "format": [repr(fmt.content), repr(fmt.rope)] if fitted_paths(tcfg) or use_data else None,
+               "format": fit_identity(fmt) if fitted_paths(tcfg) or use_data else None,
                "seed": int(cfg.seed),
                # a fitted transform computes its report while fitting: experiment=calibrate and every other stage
                # share it; a data-free one computes a report only when asked (experiment=calibrate)
@@ -94,7 +99,7 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
     path = transform_path(fit.get("cache_dir", "outputs/calibration"), f"{family}-{name}-{config_sha[:16]}")
     metrics = {"calib/transform": name, "calib/format": fmt.name, "calib/file": str(path)}
     if fit.get("reuse", True):
-        tset = load_transforms(path, len(modules), config_sha)
+        tset = load_transforms(path, len(attention_modules(model)), config_sha)
         if tset is not None:
             rows = json.loads(tset.meta.get("report", "[]"))
             print(f"[calibrate] reusing {path}")
@@ -119,5 +124,5 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
     save_transforms(Path(path), tset, provenance)
     checkpoints.clear()  # the whole set is stored: the per-layer files are no longer needed
     tset.meta.update({k2: str(v) for k2, v in provenance.items()})
-    print(f"[calibrate] {name}: {len(modules)} layers in {seconds:.1f} s -> {path}")
+    print(f"[calibrate] {name}: {len(tset.layers)} layers in {seconds:.1f} s -> {path}")
     return tset, {**metrics, "calib/reused": 0, "calib/seconds": seconds, **report_metrics(rows)}, rows

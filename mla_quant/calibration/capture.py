@@ -335,6 +335,7 @@ def block_pieces(family, module, w, h: torch.Tensor, pe, q_pos: torch.Tensor | N
     q_nope, q_rope, *_ = family.query(module, h)
     compressed = linear(module.kv_a_proj_with_mqa, h)
     x, k_rope = torch.split(compressed, [w.d_c, w.d_r], dim=-1)
+    k_rope = family.key_norm(module, k_rope)
     xf = x.float()
     x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + w.norm_eps)
     q_rope, k_rope = family.rotate(module, q_rope, k_rope, pe)

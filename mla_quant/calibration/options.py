@@ -3,10 +3,13 @@ the format they are fitted for, and the checks that refuse unknown keys and kind
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 from mla_quant.calibration.fit import FitOptions
 from mla_quant.calibration.objectives import CONTENT_OBJECTIVES, ROPE_OBJECTIVES
 from mla_quant.models.build import _plain
-from mla_quant.quant.formats import PATHS, CacheFormat, LayeredFormat, cache_format
+from mla_quant.quant.formats import PATHS, CacheFormat, LayeredFormat, model_format
 from mla_quant.quant.peers import PeerFormat
 from mla_quant.transforms import KINDS
 from mla_quant.transforms import kind as transform_kind
@@ -66,6 +69,17 @@ def check_transform(transform_cfg, objective_cfg=None) -> None:
             raise ValueError(f"objective.{path}.kind={kind!r}; allowed: {list(OBJECTIVES[path])}")
 
 
+def check_family_transform(family, transform_cfg) -> None:
+    """A RoPE kind the model's family cannot fold, refused by name before any weight: a rotation within the pairs of
+    a RoPE key RMS-normed before RoPE (dots.3 Note)."""
+    from mla_quant.transforms.fold import ROPE_NORM_REFUSAL
+
+    kind = ((_plain(transform_cfg).get("rope") or {}).get("kind")) or "none"
+    if family.rope_normed and transform_kind("rope", kind).rotates:
+        raise ValueError(f"transform={_plain(transform_cfg).get('name', '?')} (transform.rope.kind={kind}) on "
+                         f"{family.name}: {ROPE_NORM_REFUSAL}")
+
+
 def transformed_format(transform_cfg, fmt: CacheFormat | None) -> CacheFormat | None:
     """The cache format with the transform's content codec (transform=turboquant: the quant option's content bits
     stored as TurboQuant's codebook with one norm per token instead of per-group scales)."""
@@ -74,12 +88,12 @@ def transformed_format(transform_cfg, fmt: CacheFormat | None) -> CacheFormat | 
         check_peer_transform(transform_cfg, fmt, codec)
         return fmt
     if isinstance(fmt, LayeredFormat):
+        if fmt.one_format:  # one option at each layer's own dims: the codec in every layer
+            return dataclasses.replace(fmt, layers=tuple(transformed_format(transform_cfg, f) for f in fmt.layers))
         check_layered_transform(transform_cfg, fmt.name, codec)
         return fmt
     if codec is None or fmt is None or not fmt.content.quantized:
         return fmt
-    import dataclasses
-
     from mla_quant.quant.formats import PathFormat
 
     if not fmt.content.integer_groups:
@@ -124,21 +138,25 @@ def check_layered_transform(transform_cfg, quant_name: str, codec) -> None:
                          f"option), or give quant.budget as an option's name")
 
 
-def fit_format(transform_cfg, run_format: CacheFormat | None, d_c: int, d_r: int, groups: dict | None) -> CacheFormat:
+def fit_format(transform_cfg, run_format: CacheFormat | LayeredFormat | None, layer_dims: list[tuple[int, int]],
+               groups: dict | None) -> CacheFormat | LayeredFormat:
     """The cache format the transforms are fitted for: transform.fit.format, `auto` = the run's quantized format,
-    else int4_joint."""
+    else int4_joint; at each MLA layer's (d_c, d_r) in `layer_dims` (a `LayeredFormat` of one option where the
+    layers' dims differ)."""
     from mla_quant.cache.bytes import load_quant_option
 
     name = (_plain(transform_cfg).get("fit") or {}).get("format", "auto")
     if name == "auto":
-        if isinstance(run_format, LayeredFormat):
+        if isinstance(run_format, LayeredFormat) and not run_format.one_format:
             raise ValueError(f"quant={run_format.name} gives each layer its own format; the transforms are fitted and "
                              f"reported for one: name it, transform.fit.format=int2_content_int4_rope (or another "
                              f"quant option)")
         if run_format is not None and run_format.quantized:
             return run_format
         name = DEFAULT_FIT_FORMAT
-    fmt = transformed_format(transform_cfg, cache_format(load_quant_option(name, groups=groups), d_c, d_r))
+    with warnings.catch_warnings():  # a RoPE part skipped on a model without a RoPE key: the run's format says so
+        warnings.filterwarnings("ignore", message=".*no RoPE key.*")
+        fmt = transformed_format(transform_cfg, model_format(load_quant_option(name, groups=groups), layer_dims))
     if not fmt.quantized:
         raise ValueError(f"transform.fit.format={name!r} stores both paths unquantized: nothing to fit against; "
                          f"name a quantized option (e.g. int4_joint)")

@@ -16,12 +16,12 @@ from mla_quant.calibration.objectives import rope_output_bound, ste_quantizer
 from mla_quant.calibration.options import OBJECTIVES, fit_options, kinds
 from mla_quant.models.absorbed import absorbed_view, attention_modules
 from mla_quant.models.build import _plain
-from mla_quant.quant.formats import PATHS, CacheFormat
+from mla_quant.quant.formats import PATHS, CacheFormat, LayeredFormat, layer_format
 from mla_quant.transforms import KINDS, LayerTransform, TransformSet
 
-def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: CacheFormat, seed: int,
-            batch_size: int = 8, checkpoints=None,
-            query_tokens: int | None = None, capture: str = "sweep") -> tuple[TransformSet, list[dict]]:
+def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: CacheFormat | LayeredFormat,
+            seed: int, batch_size: int = 8, checkpoints=None, query_tokens: int | None = None,
+            capture: str = "sweep") -> tuple[TransformSet, list[dict]]:
     """Fit (or compute) every block's transforms; the per-layer report rows (objective error before and after).
     `checkpoints`: keep each fitted layer on disk and continue from the layers found there. `query_tokens`: the
     per-head query tensors at that many positions per sequence (None: all). `capture`: "sweep" (one pass over the
@@ -31,8 +31,10 @@ def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: 
     k = kinds(transform_cfg)
     objectives = {p: (_plain(objective_cfg).get(p) or {}).get("kind") or OBJECTIVES[p][0] for p in PATHS}
     opts = fit_options(transform_cfg, seed)
-    # one quantizer per layer and path (a lloyd path's levels are fitted on its own layer's latents)
-    quant = lambda: {p: ste_quantizer(fmt.path(p), fmt.dim(p)) for p in PATHS}  # noqa: E731
+    # one quantizer per layer and path (a lloyd path's levels are fitted on its own layer's latents), in the layer's
+    # own format (a model whose layers' dims differ: a LayeredFormat of one option)
+    quant = lambda i: {p: ste_quantizer(layer_format(fmt, i).path(p), layer_format(fmt, i).dim(p))  # noqa: E731
+                       for p in PATHS}
     modules = attention_modules(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.requires_grad_(False)  # end-to-end objectives backpropagate through the model, never into its weights
@@ -67,13 +69,13 @@ def _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size
         if sweep is None:
             sweep = captures(model, ids, batch_size, start=i, query_tokens=query_tokens)
         cap = next(sweep)
-        quant_i = quant()
+        quant_i, fmt_i = quant(i), layer_format(fmt, i)
         start = time.perf_counter()
-        content_kind = k["content"] if fmt.content.quantized else "none"
+        content_kind = k["content"] if fmt_i.content.quantized else "none"
         lt.rotation, lt.scale, c_err = fit_content(cap, content_kind, objectives["content"], quant_i["content"], opts,
                                                    g)
         c_sec = time.perf_counter() - start
-        rope_kind = k["rope"] if fmt.rope.quantized else "none"
+        rope_kind = k["rope"] if fmt_i.rope.quantized else "none"
         start = time.perf_counter()
         lt.angle, lt.pair_scale, r_err = fit_rope(cap, rope_kind, objectives["rope"], quant_i["rope"], opts)
         r_sec = time.perf_counter() - start

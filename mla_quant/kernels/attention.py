@@ -148,16 +148,17 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def key_validity(mask, t: int) -> torch.Tensor | None:
     """(B, T) bool: which of the last T slots hold real tokens (False = padding), read off the attention mask
-    (a `CausalMask`, or the (B, 1, T, S) tensor transformers builds: the last query sees every real key at or before
-    it and no padding, for left and right padding alike), or a (B, S) padding mask (1 = real; a model that hands
-    its attention the 2-D mask: GLM-5.3). None: no mask, every slot is real."""
+    (a `CausalMask`, or the (B, 1, T, S) tensor transformers builds: a new token's own query sees its key, and no
+    query sees padding, for left and right padding alike and under a sliding window, which hides a real key from
+    the later queries only), or a (B, S) padding mask (1 = real; a model that hands its attention the 2-D mask:
+    GLM-5.3). None: no mask, every slot is real."""
     if mask is None:
         return None
     if isinstance(mask, CausalMask):
         return mask.keys[:, mask.keys.shape[1] - t:]
     if mask.dim() == 2:
         return mask[:, mask.shape[1] - t:].bool()
-    return visible(mask[:, 0, -1, mask.shape[-1] - t:])
+    return visible(mask[:, 0, -t:, mask.shape[-1] - t:]).any(dim=1)
 
 
 def reference_attention(q_latent, q_rope, content, rope, scale, mask=None, values=None, sinks=None) -> torch.Tensor:

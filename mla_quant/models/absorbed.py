@@ -25,8 +25,8 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from mla_quant.cache import LatentCache, layer_factory
 from mla_quant.kernels.attention import DEFAULT_BLOCKS, AttentionBlocks, CausalMask, key_validity, latent_attention
 from mla_quant.models import fp8
-from mla_quant.models.families import MLAFamily, family_for_config, mla_layer_count, text_config
-from mla_quant.quant.formats import cache_format
+from mla_quant.models.families import MLAFamily, dims_of, family_for_config, mla_layer_count, text_config
+from mla_quant.quant.formats import model_format
 
 # The attention implementation an absorbed model runs under: transformers builds its mask through `latent_mask`
 # (a `CausalMask`: (B, S) key validity instead of a (B, 1, T, S) tensor), and no module calls the attention function.
@@ -195,12 +195,11 @@ def new_cache(model: nn.Module, factory=None) -> LatentCache:
 
 
 def model_layer_factory(model: nn.Module, quant_cfg):
-    """The cache layer constructor of `quant_cfg` validated for `model`: (d_c, d_r) from its MLA modules, the
-    context and the number of cache layers from its config."""
-    dims = latent_dims(model)
+    """The cache layer constructor of `quant_cfg` validated for `model`: each layer's (d_c, d_r) from its MLA
+    modules, the context from its config."""
     context = getattr(text_config(model.config), "max_position_embeddings", None)
     family = family_for_config(model.config)
-    fmt = cache_format(quant_cfg, dims["d_c"], dims["d_r"], context, num_cache_layers(model),
+    fmt = model_format(quant_cfg, latent_dims(model)["layer_dims"], context,
                        rope_layout=family.cached_rope_layout(model.config))
     backend = getattr(fmt, "backend", None)
     if backend in ("triton", "cpu") and family.sinks(attention_modules(model)[0]) is not None:
@@ -244,7 +243,7 @@ def cached_latents(model: nn.Module, ids: torch.Tensor, batch: int = 8, desc: st
         yield [layer.read() for layer in cache.latent_layers]
 
 
-def latent_dims(model: nn.Module) -> dict[str, int]:
-    """d_c, d_r and the number of MLA (cache) layers of a model."""
-    modules = attention_modules(model)
-    return {"d_c": modules[0].kv_lora_rank, "d_r": modules[0].qk_rope_head_dim, "layers": len(modules)}
+def latent_dims(model: nn.Module) -> dict:
+    """The latent dims of a model's MLA modules (`families.dims_of`: each layer's (d_c, d_r), the number of MLA
+    (cache) layers, the largest d_c and d_r)."""
+    return dims_of([(m.kv_lora_rank, m.qk_rope_head_dim) for m in attention_modules(model)])

@@ -49,6 +49,7 @@ class MLAWeights:
     latent_scale: float = 1.0  # a fixed factor the family applies to the normed latent before caching (LongCat)
     norm_eps: float = 1e-6  # the latent RMSNorm's epsilon
     q_head_rows: int | None = None  # rows per head in q_out when more than d_nope + d_r (AXK2's gate: + d_v)
+    rope_norm: nn.Parameter | None = None  # gamma of an RMSNorm on the RoPE key before RoPE (dots.3 Note), or None
 
     @property
     def q_rows(self) -> int:
@@ -118,10 +119,13 @@ class MLAFamily:
         return getattr(self.modeling, self.attention_class_name)
 
     # --- structure
+    multimodal = False  # True: the model is a conditional-generation wrapper whose text decoder is
+    # model.model.language_model (the study runs on text)
+
     def text_model(self, model: nn.Module) -> nn.Module:
         """The decoder that holds the layers (`.layers`): the causal LM's `model`, or a multimodal model's text
         model."""
-        return model.model
+        return model.model.language_model if self.multimodal else model.model
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         """The MLA modules in cache-layer order: the i-th is the model's MLA layer i (its `layer_idx` is its slot
@@ -133,6 +137,17 @@ class MLAFamily:
         """The cache slots (decoder layers) whose attention is MLA, in order, from the config alone: every layer; a
         hybrid stack's full-attention layers only (its other layers keep transformers' own cache layers)."""
         return list(range(text_config(config).num_hidden_layers))
+
+    def layer_dims(self, config) -> list[tuple[int, int]]:
+        """(d_c, d_r) of each MLA layer in cache-layer order, from the config alone: the same in every layer unless
+        the family's layers differ (Mistral Large 4's NoPE layers cache no RoPE key)."""
+        text = text_config(config)
+        return [(int(mla_setting(text, "kv_lora_rank", i)), int(mla_setting(text, "qk_rope_head_dim", i)))
+                for i in self.mla_slots(config)]
+
+    def unsupported(self, config) -> str | None:
+        """Why the framework cannot run a model of this config (naming the setting and what is allowed), or None."""
+        return None
 
     def cache_slots(self, config) -> int:
         """The number of slots transformers' cache of this model has (a decoder layer each)."""
@@ -186,7 +201,14 @@ class MLAFamily:
         """-> content latent c (B, T, d_c) after its RMSNorm, RoPE key (B, T, d_r) before RoPE."""
         compressed = linear(attn.kv_a_proj_with_mqa, hidden_states)
         content, k_rope = torch.split(compressed, [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
-        return attn.kv_a_layernorm(content), k_rope
+        return attn.kv_a_layernorm(content), self.key_norm(attn, k_rope)
+
+    rope_normed = False  # True: the RoPE key is RMS-normed before RoPE (`key_norm`), so a rotation of its pre-RoPE
+    # rows does not fold through the norm's per-dim weight (only a scale per pair does: into that weight)
+
+    def key_norm(self, attn, k_rope: torch.Tensor) -> torch.Tensor:
+        """The RoPE key (B, T, d_r) from its rows of kv_a, before RoPE: as projected (a norm for dots.3 Note)."""
+        return k_rope
 
     def rotate(self, attn, q_rope, k_rope, position_embeddings):
         """RoPE with the family's own function. q_rope (B, H, T, d_r), k_rope (B, T, d_r)."""
@@ -492,9 +514,7 @@ class HYV4VLFamily(HYV4Family):
     config_class_name = "HYV4VLConfig"
     model_class_name = "HYV4VLForConditionalGeneration"
     attention_class_name = "HYV4VLAttention"
-
-    def text_model(self, model):
-        return model.model.language_model
+    multimodal = True
 
 
 class KimiLinearFamily(MLAFamily):
@@ -567,11 +587,9 @@ class Glm5NextFamily(GlmMoeDsaFamily):
     config_class_name = "Glm5NextConfig"
     model_class_name = "Glm5NextForConditionalGeneration"
     attention_class_name = "Glm5NextTextAttention"
+    multimodal = True
     rotary = False
     plain_rope = False  # no RoPE dims: nothing for a RoPE setting to act on
-
-    def text_model(self, model):
-        return model.model.language_model
 
     def mla_slots(self, config):
         return layer_type_slots(config, "indexed_attention")
@@ -595,6 +613,113 @@ class Glm5NextFamily(GlmMoeDsaFamily):
         past = cache.get_seq_length(attn.layer_idx) if cache is not None else 0
         dense = attn.build_attention_mask_from_topk(top_k, hidden_states, past + t)  # (B, 1, T, S), 0 or min
         return dense, (top_k if attn.next_skip_topk else None,)  # the top-k goes on only to a shared layer
+
+
+class MistralLarge4Family(GlmMoeDsaFamily):
+    """Mistral Large 4 (mistral_large4, text model mistral_large4_text): GLM-5's MLA with its DSA indexer and shared
+    top-k layers inside a vision-language model, without a query LoRA (one q_proj); NoPE layers
+    (`config.no_rope_layers`: 0 = no RoPE) whose latent has no RoPE key (d_r 0 in those layers only: the cache's
+    dims differ by layer) and whose key head is all no-RoPE dims; interleaved RoPE with a learned scale of its
+    frequencies (LeRoPE, in the model's rotary module); the whole query multiplied after RoPE by a learned per-head
+    factor of log(position + 1); logits soft-capped in the LM head (outside the attention)."""
+
+    name = "mistral_large4"
+    model_types = ("mistral_large4", "mistral_large4_text")  # the wrapper's config and its text config
+    modeling_module = "transformers.models.mistral_large4.modeling_mistral_large4"
+    config_class_name = "MistralLarge4Config"
+    model_class_name = "MistralLarge4ForConditionalGeneration"
+    attention_class_name = "MistralLarge4TextAttention"
+    multimodal = True
+    plain_rope = False  # its rotary module scales the frequencies of any rope_type: a plain setting is not plain
+
+    def unsupported(self, config) -> str | None:
+        text = text_config(config)
+        shared = [(i, s) for i, s in enumerate(text.kv_source_layers or []) if s != i]
+        if shared:
+            i, s = shared[0]
+            return (f"config.kv_source_layers shares latents between layers (layer {i} attends to layer {s}'s cache "
+                    f"and computes none): the latent cache holds one latent per MLA layer; allowed: every layer its "
+                    f"own source (kv_source_layers[i] = i)")
+        return None
+
+    def layer_dims(self, config) -> list[tuple[int, int]]:
+        text = text_config(config)
+        return [(int(text.kv_lora_rank), int(text.qk_rope_head_dim) if text.no_rope_layers[i] else 0)
+                for i in self.mla_slots(config)]
+
+    def q_out(self, attn):
+        return attn.q_proj
+
+    def query(self, attn, hidden_states):
+        b, t, _ = hidden_states.shape
+        q = linear(attn.q_proj, hidden_states).view(b, t, -1, attn.qk_head_dim).transpose(1, 2)
+        q_nope, q_rope = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+        return q_nope, q_rope, None, None
+
+    def rotate(self, attn, q_rope, k_rope, position_embeddings):
+        if not attn.use_rope:  # a NoPE layer: its RoPE parts are empty
+            return q_rope, k_rope
+        return super().rotate(attn, q_rope, k_rope, position_embeddings)
+
+    def query_scale(self, attn, position_ids):
+        if position_ids is None:
+            raise ValueError(f"{self.name}: the query's log-position factor needs position_ids; none were passed")
+        scaling = attn.softmax_scaling  # transformers' own module, on ones: its factor (B, H, T, 1) in its dtype
+        ones = position_ids.new_ones((position_ids.shape[0], scaling.scale.shape[0], position_ids.shape[-1], 1),
+                                     dtype=scaling.scale.dtype)
+        return scaling(ones, position_ids, head_dim_first=True)
+
+    def top_k(self, attn, mask, *, prev_topk_indices=None, hidden_states=None, position_embeddings=None,
+              position_ids=None, cache=None, **_):
+        if attn.indexer is None:  # a shared layer: GLM-5's rule
+            return super().top_k(attn, mask, prev_topk_indices=prev_topk_indices)
+        return attn.indexer(hidden_states, position_embeddings, mask[:, 0], position_ids, cache=cache)
+
+
+class Dots3NoteFamily(DeepseekV32Family):
+    """dots.3 Note (dots3_note, text model dots3_note_text): V3.2's MLA and DSA indexer (GLM-5's, interleaved RoPE)
+    in its `indexed_attention` layers and sliding-window MLA in its `sliding_attention` layers (`config.layer_types`),
+    each layer type with its own MLA dims (`config.per_layer_config`: heads, LoRA ranks, d_c, d_r), inside a
+    vision-and-audio model; the normed query LoRA and latent multiplied by sqrt(hidden / rank); the RoPE key
+    RMS-normed before RoPE (`key_norm`); a per-head sigmoid output gate from its own projection of the hidden
+    states. The latent cache keeps every token of a sliding-window layer and masks beyond the window."""
+
+    name = "dots3_note"
+    model_types = ("dots3_note", "dots3_note_text")  # the wrapper's config and its text config
+    modeling_module = "transformers.models.dots3_note.modeling_dots3_note"
+    config_class_name = "Dots3NoteConfig"
+    model_class_name = "Dots3NoteForConditionalGeneration"
+    attention_class_name = "Dots3NoteTextAttention"
+    multimodal = True
+    output_gate = True
+    rope_normed = True
+    plain_rope = False  # a RoPE setting per layer type (config.rope_parameters by layer type)
+
+    def mla_weights(self, attn):
+        w = super().mla_weights(attn)
+        w.latent_scale = float(attn.kv_lora_scale)
+        w.rope_norm = attn.k_rope_only_layernorm.weight
+        return w
+
+    def query(self, attn, hidden_states):
+        b, t, _ = hidden_states.shape
+        q_resid = attn.q_a_layernorm(linear(attn.q_a_proj, hidden_states)) * attn.q_lora_scale
+        q = linear(attn.q_b_proj, q_resid).view(b, t, -1, attn.qk_head_dim).transpose(1, 2)
+        q_nope, q_rope = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+        gate = linear(attn.g_proj, hidden_states).view(b, t, -1, 1).transpose(1, 2)  # a scalar per head
+        return q_nope, q_rope, q_resid, gate.expand(-1, -1, -1, attn.v_head_dim)
+
+    def latent(self, attn, hidden_states):
+        content, k_rope = super().latent(attn, hidden_states)
+        return content * attn.kv_lora_scale, k_rope
+
+    def key_norm(self, attn, k_rope):
+        return attn.k_rope_only_layernorm(k_rope)
+
+    def attention_mask(self, attn, mask, **context):
+        if attn.indexer is None:  # a sliding-window layer: the window is in transformers' mask already
+            return mask, ()
+        return super().attention_mask(attn, mask, **context)
 
 
 class _IndexerView:
@@ -642,6 +767,8 @@ FAMILIES: dict[str, MLAFamily] = {
         KimiLinearFamily(),
         BailingHybridFamily(),
         Glm5NextFamily(),
+        MistralLarge4Family(),
+        Dots3NoteFamily(),
     )
 }
 
@@ -658,6 +785,28 @@ def text_config(config):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+def dims_of(layer_dims, **extra) -> dict:
+    """The latent dims of a model whose MLA layers have (d_c, d_r) = `layer_dims` (in cache-layer order):
+    {"layer_dims", "layers", "d_c", "d_r"} with d_c and d_r the largest of any layer (every layer's where they are
+    the same), and `extra`."""
+    layer_dims = [(int(c), int(r)) for c, r in layer_dims]
+    return {"d_c": max(c for c, _ in layer_dims), "d_r": max(r for _, r in layer_dims), "layers": len(layer_dims),
+            "layer_dims": layer_dims, **extra}
+
+
+def mla_setting(config, key: str, layer: int | None = None):
+    """A text config's MLA setting `key` (kv_lora_rank, qk_rope_head_dim, num_attention_heads, ...): of decoder layer
+    `layer`, or where the config sets it per layer (transformers' per_layer_config: dots.3 Note) the largest over the
+    layers; None where the config has no such setting."""
+    per_layer = getattr(config, "per_layer_config", None)
+    if per_layer is not None and getattr(config, "num_hidden_layers", None):
+        layers = range(config.num_hidden_layers) if layer is None else [layer]
+        values = [getattr(per_layer[i], key, None) for i in layers]
+        values = [v for v in values if v is not None]
+        return max(values) if values else None
+    return getattr(config, key, None)
+
+
 def mla_layer_count(config) -> int:
     """The model's MLA layers (latent cache layers), from its config alone."""
     return len(family_for_config(config).mla_slots(config))
@@ -666,13 +815,16 @@ def mla_layer_count(config) -> int:
 def family_for_config(config) -> MLAFamily:
     """The family of a loaded model's config; a clear error for configs that are not MLA."""
     config = text_config(config)
-    if getattr(config, "kv_lora_rank", None) is None:
+    if mla_setting(config, "kv_lora_rank") is None:
         raise ValueError(
             f"not an MLA model: {type(config).__name__} (model_type={getattr(config, 'model_type', None)!r}) "
             "has no kv_lora_rank"
         )
     for family in FAMILIES.values():
         if config.model_type in family.model_types:
+            why = family.unsupported(config)
+            if why is not None:
+                raise ValueError(f"{family.name}: {why}")
             return family
     known = sorted(t for f in FAMILIES.values() for t in f.model_types)
     raise ValueError(f"MLA model_type {config.model_type!r} has no adapter; supported model types: {known}. To add "

@@ -120,7 +120,7 @@ def cpu_kernel_usable() -> bool:
 TOP_KEYS = ("name", "mode", "backend", "protected", "content", "rope", "shared_scale", "block_size", "layers")
 MIXED_KEYS = ("budget", "choices", "allocation")  # quant=mixed: allocated per layer by the preparation step
 LAYER_KEYS = PATHS  # what one entry of quant.layers may change
-COMMON = ("mode", "backend", "n_sink", "recent", "block_size", "d_c", "d_r")  # one value for every layer
+COMMON = ("mode", "backend", "n_sink", "recent", "block_size")  # one value for every layer (dims may differ)
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,14 @@ class LayeredFormat:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    @property
+    def one_format(self) -> bool:
+        """Every layer stores the same paths, a layer without a RoPE key aside (it stores none): one option at each
+        layer's own dims (a model whose layers' dims differ), not a format per layer."""
+        ropes = {f.rope for f in self.layers if f.d_r > 0}
+        return len({f.content for f in self.layers}) == 1 and len(ropes) <= 1 and len(
+            {f.shared_scale for f in self.layers if f.d_r > 0}) <= 1
 
     def layer(self, idx: int) -> CacheFormat:
         return self.layers[idx]
@@ -196,7 +204,13 @@ class LayeredFormat:
                 for f in self.layers]
 
     def describe(self) -> list[dict[str, str]]:
-        return [{"content": f.content.describe(), "rope": f.rope.describe()} for f in self.layers]
+        return [{"content": f.content.describe(), "rope": f.rope.describe() if f.d_r else "none (no RoPE key)"}
+                for f in self.layers]
+
+
+def layer_format(fmt, idx: int):
+    """Cache layer `idx`'s format: its own in a `LayeredFormat`, the format itself otherwise."""
+    return fmt.layer(idx) if isinstance(fmt, LayeredFormat) else fmt
 
 
 def refuse_layered(fmt, what: str) -> None:

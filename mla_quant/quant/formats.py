@@ -60,9 +60,10 @@ from mla_quant.quant.format import (
     LayeredFormat,
     cache_bytes_per_token,
     cpu_kernel_usable,
+    layer_format,
     refuse_layered,
 )
-from mla_quant.quant.parse import cache_format, layered_format
+from mla_quant.quant.parse import cache_format, layered_format, model_format
 from mla_quant.quant.path import (
     DERIVED_KEYS,
     PathFormat,
@@ -78,5 +79,6 @@ __all__ = ["BACKENDS", "CODEBOOK_LEVEL_BYTES", "CODECS", "COMMON", "DERIVED_KEYS
            "GRANULARITIES", "LAYER_KEYS", "MIXED_KEYS", "MODES", "PAIR_LAYOUTS", "PATHS", "SCALE_BYTES", "STEP_TYPES",
            "TENSOR_SCALE_BYTES", "TOP_KEYS", "TRITON_INT_BITS", "ZERO_BYTES", "CacheFormat", "Codec", "LayeredFormat",
            "PathFormat", "_check_keys", "_plain", "cache_bytes_per_token", "cache_format", "check_finite",
-           "cpu_kernel_usable", "decode_path", "encode_path", "fake_quantizer", "layered_format", "pair_channels",
+           "cpu_kernel_usable", "decode_path", "encode_path", "fake_quantizer", "layer_format", "layered_format", "model_format",
+           "pair_channels",
            "refuse_layered", "tensor_scale_for"]

@@ -12,18 +12,24 @@ from mla_quant.quant.format import BACKENDS, LAYER_KEYS, MIXED_KEYS, MODES, TOP_
 from mla_quant.quant.path import PathFormat, _check_keys, _plain
 
 
-def layered_format(cfg: dict, layers, d_c: int, d_r: int, context: int | None, num_layers: int | None,
-                   source: str = "quant.layers", rope_layout: str = "half") -> LayeredFormat:
+def layered_format(cfg: dict, layers, d_c: int | None, d_r: int | None, context: int | None,
+                   num_layers: int | None, source: str = "quant.layers", rope_layout: str = "half",
+                   layer_dims: list[tuple[int, int]] | None = None) -> LayeredFormat:
     """`quant.layers`: a list with one entry per cache layer, each null (the option's own paths) or a mapping of
-    `content` / `rope` blocks whose keys replace those of the option's blocks for that layer."""
+    `content` / `rope` blocks whose keys replace those of the option's blocks for that layer. Each layer is
+    validated against (d_c, d_r), or against its own dims in `layer_dims` (a model whose layers differ)."""
     name = cfg.get("name", "?")
     if not isinstance(layers, (list, tuple)):
         raise ValueError(f"quant.layers={layers!r}; allowed: null or a list with one entry per cache layer")
+    if layer_dims is not None:
+        num_layers = len(layer_dims)
     if num_layers is not None and len(layers) != num_layers:
         raise ValueError(f"quant.layers has {len(layers)} entries; the model has {num_layers} cache layers: allowed "
                          f"one entry per layer (null keeps the option's format)")
     formats = []
     for i, entry in enumerate(layers):
+        if layer_dims is not None:
+            d_c, d_r = layer_dims[i]
         entry = {} if entry is None else _plain(entry)
         _check_keys(entry, LAYER_KEYS, f"quant.layers[{i}]")
         merged = dict(cfg)
@@ -36,6 +42,35 @@ def layered_format(cfg: dict, layers, d_c: int, d_r: int, context: int | None, n
         except ValueError as err:
             raise ValueError(f"quant.layers[{i}]: {err}") from err
     return LayeredFormat(name, tuple(formats), source)
+
+
+def model_format(quant_cfg, layer_dims: list[tuple[int, int]], context: int | None = None,
+                 rope_layout: str = "half"):
+    """The format of a `quant` config for a model whose MLA layers have (d_c, d_r) = `layer_dims`, in cache-layer
+    order: `cache_format` where every layer has the same dims; where they differ (Mistral Large 4's NoPE layers
+    cache no RoPE key), a `LayeredFormat` with each layer validated against its own dims (`quant.layers` entries
+    applied), a RoPE part skipped in the layers without a RoPE key (said once)."""
+    layer_dims = [tuple(d) for d in layer_dims]
+    if len(set(layer_dims)) <= 1:
+        d_c, d_r = layer_dims[0] if layer_dims else (None, None)
+        return cache_format(quant_cfg, d_c, d_r, context, len(layer_dims), rope_layout)
+    cfg = _plain(quant_cfg)
+    name = cfg.get("name", "?")
+    from mla_quant.quant.peers import is_peer
+
+    if is_peer(cfg):
+        raise ValueError(f"quant={name}: transformers' quantized cache takes one (d_c, d_r) for every layer; this "
+                         f"model's MLA layers differ ({sorted(set(layer_dims))}): use one of the project's options")
+    no_rope = [i for i, (_, d_r) in enumerate(layer_dims) if d_r == 0]
+    if no_rope and PathFormat.from_cfg(cfg.get("rope", {}), "quant.rope") != PathFormat():
+        warnings.warn(f"quant={name}: MLA layers {no_rope} have no RoPE key (qk_rope_head_dim 0 there); quant.rope "
+                      f"is skipped in them: those layers cache the content latent alone", stacklevel=2)
+    layers = cfg.pop("layers", None)
+    with warnings.catch_warnings():  # said once above, not once per layer
+        warnings.filterwarnings("ignore", message=".*has no RoPE key.*")
+        return layered_format(cfg, [None] * len(layer_dims) if layers is None else layers, None, None, context,
+                              None, source="quant.layers" if layers is not None else "the model's layer dims",
+                              rope_layout=rope_layout, layer_dims=layer_dims)
 
 
 def _nonneg_int(value, where: str, least: int = 0) -> int:

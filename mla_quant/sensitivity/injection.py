@@ -110,12 +110,21 @@ class InjectionSpec:
             z = torch.randn(x.shape, generator=generator, dtype=torch.float64).to(x.device)
         else:
             z = self.quantizer(x).double() - x.double()
-        if self.pair is not None:  # one frequency pair, or a group of them
+        if self.pair is not None:  # one frequency pair, or a group of them (those this layer's key has)
             keep = torch.zeros(x.shape[-1], dtype=z.dtype, device=z.device)
-            for i in (self.pair,) if isinstance(self.pair, int) else self.pair:
+            for i in self.pairs_in(x.shape[-1]):
                 keep[list(rope_pair(self.rope_layout, x.shape[-1], i))] = 1.0
             z = z * keep
         return z
+
+    def pairs_in(self, d: int) -> list[int]:
+        """The injected pairs a d-dim RoPE key has (a model whose layers' d_r differ: fewer in the smaller ones)."""
+        pairs = (self.pair,) if isinstance(self.pair, int) else self.pair
+        return [i for i in pairs if i < d // 2]
+
+    def hits(self, d: int) -> bool:
+        """Whether a layer whose `path` has d dims takes this injection: it has dims, and the pairs injected."""
+        return d > 0 and (self.pair is None or bool(self.pairs_in(d)))
 
     def perturb(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed * 100_003 + layer_idx)
@@ -139,8 +148,8 @@ class InjectedLatentLayer(LatentCacheLayer):
         self.clean.append(content, rope, valid)
         if self.spec.path == "content":
             content = self.spec.perturb(self.layer_idx, content)
-        else:
-            rope = self.spec.perturb(self.layer_idx, rope)
+        elif self.spec.hits(rope.shape[-1]):  # a layer without a RoPE key (a NoPE layer), or without the pair
+            rope = self.spec.perturb(self.layer_idx, rope)  # injected, has nothing to perturb on this path
         super().append(content, rope, valid)
 
     def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, **absorbed):

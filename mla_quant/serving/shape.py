@@ -74,7 +74,7 @@ def _stored_bytes(name: str, p: torch.Tensor, element: int, fp8_block: tuple[int
 
 def serving_shape(config, name: str = "model") -> ServingShape:
     """The serving shape of an MLA model config (see the module docstring)."""
-    from mla_quant.models.families import family_for_config
+    from mla_quant.models.families import family_for_config, mla_setting
 
     family = family_for_config(config)
     text = config.get_text_config(decoder=True)
@@ -97,8 +97,10 @@ def serving_shape(config, name: str = "model") -> ServingShape:
             totals[k][1] += size
     experts = int(getattr(text, "n_routed_experts", None) or 0)
     return ServingShape(
-        name=name, layers=len(family.mla_slots(config)), heads=int(text.num_attention_heads), d_c=int(text.kv_lora_rank),
-        d_r=int(text.qk_rope_head_dim), d_nope=int(text.qk_nope_head_dim), d_v=int(text.v_head_dim),
+        # where the layers' MLA dims differ, the largest layer's: an engine's one page size per KV group
+        name=name, layers=len(family.mla_slots(config)), heads=int(mla_setting(text, "num_attention_heads")),
+        d_c=int(mla_setting(text, "kv_lora_rank")), d_r=int(mla_setting(text, "qk_rope_head_dim")),
+        d_nope=int(mla_setting(text, "qk_nope_head_dim")), d_v=int(mla_setting(text, "v_head_dim")),
         max_positions=int(text.max_position_embeddings), params=totals["all"][0], expert_params=totals["experts"][0],
         lm_head_params=totals["lm_head"][0], embedding_params=totals["embedding"][0], weight_bytes=totals["all"][1],
         expert_bytes=totals["experts"][1], lm_head_bytes=totals["lm_head"][1], embedding_bytes=totals["embedding"][1],

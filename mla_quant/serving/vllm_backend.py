@@ -45,7 +45,7 @@ from mla_quant.kernels.attention import segment_attention
 from mla_quant.kernels.layout import PageLayout, Segment
 from mla_quant.kernels.ops import decode_op
 from mla_quant.quant.format import MIXED_KEYS, CacheFormat
-from mla_quant.quant.formats import PATHS, LayeredFormat, cache_format, check_finite
+from mla_quant.quant.formats import PATHS, LayeredFormat, cache_format, check_finite, model_format
 from mla_quant.quant.peers import PeerFormat
 from mla_quant.serving import CACHE_FILE
 
@@ -71,7 +71,11 @@ def served_format(description: dict, fitted: bool = True) -> CacheFormat | Layer
         raise ValueError(f"{CACHE_FILE}: the cache description names no latent dims (d_c, d_r); export it again")
     if cache.get("layers_quant") is not None:  # a format per layer (quant.layers, quant=mixed, lloyd codebooks)
         quant["layers"] = cache["layers_quant"]
-    fmt = cache_format(quant, int(cache["d_c"]), int(cache["d_r"]), rope_layout=cache.get("rope_layout", "half"))
+    layout = cache.get("rope_layout", "half")
+    if cache.get("layer_dims"):  # a model whose layers' dims differ: each layer at its own
+        fmt = model_format(quant, [(int(c), int(r)) for c, r in cache["layer_dims"]], rope_layout=layout)
+    else:
+        fmt = cache_format(quant, int(cache["d_c"]), int(cache["d_r"]), rope_layout=layout)
     name = fmt.name
     if isinstance(fmt, PeerFormat):
         raise ValueError(f"quant={name}: a transformers QuantizedCache peer has no engine layout")

@@ -84,8 +84,8 @@ def check_model(model_cfg: DictConfig, *, prefill_tokens: int, decode_steps: int
         for pad_name, pad in (("no_padding", 0), ("left_padding", left_pad)):
             ids, mask = (t.to(reference.device) for t in make_batch(vocab, batch_size, prefill_tokens, pad, seed))
             metrics = compare(reference, absorbed, ids, mask, decode_steps)
-            dims = latent_dims(absorbed)
-            metrics["latent_values_per_token_per_layer"] = dims["d_c"] + dims["d_r"]
+            layer_dims = latent_dims(absorbed)["layer_dims"]  # the mean over MLA layers, whose dims may differ
+            metrics["latent_values_per_token_per_layer"] = sum(c + r for c, r in layer_dims) / len(layer_dims)
             results[f"{rope_name}/{pad_name}"] = metrics
     return results
 

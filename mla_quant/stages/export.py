@@ -34,7 +34,8 @@ def cache_description(prep) -> dict:
     if isinstance(fmt, LayeredFormat):  # a format per cache layer (quant.layers, or quant=mixed's allocation)
         out = {"format": fmt.name, "mode": fmt.mode, "layers": fmt.describe(),
                "bytes_per_token_per_layer": fmt.bytes_per_token(2), "allocation": fmt.source,
-               "protected": {"n_sink": fmt.n_sink, "recent": fmt.recent}, "d_c": fmt.d_c, "d_r": fmt.d_r,
+               "protected": {"n_sink": fmt.n_sink, "recent": fmt.recent}, "d_c": max(f.d_c for f in fmt.layers),
+               "d_r": max(f.d_r for f in fmt.layers), "layer_dims": [[f.d_c, f.d_r] for f in fmt.layers],
                # each layer's paths as quant.layers entries: what an engine rebuilds the formats from
                "layers_quant": [{p: f.path(p).to_cfg() for p in PATHS} for f in fmt.layers]}
         books = [{p: list(f.path(p).levels) for p in PATHS if f.path(p).levels is not None}

@@ -77,13 +77,14 @@ def validate(cfg: DictConfig) -> list[float]:
     check_context("task.probe.seq_len", task.probe.seq_len, model_dims(cfg.model))
     groups = task.get("rope_groups")
     if groups is not None:
-        d_r = model_dims(cfg.model)["d_r"]
-        if d_r == 0:
+        pairs = sorted({d_r // 2 for _, d_r in model_dims(cfg.model)["layer_dims"]} - {0})  # per layer with RoPE
+        if not pairs:
             raise ValueError(f"task.rope_groups={groups!r}: the model has no RoPE key (qk_rope_head_dim 0), so there "
                              "are no RoPE pairs to group; use task.rope_groups=null")
-        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or (d_r // 2) % groups:
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or any(n % groups for n in pairs):
+            what = " or ".join(str(n) for n in pairs)
             raise ValueError(f"task.rope_groups={groups!r}; allowed: null (off) or a number of groups dividing the "
-                             f"RoPE key's {d_r // 2} frequency pairs")
+                             f"RoPE key's {what} frequency pairs")
     if task.noise == "gaussian":
         refuse_overrides(["quant"], "task.noise=gaussian injects Gaussian noise and reads no quant setting (use "
                                     "task.noise=quantizer to inject the error of quant.<path>)")
@@ -165,10 +166,13 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         specs.append((done["key"], spec))
 
     paths = key_paths(dims)
+    # a layer without a RoPE key (Mistral Large 4's NoPE layers) is injected on its content alone
+    no_rope = [i for i, (_, d_r) in enumerate(prep.dims["layer_dims"]) if d_r == 0] if dims["rope"] else []
+    roped = [i for i in range(n_layers) if i not in no_rope]
     jobs = [("all_layers", dict(path=p, nmse=t, seed=s)) for t in targets for s in seeds for p in paths]
     if task.per_layer:
         jobs += [("one_layer", dict(path=p, nmse=headline, seed=s, layers={i}))
-                 for i in range(n_layers) for s in seeds for p in paths]
+                 for i in range(n_layers) for s in seeds for p in paths if p == "content" or i in roped]
     if task.mechanism:
         jobs += [("mechanism", dict(path="content", nmse=headline, seed=s, side=side))
                  for side in ("score", "value") for s in seeds]
@@ -176,10 +180,10 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         jobs += [("rope_pair", dict(path="rope", nmse=headline, seed=s, pair=i))
                  for i in range(dims["rope"] // 2) for s in seeds]
     if groups:  # quant=mixed quant.allocation.rope_groups reads these
-        per = dims["rope"] // 2 // groups
+        per = [d_r // 2 // groups for _, d_r in prep.dims["layer_dims"]]  # each layer's own pairs per group
         jobs += [("one_layer_group", dict(path="rope", nmse=headline, seed=s, layers={i}, group=g,
-                                          pair=tuple(range(g * per, (g + 1) * per))))
-                 for i in range(n_layers) for g in range(groups) for s in seeds]
+                                          pair=tuple(range(g * per[i], (g + 1) * per[i]))))
+                 for i in roped for g in range(groups) for s in seeds]
     for i, (kind, kw) in enumerate(tqdm(jobs, desc="sensitivity", unit="injection")):
         kept(i, kind, kw)
 
@@ -189,7 +193,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     family = model.mla_family
     metrics, tables = summarise(df, specs, clean, headline, n_layers, attention_layer_of=clean.layer_of_attention,
                                 unrotated=None if family.rotary else family.name,
-                                no_rope=family.name if dims["rope"] == 0 else None)
+                                no_rope=family.name if dims["rope"] == 0 else None, no_rope_layers=no_rope)
     metrics = {**(prep.transform_metrics or {}), **(prep.plan_metrics or {}), **metrics}
     write_text_atomic(run_dir / "sensitivity.md", tables)
     figures(df, metrics, headline, n_layers, run_dir)
@@ -211,10 +215,12 @@ def _match(df, where):
 
 
 def summarise(df, specs, clean, headline, n_layers, attention_layer_of, unrotated: str | None = None,
-              no_rope: str | None = None):
+              no_rope: str | None = None, no_rope_layers: list[int] = ()):
     """The metrics and the markdown tables. `unrotated`: the family name where the second key path is not rotated
     (the "RoPE" path is then a shared NoPE key, its pairs pairs of dims); `no_rope`: the family name where there is
-    no second key path at all (the content path alone: no amplification, no pairs)."""
+    no second key path at all (the content path alone: no amplification, no pairs); `no_rope_layers`: the layers
+    without a RoPE key in a model whose other layers have one (injected into the RoPE key of the others only, and
+    on their content alone when one layer at a time)."""
     if no_rope:
         return _summarise_content(df, specs, headline, n_layers, no_rope)
     m = _path_metrics(df, specs, headline, PATHS)
@@ -231,6 +237,9 @@ def summarise(df, specs, clean, headline, n_layers, attention_layer_of, unrotate
     lines = [f"# Fixed-NMSE sensitivity (cache NMSE {headline:g}, {df.seed.nunique()} seeds)\n",
              *([f"{unrotated}'s second key path is not rotated (no RoPE): \"RoPE\" below names that shared key, "
                 "and its pairs are pairs of dims, not frequencies.\n"] if unrotated else []),
+             *([f"MLA layers {list(no_rope_layers)} have no RoPE key (NoPE layers: the cache holds their content "
+                "latent alone): RoPE errors are injected into the other layers' keys only.\n"]
+               if no_rope_layers else []),
              "| injected | output NMSE content | output NMSE RoPE | amplification (mean ± std) |", "|---|---|---|---|"]
     lines.append(f"| all layers, logits | {m['sensitivity/output_nmse/content/logits']:.3g} | "
                  f"{m['sensitivity/output_nmse/rope/logits']:.3g} | {m['sensitivity/amplification/logits']:.2f} ± "
@@ -243,6 +252,11 @@ def summarise(df, specs, clean, headline, n_layers, attention_layer_of, unrotate
                   "| layer | A attention output | A layer output | A logits | predicted A (score) |", "|---|---|---|---|---|"]
         for i in range(n_layers):
             one = dict(kind="one_layer", layer=i)
+            if i in no_rope_layers:
+                v = df[(df.site == "logits") & (df.path == "content") & _match(df, one)].value.mean()
+                m[f"sensitivity/layer{i}/output_nmse/content/logits"] = v
+                lines.append(f"| {i} | no RoPE key (content alone: logits NMSE {v:.3g}) | | | |")
+                continue
             a_attn = _ratio_over_seeds(df, f"attn_output/{i}", **one)
             a_layer = _ratio_over_seeds(df, f"layer_output/{attention_layer_of[i]}", **one)
             a_logits = _ratio_over_seeds(df, "logits", **one)
@@ -261,6 +275,9 @@ def summarise(df, specs, clean, headline, n_layers, attention_layer_of, unrotate
                       "highest frequencies): logits NMSE / injected cache NMSE of the whole key", "",
                   "| layer | " + " | ".join(f"group {g}" for g in range(groups)) + " |", "|---|" + "---|" * groups]
         for i in range(n_layers):
+            if i in no_rope_layers:
+                lines.append(f"| {i} | " + " | ".join(["no RoPE key"] * groups) + " |")
+                continue
             row = []
             for g in range(groups):
                 sel = df[(df.site == "logits") & _match(df, dict(kind="one_layer_group", layer=i, group=g))]
@@ -361,10 +378,11 @@ def figures(df: pd.DataFrame, m: dict, headline: float, n_layers: int, run_dir: 
     if "sensitivity/layer0/amplification/attn_output" in m:
         fig, ax = plt.subplots(figsize=(max(4, 0.6 * n_layers + 2), 3.2))
         xs = list(range(n_layers))
-        ax.bar(xs, [m[f"sensitivity/layer{i}/amplification/attn_output"] for i in xs],
-               yerr=[m[f"sensitivity/layer{i}/amplification/attn_output_std"] for i in xs], capsize=3,
+        nan = float("nan")  # a layer without a RoPE key has no amplification: no bar
+        ax.bar(xs, [m.get(f"sensitivity/layer{i}/amplification/attn_output", nan) for i in xs],
+               yerr=[m.get(f"sensitivity/layer{i}/amplification/attn_output_std", nan) for i in xs], capsize=3,
                label="measured (attention output)", color="tab:blue", alpha=0.8)
-        ax.plot(xs, [m[f"sensitivity/layer{i}/predicted_amplification"] for i in xs], "o", color="tab:red",
+        ax.plot(xs, [m.get(f"sensitivity/layer{i}/predicted_amplification", nan) for i in xs], "o", color="tab:red",
                 label="predicted (score error)")
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_xlabel("MLA layer (injected alone)")

@@ -119,6 +119,8 @@ def check_layer_transform(w: MLAWeights, lt: LayerTransform, where: str) -> None
         value = getattr(lt, name)
         if value is not None and tuple(value.shape) != (n,):
             raise ValueError(f"{where}: RoPE {name} is {tuple(value.shape)} but d_r={w.d_r} has {n} pairs")
+    if w.rope_norm is not None and lt.angle is not None and bool((lt.angle != 0).any()):
+        raise ValueError(f"{where}: {ROPE_NORM_REFUSAL}")
     if lt.pair_scale is not None and not bool((lt.pair_scale > 0).all()):
         raise ValueError(f"{where}: RoPE pair scales must be positive, min {float(lt.pair_scale.min()):.3g}")
     for name in LayerTransform.FIELDS:
@@ -141,16 +143,28 @@ def fold_content(w: MLAWeights, rotation: torch.Tensor, scale: torch.Tensor) -> 
     _update(w.kv_b.weight, w.kv_b.weight.detach().double().cpu() @ m)
 
 
+ROPE_NORM_REFUSAL = ("the RoPE key is RMS-normed before RoPE (dots.3 Note's k_rope_only_layernorm), and a rotation "
+                     "within its pairs does not fold through the norm's per-dim weight; allowed: a RoPE kind that "
+                     "scales pairs without rotating them (transform.rope.kind=pair_scale or none)")
+
+
 @torch.no_grad()
 def fold_rope(w: MLAWeights, angle: torch.Tensor, scale: torch.Tensor) -> None:
-    """Fold the pairwise T into the RoPE rows of kv_a and T^{-T} into every head's query RoPE rows (in place)."""
+    """Fold the pairwise T into the RoPE rows of kv_a and T^{-T} into every head's query RoPE rows (in place). A RoPE
+    key RMS-normed before RoPE (`w.rope_norm`) takes a scale per pair only, into the norm's weight (the RMS of the
+    rows it normalizes unchanged)."""
     d_r, d_c = w.d_r, w.d_c
     angle, scale = angle.double().cpu(), scale.double().cpu()
     t = pair_matrix(angle, scale, w.rope_layout, d_r)
     t_inv_t = pair_matrix(angle, 1.0 / scale, w.rope_layout, d_r)
-    _update(w.kv_a.weight[d_c:], t @ w.rope_rows().detach().double().cpu())
-    if w.kv_a.bias is not None:
-        _update(w.kv_a.bias[d_c:], t @ w.kv_a.bias[d_c:].detach().double().cpu())
+    if w.rope_norm is not None:
+        if bool((angle != 0).any()):
+            raise ValueError(ROPE_NORM_REFUSAL)
+        _update(w.rope_norm, t.diagonal() * w.rope_norm.detach().double().cpu())
+    else:
+        _update(w.kv_a.weight[d_c:], t @ w.rope_rows().detach().double().cpu())
+        if w.kv_a.bias is not None:
+            _update(w.kv_a.bias[d_c:], t @ w.kv_a.bias[d_c:].detach().double().cpu())
     rope = slice(w.d_nope, w.d_nope + d_r)  # of each head's q_out rows (AXK2's gate rows follow them)
     q = w.q_out.weight.view(w.num_heads, w.q_rows, -1)
     _update(q[:, rope], t_inv_t @ w.q_rope_rows().detach().double().cpu())

@@ -118,8 +118,10 @@ class RotationScaling(TransformKind):
 
 
 class PairKind(TransformKind):
-    """A RoPE kind acts per frequency pair: the key's dimension must be even."""
+    """A RoPE kind acts per frequency pair: the key's dimension must be even. `rotates`: it rotates within pairs
+    (a family that RMS-norms its RoPE key before RoPE cannot fold that; a scale per pair folds into the norm)."""
     path = "rope"
+    rotates = False
 
     def sample(self, d, generator, log_normal):
         if d % 2:
@@ -153,6 +155,7 @@ class PairScale(PairKind):
 @register
 class Pairwise(PairKind):
     name = "pairwise"
+    rotates = True
     data_free, fitted = False, True
 
     def starts(self, ctx):
