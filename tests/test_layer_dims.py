@@ -207,3 +207,14 @@ def test_dots_rope_transforms_fold_into_the_norm_or_are_refused(dots):
         validate(cfg, model_dims(cfg.model))
     ok = compose(DOTS, "quant=int4_joint", *TINY, "transform=quantmla", "transform.rope.kind=pair_scale")
     validate(ok, model_dims(ok.model))
+
+
+def test_verify_reports_a_refused_kind_and_passes(tmp_path):
+    """experiment=verify on dots.3 Note: every kind it folds leaves the function unchanged, QuantMLA's pair rotation
+    is listed as refused with its reason, and the stage passes."""
+    from mla_quant.stages import verify
+
+    result = verify.run(compose(DOTS, "experiment=verify"), tmp_path)
+    assert result.ok and result.metrics["verify/dots3_note/quantmla/refused"] == 1.0
+    assert result.metrics["verify/dots3_note/smoothquant/logits_rel_err"] <= 1e-5
+    assert "dots3_note x quantmla refused: " in (tmp_path / "verify.md").read_text()

@@ -109,9 +109,11 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
             continue
         metrics[f"verify/{r.family}/{r.transform}/logits_rel_err"] = r.logits_rel_err
         metrics[f"verify/{r.family}/{r.transform}/greedy_equal"] = float(r.greedy_equal)
-    shown = df.assign(logits_rel_err=df.logits_rel_err.where(~refused), greedy_equal=df.greedy_equal.where(~refused))
+    shown = df.assign(logits_rel_err=df.logits_rel_err.where(~refused),
+                      greedy_equal=df.greedy_equal.astype(object).where(~refused, "refused"))
     text = shown.to_markdown(index=False, floatfmt=".2e")
-    notes = "".join(f"\n- {df.family[i]} x {df.transform[i]} refused: {reasons[i]}" for i in df.index[refused])
+    notes = "".join(f"\n- {df.loc[i, 'family']} x {df.loc[i, 'transform']} refused: {reasons[i]}"
+                    for i in df.index[refused])
     text += f"\n{notes}" if notes else ""
     write_text_atomic(run_dir / "verify.md", f"tolerance {tol:g} (relative, float32 logits)\n\n{text}\n")
     print(text)
