@@ -28,6 +28,7 @@ between the two implementations flips quantized roundings, and `task.require_equ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -40,8 +41,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.checks import int_setting
-from mla_quant.models.absorbed import cache_kwargs, new_cache
-from mla_quant.prepare import model_dims, prepare_model, rope_layout
+from mla_quant.models.absorbed import absorb, attention_blocks, cache_kwargs, new_cache
+from mla_quant.prepare import model_dims, rope_layout
 from mla_quant.record import write_json_atomic, write_text_atomic
 from mla_quant.serving import CACHE_FILE
 from mla_quant.stages import StageResult
@@ -150,15 +151,18 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         raise ImportError(f"experiment=serve runs vLLM's engine, which is not installed ({err}): "
                           f"{INSTALL_HINT}") from err
     dims = model_dims(cfg.model)  # what the engine cannot store is refused before anything is prepared or exported
+    differ = len(set(dims["layer_dims"])) > 1  # a model whose layers' dims differ: each at its own
     served_format({"quant": OmegaConf.to_container(cfg.quant, resolve=True),
                    "cache": {"format": cfg.quant.get("name"), "d_c": dims["d_c"], "d_r": dims["d_r"],
+                             **({"layer_dims": dims["layer_dims"]} if differ else {}),
                              "rope_layout": rope_layout(cfg.model)}}, fitted=False)
 
     checkpoint = run_dir / "checkpoint"
     export, description = export_checkpoint(cfg, checkpoint)
     fmt = served_format(description)
-    del export  # the unabsorbed model: freed before the framework's own is prepared
-    prep = prepare_model(cfg)
+    # the exported model, absorbed in place, is the framework's reference: one preparation (weights, transforms,
+    # allocation and codebooks) for the checkpoint and the reference alike
+    prep = dataclasses.replace(export, model=absorb(export.model, attention_blocks(cfg.get("attention"))))
     vocab = prep.model.config.get_text_config(decoder=True).vocab_size
     prompts = prompts_of(task, prep.tokenizer, vocab)
     reference = framework_tokens(prep, prompts, int(task.max_tokens))
