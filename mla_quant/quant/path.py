@@ -97,7 +97,7 @@ class PathFormat:
             isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0
         ):
             raise ValueError(f"{where}.group_size={self.group_size!r}; allowed: null or a positive integer")
-        if d is not None and self.format == "pairs":
+        if d is not None:
             self.codec.check_dim(self, d, where)
         if d is not None and self.quantized and self.granularity == "group" and self.group_size is not None:
             if d % self.group_size:

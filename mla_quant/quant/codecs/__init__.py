@@ -12,9 +12,10 @@ from mla_quant.quant.codecs.fp8 import Fp8Codec
 from mla_quant.quant.codecs.codebook import CodebookCodec
 from mla_quant.quant.codecs.channel_block import ChannelBlockCodec
 from mla_quant.quant.codecs.pairs import PAIR_LAYOUTS, PairsCodec, pair_channels
+from mla_quant.quant.codecs.nvfp4 import Nvfp4Codec
 # isort: on
 
 FORMATS = tuple(CODECS)
 
 __all__ = ["CODECS", "FORMATS", "PAIR_LAYOUTS", "ChannelBlockCodec", "Codec", "CodebookCodec", "Fp8Codec", "IntCodec",
-           "PairsCodec", "ValuesCodec", "check_finite", "pair_channels", "register"]
+           "Nvfp4Codec", "PairsCodec", "ValuesCodec", "check_finite", "pair_channels", "register"]

@@ -53,6 +53,9 @@ class Codec:
             raise ValueError(f"{where}.granularity={fmt.granularity!r}: format={self.name} takes "
                              f"{list(self.granularities)}")
 
+    def check_dim(self, fmt: "PathFormat", d: int, where: str) -> None:
+        """Checks against the path's dimension that the format adds (pairs, packing blocks); none by default."""
+
     def n_groups(self, fmt: "PathFormat", d: int) -> int:
         return 0
 
