@@ -571,11 +571,11 @@ def paired_kl(df: pd.DataFrame) -> Table:
             if rtn.empty:
                 continue
             base = rtn.iloc[-1]["per_sequence"]
-            for r in g[g["method"] != "none"].itertuples():
-                row = _kl_pair(r.per_sequence, base, "KL RTN")
+            for _, r in g[g["method"] != "none"].iterrows():
+                row = _kl_pair(r["per_sequence"], base, "KL RTN")
                 if row is not None:
-                    out.append({**dict(zip(key, k)), "method": r.method, **row})
-                    sources.update([r.source, rtn.iloc[-1]["source"]])
+                    out.append({**dict(zip(key, k)), "method": r["method"], **_held(r, rtn.iloc[-1], "RTN"), **row})
+                    sources.update([r["source"], rtn.iloc[-1]["source"]])
     long_out = pd.DataFrame(out)
     if long_out.empty:
         return Table("paired_kl", "Next-token KL vs RTN on the same sequences", long_out)
@@ -614,8 +614,17 @@ def _kl_pair(m: pd.DataFrame, base: pd.DataFrame, base_name: str) -> dict | None
             "sequences higher": int((per_m > per_b).sum())}
 
 
+def _held(r, other, name: str) -> dict:
+    """Bytes per token and layer of a paired row's two runs at BF16: per quantized token and held over the sequences
+    scored (the other run's columns prefixed with `name`)."""
+    return {"B quantized": r["B quantized"], "B held": r["B held"],
+            f"{name} B quantized": other["B quantized"], f"{name} B held": other["B held"]}
+
+
 def _kl_shown(long_out: pd.DataFrame, kls) -> pd.DataFrame:
     shown = long_out.copy()
+    for c in [c for c in shown.columns if c.endswith(("B quantized", "B held"))]:
+        shown[c] = shown[c].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.1f}")
     shown["delta"] = [_pm(d, e, 4) for d, e in zip(long_out["delta"], long_out["paired SE"])]
     shown["z"] = long_out["z"].map(lambda v: f"{v:+.1f}")
     for c in kls:
@@ -665,8 +674,9 @@ def mixed(df: pd.DataFrame) -> Table:
             row = _kl_pair(r["per_sequence"], u.iloc[-1]["per_sequence"], "KL uniform")
             if row is not None:
                 rows.append({"model": r["model"], "method": r["method"], "cache": r["cache"],
-                             "protected": r["protected"], "B quantized": r["B quantized"],
+                             "protected": r["protected"], "B quantized": r["B quantized"], "B held": r["B held"],
                              "uniform": str(r["budget"]), "uniform B quantized": u.iloc[-1]["B quantized"],
+                             "uniform B held": u.iloc[-1]["B held"],
                              "task": f"next-token KL ({r['data']})", "sources": [r["source"], u.iloc[-1]["source"]],
                              **row})
     out = pd.DataFrame(rows)

@@ -281,17 +281,21 @@ def needs_calibration_data(cfg: DictConfig, quant: bool = True, calib_report: bo
                 or (quant and (is_mixed(cfg.get("quant")) or quant_uses_lloyd(cfg.get("quant")))))
 
 
-def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, absorbed: bool = True,
+def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: Any = True, absorbed: bool = True,
                   calib_report: bool = False, host: dict[str, float] | None = None, **build_overrides) -> Prepared:
     """Validate, then load, transform, absorb and place the model of `cfg.model` (see the module docstring).
-    quant=False: the stage does not use the quant group. tokenizer=False: do not load one. calib_report=True: report
+    quant=False: the stage does not use the quant group. tokenizer=False: do not load one; a tokenizer: the model's,
+    loaded already by the stage (its files were checked then), used as is. calib_report=True: report
     the calibration objectives per layer even for transforms that fit nothing (experiment=calibrate). host: {what:
     bytes} the stage holds already on the host (measured; the memory plan counts it on the CPU)."""
+    loaded = None if isinstance(tokenizer, bool) else tokenizer
+    tokenizer = tokenizer is not False
     dims, fmt, plan = preflight(cfg, quant=quant, tokenizer=tokenizer, calib_report=calib_report, host=host)
     if plan is not None:
         print(plan.table(), flush=True)
     spec = fmt if isinstance(fmt, MixedSpec) else None
-    tok = load_tokenizer(cfg.model) if tokenizer or needs_tokenizer(cfg, calib_report) else None  # before weights
+    tok = loaded if loaded is not None else (load_tokenizer(cfg.model) if tokenizer or needs_tokenizer(cfg, calib_report)
+                                             else None)  # before weights
     model = build_model(cfg.model, absorbed=False, **build_overrides)
     run_format = fmt if spec is None else spec.budget_format  # quant=mixed: fit for the budget's named option
     tset, transform_metrics, report = calibrated_transforms(model, cfg, tok, run_format, report=calib_report)

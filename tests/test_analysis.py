@@ -10,7 +10,9 @@ from conftest import compose
 from analysis import figures, tables
 from analysis.__main__ import main as analysis_main
 from analysis.records import load_frame, newest_complete
-from mla_quant import pipeline
+from mla_quant import pipeline, prepare
+from mla_quant.models import build
+from mla_quant.stages import evaluate as evaluate_stage
 
 
 def _run(root, monkeypatch, name, overrides):
@@ -32,7 +34,11 @@ def runs(tmp_path_factory):
                                 "task.probe.num_sequences=1", "task.probe.seq_len=32"])
         needles = ["eval.tasks=[toy_niah_single_1]", "eval.limit=2", "eval.data.niah_lengths=[256]",
                    "eval.data.niah_per_length=2"]
+        loads = []  # every tokenizer the evaluate stage loads (it loads the model's once)
+        for module in (evaluate_stage, prepare):
+            mp.setattr(module, "load_tokenizer", lambda cfg, load=build.load_tokenizer: loads.append(1) or load(cfg))
         _run(root, mp, "eval", ["experiment=evaluate", "quant=int4_joint", "quant.content.group_size=32", *needles])
+        (root / "eval" / "tokenizer_loads").write_text(str(len(loads)))
         _run(root, mp, "eval_quarot", ["experiment=evaluate", "quant=int4_joint", "quant.content.group_size=32",
                                        "transform=quarot", "eval.control_no_rope.enabled=false", *needles])
         _run(root, mp, "eval_bf16", ["experiment=evaluate", "quant=bf16", "eval.control_no_rope.enabled=false",
@@ -209,6 +215,11 @@ def test_needle_regions_split_the_scores_and_the_placement_quantizes_every_needl
     assert placed["eval/toy_niah_single_1/needle_quantized/exact_match"] == placed["eval/toy_niah_single_1/exact_match"]
     bf16 = json.loads((runs / "eval_bf16" / "record.json").read_text())["metrics"]
     assert bf16["eval/toy_niah_single_1/needle_unquantized/examples"] == 2
+    first = json.loads((runs / "eval" / "record.json").read_text())["metrics"]  # its no-RoPE control ran after
+    for name in ("held_B_per_token_per_layer", "bf16_B_per_token_per_layer", "token_layers"):
+        assert first[f"cache/{name}"] == pytest.approx(first[f"eval/toy_niah_single_1/cache/{name}"])  # one task
+    assert first["eval/control_no_rope/toy_niah_single_1/exact_match"] is not None
+    assert (runs / "eval" / "tokenizer_loads").read_text() == "1"
     assert bf16["cache/bf16_B_per_token_per_layer"] == pytest.approx((96 + 16) * 2)
     assert bf16["cache/held_B_per_token_per_layer"] == pytest.approx((96 + 16) * 4)  # the toy runs in float32
     frame = load_frame([runs])

@@ -79,6 +79,8 @@ def test_paired_kl_pairs_runs_sequence_by_sequence(tmp_path, monkeypatch):
     assert row["method"] == "quarot" and row["sequences"] == 2
     assert row["delta"] == pytest.approx(quarot["quality/kl"] - rtn["quality/kl"])
     assert row["paired SE"] > 0 and row["sequences lower"] + row["sequences higher"] <= 2
+    assert row["B held"] == pytest.approx(quarot["cache/bf16_B_per_token_per_layer"])  # bytes held beside the KL
+    assert row["RTN B held"] == pytest.approx(rtn["cache/bf16_B_per_token_per_layer"]) == row["RTN B quantized"]
     assert set(t.sources) == {str(tmp_path / n / "record.json") for n in ("rtn", "quarot")}
 
 
@@ -100,4 +102,6 @@ def test_mixed_runs_pair_with_the_uniform_option_at_their_bytes(tmp_path, monkey
     assert row["cache"] == "mixed sensitivity @int2_joint" and row["uniform"] == "int2_joint"
     assert row["KL"] == pytest.approx(mixed["quality/kl"]) and row["KL uniform"] == pytest.approx(uniform["quality/kl"])
     assert row["delta"] == pytest.approx(mixed["quality/kl"] - uniform["quality/kl"]) and row["sequences"] == 2
+    assert row["B held"] == pytest.approx(mixed["cache/bf16_B_per_token_per_layer"])
+    assert row["uniform B held"] == pytest.approx(uniform["cache/bf16_B_per_token_per_layer"])
     assert set(t.sources) == {str(tmp_path / n / "record.json") for n in ("uniform", "mixed")}

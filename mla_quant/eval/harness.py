@@ -29,19 +29,6 @@ class ContextTooLong(ValueError):
     pass
 
 
-def pooled_held(metrics: dict[str, float], tasks: list[str], prefix: str = "eval") -> dict[str, float]:
-    """Run-level cache/held_*, cache/bf16_* and cache/bf16/<part> over `tasks`, each task's figures weighted by its
-    tokens (<prefix>/<task>/cache/...)."""
-    weights = {t: metrics.get(f"{prefix}/{t}/cache/token_layers", 0.0) for t in tasks}
-    total = sum(weights.values())
-    if not total:
-        return {}
-    names = {k.split("/cache/", 1)[1] for t in tasks for k in metrics if k.startswith(f"{prefix}/{t}/cache/")}
-    names.discard("token_layers")
-    return {f"cache/{name}": sum(metrics.get(f"{prefix}/{t}/cache/{name}", 0.0) * w for t, w in weights.items()) / total
-            for name in sorted(names)}
-
-
 def trailing_padding_mask(inps: torch.Tensor, pad_id: int = 0) -> torch.Tensor | None:
     """(B, T) attention mask that marks each row's trailing run of `pad_id` as padding: lm-eval right-pads the
     batches it scores with zeros and passes no mask. The rule is per row (a row scored alone gets the same mask),

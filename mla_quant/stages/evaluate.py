@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mla_quant.eval import HEADLINE_FILTERS
-from mla_quant.eval.harness import LatentCacheHFLM, compact_samples, evaluate_tasks, pooled_held, rope_zeroed
+from mla_quant.eval.harness import LatentCacheHFLM, compact_samples, evaluate_tasks, rope_zeroed
 from mla_quant.eval.needles import check_placement, needle_region, region_metrics
 from mla_quant.eval.task_files import CODE_TASKS, TOY_TASKS, write_task_files
 from mla_quant.eval.task_utils import ALLOW_ENV, OPT_IN_HINT
@@ -146,27 +146,34 @@ def check(cfg: DictConfig, data_folder: Path | None = None, data: bool = True) -
     # (RULER builds its samples with the tokenizer; no other stock task reads it before the model is prepared)
     if not data:
         return plan, {}
-    tokenizer = load_tokenizer(cfg.model) if plan.ruler else None
+    return plan, stock_tasks(plan, ev, load_tokenizer(cfg.model) if plan.ruler else None, data_folder)
+
+
+def stock_tasks(plan: TaskPlan, ev: DictConfig, tokenizer, data_folder: Path | None) -> dict:
+    """The plan's stock tasks loaded (local task files into data_folder; None: a temporary folder, dropped)."""
     if data_folder is None:
         with tempfile.TemporaryDirectory() as tmp:
-            return plan, load_stock_tasks(plan, ev, tokenizer, Path(tmp))
-    return plan, load_stock_tasks(plan, ev, tokenizer, data_folder)
+            return load_stock_tasks(plan, ev, tokenizer, Path(tmp))
+    return load_stock_tasks(plan, ev, tokenizer, data_folder)
 
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     ev = cfg.eval
     torch.set_num_threads(int(ev.get("threads", 2)))
     before = allocated_bytes()
-    plan, stock = check(cfg, run_dir / "lm_eval_tasks" / "local")
+    plan, _ = check(cfg, data=False)
+    tokenizer = load_tokenizer(cfg.model)  # once, its files checked: RULER's samples, the toy task files, the model's
+    stock = stock_tasks(plan, ev, tokenizer, run_dir / "lm_eval_tasks" / "local")
     after = allocated_bytes()  # lm-eval, its loaded tasks (RULER's haystacks: ~0.15 GB) are held through the run
     allow = bool(ev.get("allow_code_execution", False))
 
     # the toy task files before any weight is read: a needle placement that cannot be had fails here
-    folder = (write_task_files(run_dir / "lm_eval_tasks", load_tokenizer(cfg.model), tasks=plan.toy,
+    folder = (write_task_files(run_dir / "lm_eval_tasks", tokenizer, tasks=plan.toy,
                                **OmegaConf.to_container(ev.data, resolve=True)) if plan.toy else None)
     # validates quant/transform/objective against the model before loading weights; plans memory with the tasks
-    prep = prepare_model(cfg, host=None if after is None else {"lm-eval tasks": max(0, after - before)})
-    model, tokenizer = prep.model, prep.tokenizer
+    prep = prepare_model(cfg, tokenizer=tokenizer,
+                         host=None if after is None else {"lm-eval tasks": max(0, after - before)})
+    model = prep.model
     lm = LatentCacheHFLM(model, tokenizer, layer_factory=prep.layer_factory(),
                          batch_size=int(ev.batch_size))
     gen_kwargs = OmegaConf.to_container(ev.gen_kwargs, resolve=True) if ev.get("gen_kwargs") else None
@@ -192,7 +199,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                             samples_dir=samples, needle_of=needle_of, **options)
         raw["stock"] = res
         metrics.update(task_metrics(res, "eval"))
-    metrics.update(pooled_held(metrics, [*toy, *plan.stock]))  # the bytes held over every task, by their tokens
+    metrics.update(lm.held.metrics("cache"))  # the bytes held over every task (the control's calls come after)
     metrics["eval/seconds"] = time.perf_counter() - start
     metrics["eval/cache_calls"] = lm.cache_calls
 
