@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.cache.factory import cache_layer_factory
-from mla_quant.kernels.latent_decode import latent_decode, latent_decode_reference
+from mla_quant.kernels.latent_decode import latent_decode
+from mla_quant.kernels.torch_decode import latent_decode_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 576 ** -0.5

@@ -14,6 +14,7 @@ from conftest import CPU_DECODE, compose
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.calibration.codebooks import fitted_on
 from mla_quant.kernels import attention as attn_mod
+from mla_quant.kernels import torch_decode
 from mla_quant.kernels.attention import (UNBLOCKED, AttentionBlocks, CausalMask, latent_attention,
                                          reference_attention)
 from mla_quant.models.absorbed import absorb, attention_blocks, cache_kwargs, quantized_cache
@@ -401,14 +402,14 @@ def segment_layer(spec: dict, b: int = 3, pads=(0, 9, 77), tokens: int = 190):
 def test_segment_attention_equals_the_kernels_reference(name, keys, monkeypatch):
     """segment_attention over a layer's stored segments (codes read in place, `keys` tokens per chunk) equals the
     kernel's specification (every token dequantized, float32); no decoded chunk exceeds the workspace."""
-    from mla_quant.kernels.latent_decode import latent_decode_reference
+    from mla_quant.kernels.torch_decode import latent_decode_reference
 
     layer, d_c, d_r = segment_layer(SEGMENT_FORMATS[name])
     segments = layer.segments()
     if name != "bf16":
         assert layer.n_quantized > 0 and len(segments) >= 2
     held, kept = [], []  # tokens decoded per chunk; content tokens held under one softmax when a chunk is decoded
-    real, group = attn_mod._Chunk.__init__, attn_mod._softmax_group
+    real, group = torch_decode._Chunk.__init__, torch_decode._softmax_group
 
     def chunk(self, p, read, d):
         real(self, p, read, d)
@@ -420,13 +421,13 @@ def test_segment_attention_equals_the_kernels_reference(name, keys, monkeypatch)
         kept.append(None)  # a group closed: its chunks are let go
         return group(chunks)
 
-    monkeypatch.setattr(attn_mod, "_softmax_group", softmax_group)
+    monkeypatch.setattr(torch_decode, "_softmax_group", softmax_group)
 
-    monkeypatch.setattr(attn_mod._Chunk, "__init__", chunk)
+    monkeypatch.setattr(torch_decode._Chunk, "__init__", chunk)
     g = torch.Generator().manual_seed(1)
     for heads in (1, 5):
         q, qr = torch.randn(3, heads, d_c, generator=g), torch.randn(3, heads, d_r, generator=g)
-        got = attn_mod.segment_attention(q, qr, 0.12, segments, keys)
+        got = torch_decode.segment_attention(q, qr, 0.12, segments, keys)
         torch.testing.assert_close(got, latent_decode_reference(q, qr, 0.12, segments), rtol=1e-5, atol=1e-5)
     bound = max(keys or 0, layer.block_size) if keys else max(s.longest() for s in segments)
     assert max(held) <= bound, (held, bound)
@@ -441,7 +442,7 @@ def test_segment_attention_of_empty_sequences_is_zero():
     from mla_quant.kernels.layout import Segment
 
     c, r = torch.randn(2, 4, 8), torch.randn(2, 4, 4)
-    out = attn_mod.segment_attention(torch.randn(2, 3, 8), torch.randn(2, 3, 4), 0.5,
+    out = torch_decode.segment_attention(torch.randn(2, 3, 8), torch.randn(2, 3, 4), 0.5,
                                      [Segment.dense(c, r, torch.tensor([0, 2]))])
     assert torch.equal(out[0], torch.zeros(3, 8)) and out[1].abs().sum() > 0
 
@@ -454,7 +455,7 @@ def test_decode_steps_over_segments_equal_the_stored_keys_path(name, mode, backe
     `segment_attention`; auto: the C++ CPU kernel where it reads the format); it equals attention over the layer's
     slot-aligned stored keys (`StoredKeys`, what prefill and every other step read), with the absorbed projections,
     left padding included. A mask that also hides a real token takes the StoredKeys path."""
-    from mla_quant.cache.layer import StoredKeys
+    from mla_quant.cache.reads import StoredKeys
 
     spec = {**SEGMENT_FORMATS[name], "mode": mode, "backend": backend}
     layer, d_c, d_r = segment_layer(spec)
@@ -509,7 +510,7 @@ def test_sinks_in_every_form_equal_transformers_softmax_with_a_sink_column():
             assert err <= 1e-5, f"{blocks} mask={name}: max relative error {err:.3g}"
     # one query per sequence over segments, merged by log-sum-exp (split over 3 chunks of keys)
     lengths = torch.tensor([s, s - 7])
-    got = attn_mod.segment_attention(ql[:, :, -1], qr[:, :, -1], 0.3, [Segment.dense(c, r, lengths)], 16, sinks)
+    got = torch_decode.segment_attention(ql[:, :, -1], qr[:, :, -1], 0.3, [Segment.dense(c, r, lengths)], 16, sinks)
     keys = torch.arange(s)[None] < lengths[:, None]
     one = reference_attention(ql[:, :, -1:], qr[:, :, -1:], c, r, 0.3, CausalMask(keys).dense(1, torch.float32),
                               sinks=sinks)[:, :, 0]

@@ -18,7 +18,7 @@ from mla_quant.cache import cache_layer_factory
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.kernels import cpu_decode
 from mla_quant.kernels.cpu_decode import latent_decode_cpu
-from mla_quant.kernels.latent_decode import latent_decode_reference
+from mla_quant.kernels.torch_decode import latent_decode_reference
 from mla_quant.models.absorbed import cache_kwargs, quantized_cache
 
 # Where a C++ compiler exists the kernel must build (a build that fails fails these tests); without one they skip.

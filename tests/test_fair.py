@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from mla_quant.cache.bytes import HeldBytes, load_quant_option
 from mla_quant.cache.factory import layer_factory
-from mla_quant.cache.layer import LatentCache
+from mla_quant.cache import LatentCache
 from mla_quant.cache.peers import PeerLatentCacheLayer
 from mla_quant.eval.needles import check_placement, needle_region
 from mla_quant.eval.task_files import token_offsets, write_task_files

@@ -16,7 +16,8 @@ from dataclasses import replace
 from mla_quant.cache import LatentCacheLayer, cache_layer_factory
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.calibration.codebooks import fitted_on
-from mla_quant.kernels.latent_decode import latent_decode, latent_decode_reference
+from mla_quant.kernels.latent_decode import latent_decode
+from mla_quant.kernels.torch_decode import latent_decode_reference
 from mla_quant.models.absorbed import cache_kwargs, quantized_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_quant.kernels.latent_decode import (MAX_SEGMENTS, Segment, latent_decode, latent_decode_reference,
-                                             split_plan)
+from mla_quant.kernels.decode_plan import split_plan
+from mla_quant.kernels.latent_decode import MAX_SEGMENTS, Segment, latent_decode
+from mla_quant.kernels.torch_decode import latent_decode_reference
 from test_kernel import DEVICE, FORMATS, dense_attention, filled_layer
 
 SHAPES = {1: (96, 16), 16: (96, 16), 128: (32, 8)}  # heads -> (d_c, d_r); 128 heads with small dims

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_quant.cache.layer import LatentCacheLayer, StoredKeys
+from mla_quant.cache.layer import LatentCacheLayer
+from mla_quant.cache.reads import StoredKeys
 from mla_quant.kernels.attention import AttentionBlocks, CausalMask, latent_attention
 from test_kernel import filled_layer
 

@@ -15,8 +15,9 @@ from omegaconf import OmegaConf
 from mla_quant.cache import cache_layer_factory
 from mla_quant.cache.bytes import byte_table, load_quant_option, measure_bytes
 from mla_quant.models.absorbed import cache_kwargs, quantized_cache
+from mla_quant.quant.codecs.channel_block import channel_block_dequantize, channel_block_quantize
 from mla_quant.quant.formats import PathFormat, cache_bytes_per_token, cache_format, fake_quantizer
-from mla_quant.quant.quantizers import channel_block_dequantize, channel_block_quantize, fake_quantize
+from mla_quant.quant.quantizers import fake_quantize
 from test_per_sequence import batches, logits_of  # the padded batches of the per-sequence tests
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from mla_quant.cache import cache_layer_factory
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.cache.paged import PagedStore
-from mla_quant.kernels.latent_decode import PagedPath, Segment, latent_decode, latent_decode_reference
+from mla_quant.kernels.latent_decode import PagedPath, Segment, latent_decode
+from mla_quant.kernels.torch_decode import latent_decode_reference
 from mla_quant.kernels.layout import PageLayout, WordLayout
 from mla_quant.kernels.quant_store import quantize_append
 from mla_quant.quant.formats import PathFormat

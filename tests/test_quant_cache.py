@@ -15,8 +15,9 @@ from mla_quant.cache.bytes import HeldBytes, byte_table, load_quant_option, meas
 from mla_quant.kernels.attention import latent_attention
 from mla_quant.models.absorbed import cache_kwargs, latent_dims, new_cache, quantized_cache
 from mla_quant.prepare import build_model
+from mla_quant.quant.codecs.fp8 import fp8_fake_quantize
 from mla_quant.quant.formats import cache_bytes_per_token, cache_format, fake_quantizer
-from mla_quant.quant.quantizers import fake_quantize, fp8_fake_quantize
+from mla_quant.quant.quantizers import fake_quantize
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # The project's own uniform formats; the peers (transformers' QuantizedCache, conf/quant/hf_*.yaml) are
@@ -525,7 +526,7 @@ def test_attention_sinks_reach_quantized_decode_and_the_kernels_are_refused(monk
                                  output_logits=True, return_dict_in_generate=True, pad_token_id=0)
         return torch.stack(out.logits)
 
-    from mla_quant.cache import layer as layer_mod
+    from mla_quant.cache import reads as layer_mod
 
     calls = []
     monkeypatch.setattr(layer_mod, "segment_attention",

@@ -6,16 +6,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mla_quant.quant.codecs.channel_block import channel_block_dequantize, channel_block_quantize
+from mla_quant.quant.codecs.fp8 import fp8_dequantize, fp8_fake_quantize, fp8_quantize
 from mla_quant.quant.quantizers import (
     FP8_DTYPE,
     INT_BITS,
     SCALE_DTYPES,
-    channel_block_dequantize,
-    channel_block_quantize,
     fake_quantize,
-    fp8_dequantize,
-    fp8_fake_quantize,
-    fp8_quantize,
     group_dequantize,
     group_quantize,
     group_quantize_reference,

@@ -138,7 +138,7 @@ def test_random_transform_set_covers_every_layer():
 
 
 def test_lloyd_max_codebook_matches_the_known_quantizer():
-    from mla_quant.quant.quantizers import codebook_dequantize, codebook_quantize, gaussian_codebook
+    from mla_quant.quant.codecs.codebook import codebook_dequantize, codebook_quantize, gaussian_codebook
 
     torch.testing.assert_close(gaussian_codebook(2), torch.tensor([-1.5104, -0.4528, 0.4528, 1.5104],
                                                                   dtype=torch.float64), atol=2e-4, rtol=0)

@@ -13,8 +13,8 @@ import torch
 from conftest import HAS_CXX, compose
 
 from mla_quant.cache.layer import LatentCacheLayer
-from mla_quant.kernels.attention import segment_attention
 from mla_quant.kernels.layout import Segment
+from mla_quant.kernels.torch_decode import segment_attention
 from mla_quant.quant.formats import cache_format
 
 vllm_backend = pytest.importorskip("mla_quant.serving.vllm_backend", reason="vLLM's CPU build (README) is needed")

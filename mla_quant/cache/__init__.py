@@ -6,7 +6,9 @@ region per sequence, and layers whose decode steps run a decode kernel (Triton o
 """
 
 from mla_quant.cache.factory import cache_layer_factory, layer_factory
-from mla_quant.cache.layer import LatentCache, LatentCacheLayer, check_latents
+from mla_quant.cache.contract import check_latents
+from mla_quant.cache.latent_cache import LatentCache
+from mla_quant.cache.layer import LatentCacheLayer
 from mla_quant.cache.paged import PagedStore
 
 __all__ = ["LatentCache", "LatentCacheLayer", "PagedStore", "cache_layer_factory", "check_latents", "layer_factory"]

@@ -17,7 +17,8 @@ import os
 
 import torch
 
-from mla_quant.cache.layer import PATHS, LatentCacheLayer, step_type
+from mla_quant.cache.contract import step_type
+from mla_quant.cache.layer import PATHS, LatentCacheLayer
 from mla_quant.kernels.layout import WordLayout
 from mla_quant.quant.formats import check_finite
 from mla_quant.quant.quantizers import SCALE_DTYPES, ZERO_DTYPES

@@ -22,97 +22,28 @@ With both paths bf16 there is nothing to protect: every token goes to the store,
 
 Semantics (`quant.mode`, docs/method.md section 3): "simulated": every read sees the stored values outside the
 protected region, the appending step included. "serving": the step that appends tokens sees its own fresh latents.
+
+This module writes (regions, the paged store, encode on write, transformers' crop and batch operations);
+cache/reads.py reads (decoded tokens, `StoredKeys`, segments, the attention dispatch), cache/accounting.py counts
+bytes, cache/contract.py is transformers' layer contract, and cache/latent_cache.py the model's `LatentCache`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
-from mla_quant.cache.paged import PagedStore, read_path
-from mla_quant.kernels.attention import DEFAULT_BLOCKS, CausalMask, latent_attention, segment_attention, visible
-from mla_quant.kernels.layout import Segment
+from mla_quant.cache.accounting import LayerBytes
+from mla_quant.cache.contract import LatentLayerContract, scatter_rows
+from mla_quant.cache.paged import PagedStore
+from mla_quant.cache.reads import LayerReads
 from mla_quant.quant.formats import PATHS, PathFormat, check_finite
 from mla_quant.quant.quantizers import FP8_MAX
 
 
-def check_latents(content: torch.Tensor, rope: torch.Tensor) -> None:
-    """content (B, T, d_c) and rope (B, T, d_r) with the same B and T."""
-    if content.dim() != 3 or rope.dim() != 3 or content.shape[:2] != rope.shape[:2]:
-        raise ValueError(
-            f"append expects content (B, T, d_c) and rope (B, T, d_r) with the same B, T; "
-            f"got {tuple(content.shape)} and {tuple(rope.shape)}"
-        )
-
-
-def step_type(q_latent: torch.Tensor) -> str:
-    """"decode" for one query token per sequence, "prefill" for more (q_latent (B, H, T, d_c))."""
-    return "decode" if q_latent.shape[2] == 1 else "prefill"
-
-
-def _scatter_rows(dest: torch.Tensor, index: torch.Tensor, ok: torch.Tensor, src: torch.Tensor) -> None:
-    """dest[b, index[b, j]] = src[b, j] where ok[b, j]. dest (B, L, d), index/ok (B, J), src (B, J, d)."""
-    b, j = ok.nonzero(as_tuple=True)
-    dest[b, index[b, j]] = src[b, j].to(dest.dtype)
-
-
-class LatentLayerContract(CacheLayerMixin):
-    """transformers' `CacheLayerMixin` contract of a latent cache layer, from its `length`, `update_and_read` and
-    `_clear`: the part every latent layer (ours, and the peers' in cache/peers.py) shares."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """transformers' MLA classes call update(c_kv (B,1,T,d_c), k_pe (B,1,T,d_r)); same data, 4-D views."""
-        content, rope = self.update_and_read(key_states[:, 0], value_states[:, 0])
-        return content.unsqueeze(1), rope.unsqueeze(1)
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    # A DSA indexer (DeepSeek-V3.2, GLM-5, GLM-5.3, ...) keeps its own key cache next to the latent, unquantized:
-    # `indexer_keys` (B, S, d_index), set to None by `_clear`.
-    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
-        if self.indexer_keys is None:
-            self.indexer_keys = indexer_key_states
-        else:
-            self.indexer_keys = torch.cat([self.indexer_keys, indexer_key_states], dim=1)
-        return self.indexer_keys
-
-    def indexer_bytes(self) -> int:
-        """Bytes of the indexer's keys of the real tokens (as held: unquantized)."""
-        keys = self.indexer_keys
-        return 0 if keys is None else self.real_tokens() * keys.shape[-1] * keys.element_size()
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self._clear()
-        self.is_initialized = False
-
-    def _count_slots(self, content: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        """The start of every append: check the latents, initialize on the first, count the T new slots (their
-        validity joins `slot_valid`). Returns valid (B, T) bool (None: every slot real)."""
-        check_latents(content, rope)
-        if not self.is_initialized:
-            self.lazy_initialization(content, rope)
-        b, t = content.shape[:2]
-        valid = torch.ones(b, t, dtype=torch.bool, device=content.device) if valid is None else valid.bool()
-        if valid.shape != (b, t):
-            raise ValueError(f"valid must be (B, T) = {(b, t)}, got {tuple(valid.shape)}")
-        self.slot_valid = torch.cat([self.slot_valid, valid], dim=1)
-        self.length += t
-        return valid
-
-
-class LatentCacheLayer(LatentLayerContract):
+class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
     """One attention layer's latent cache in the format `fmt` (a `CacheFormat`; None = both paths unquantized)."""
 
     is_sliding = False
@@ -230,7 +161,7 @@ class LatentCacheLayer(LatentLayerContract):
             if grow > 0:
                 pad = self.sinks[p].new_zeros(b, grow, self.sinks[p].shape[-1])
                 self.sinks[p] = torch.cat([self.sinks[p], pad], dim=1)
-            _scatter_rows(self.sinks[p], rank + self.n_sinks[:, None], sink_ok, seq[p])
+            scatter_rows(self.sinks[p], rank + self.n_sinks[:, None], sink_ok, seq[p])
         self.n_sinks = self.n_sinks + to_sink
         rows = store_ok.nonzero(as_tuple=True)[0]
         tokens = {p: seq[p][store_ok] for p in PATHS}
@@ -241,7 +172,7 @@ class LatentCacheLayer(LatentLayerContract):
         width = max(window, int(keep.max()))
         for p in PATHS:
             fresh = seq[p].new_zeros(b, width, seq[p].shape[-1])
-            _scatter_rows(fresh, rank - (to_sink + leave)[:, None], recent_ok, seq[p])
+            scatter_rows(fresh, rank - (to_sink + leave)[:, None], recent_ok, seq[p])
             self.recent[p] = fresh
         self.n_recent = keep
 
@@ -339,7 +270,7 @@ class LatentCacheLayer(LatentLayerContract):
         for p in PATHS:  # each sequence's [pending | leaving] tokens, in order: (B, width, d)
             x = self.pending[p].new_zeros(b, width, self.pending[p].shape[-1])
             held = self.pending[p][:, : min(width, self.pending[p].shape[1])]
-            _scatter_rows(x, j[:, : held.shape[1]].expand(b, -1), j[:, : held.shape[1]] < self.n_pending[:, None],
+            scatter_rows(x, j[:, : held.shape[1]].expand(b, -1), j[:, : held.shape[1]] < self.n_pending[:, None],
                           held)
             x[rows, pos] = tokens[p].to(x.dtype)
             seq[p] = x
@@ -374,215 +305,6 @@ class LatentCacheLayer(LatentLayerContract):
             merged = torch.where(unset, scale, self.tensor_scales[group[0]])
             for p in group:  # one tensor for a shared scale (its bytes count once)
                 self.tensor_scales[p] = merged
-
-    # ------------------------------------------------------------------ reading
-    def read_compact(self, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Each sequence's real tokens as stored, in order, left-aligned: {path: (B, L, d)}, lengths (B,).
-        Quantized tokens are decoded to `dtype` (default: the activation dtype), into a new tensor: the cache keeps
-        no decoded copy (attention reads the stored tensors block by block, `StoredKeys`)."""
-        return self._decode_all(self.dtype if dtype is None else dtype)
-
-    def _decode_store(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Every stored token decoded to `dtype`, left-aligned per sequence: {path: (B, L, d)} (L = n_quantized)."""
-        dense, _ = self.store.dense()
-        out = {}
-        for p in PATHS:
-            d = self._dim(p)
-            if dense:
-                parts = {k.split("/", 1)[1]: v for k, v in dense.items() if k.startswith(p + "/")}
-                scale = self.tensor_scales[p]
-                scale = None if scale is None else scale[:, None].expand(-1, next(iter(parts.values())).shape[1])
-                out[p] = self.path_format(p).decode(parts, d, dtype, scale)
-            else:
-                out[p] = torch.zeros(self.slot_valid.shape[0], 0, d, dtype=dtype, device=self.device)
-        return out
-
-    def _decode_all(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """read_compact in any dtype: every stored token decoded to `dtype`, the pieces assembled."""
-        decoded, n_store = self._decode_store(dtype), self.store.lengths
-        pieces = {p: [] for p in PATHS}
-        for p in PATHS:
-            stored = decoded[p]
-            if self.quantized:
-                pieces[p] = [(self.sinks[p], self.n_sinks), (stored, n_store), (self.pending[p], self.n_pending),
-                             (self._window(p), self.n_recent)]
-            else:
-                pieces[p] = [(stored, n_store)]
-        lengths = sum(n for _, n in pieces["content"])
-        if len(pieces["content"]) == 1:
-            return {p: pieces[p][0][0].to(dtype) for p in PATHS}, lengths
-        longest = int(lengths.max())
-        out = {}
-        for p in PATHS:
-            full = torch.zeros(lengths.shape[0], longest + 1, self._dim(p), dtype=dtype, device=self.device)
-            offset = torch.zeros_like(lengths)
-            for x, n in pieces[p]:
-                j = torch.arange(x.shape[1], device=self.device)[None, :]
-                _scatter_rows(full, offset[:, None] + j, j < n[:, None], x)
-                offset = offset + n
-            out[p] = full[:, :longest]
-        return out, lengths
-
-    def _dim(self, path: str) -> int:
-        return self._dims[path]
-
-    def read_stored(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every slot as stored, slot-aligned: (B, S, d_c), (B, S, d_r). Padding slots hold arbitrary values
-        (attention masks them)."""
-        if not self.is_initialized:
-            raise RuntimeError("read() on an empty latent cache layer")
-        compact, lengths = self.read_compact(dtype)
-        b, s = self.slot_valid.shape
-        if compact["content"].shape[1] == s and bool(self.slot_valid.all()):
-            return compact["content"], compact["rope"]
-        if compact["content"].shape[1] == 0:
-            return tuple(compact[p].new_zeros(b, s, compact[p].shape[-1]) for p in PATHS)
-        index = (self.slot_valid.long().cumsum(1) - 1).clamp(min=0)  # (B, S) the real token each slot shows
-        return tuple(compact[p].gather(1, index[..., None].expand(-1, -1, compact[p].shape[-1])) for p in PATHS)
-
-    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.read_stored()
-
-    def update_and_read(self, content, rope, valid=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append, then what this step's attention sees, every slot at once: in serving mode its own tokens fresh,
-        in simulated stored."""
-        keys = self._step_keys(content, rope, valid)
-        return keys(0, keys.length)
-
-    def _step_keys(self, content, rope, valid) -> "StoredKeys":
-        """Append this step's latents; what its attention reads (serving mode: its own tokens fresh)."""
-        fresh = (content, rope) if self.quantized and self.fmt.mode == "serving" and content.shape[1] > 0 else None
-        self.append(content, rope, valid)
-        return StoredKeys(self, fresh)
-
-    def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, blocks=None, w_uk=None, w_uv=None,
-               sinks=None) -> torch.Tensor:
-        """Append this step's latents and attend over the whole cache. Returns o_latent (B, H, T, d_c).
-        With w_uk (H, d_nope, d_c), q_latent is q_nope; with w_uv (H, d_v, d_c) the result is per-head values
-        (B, H, T, d_v); `blocks`: `latent_attention`'s block sizes; `sinks` (H,): attention sinks. A decode step whose mask hides padding only, in
-        a format the decode kernel reads, attends over the stored segments (`segment_attention`: the store's codes
-        read in place, `blocks.key` tokens at a time); any other step reads the stored tensors through
-        `StoredKeys`, one block of keys decoded at a time. Nothing decoded outlives the step."""
-        if self._reads_segments(q_latent, mask, valid):
-            self.append(content, rope, valid)
-            self.backend_steps["decode", "torch"] += 1
-            blocks = DEFAULT_BLOCKS if blocks is None else blocks
-            keys = blocks.keys_per_block(1) if blocks.blocked else None  # the workspace of a one-query step
-            return self._decode_segments(q_latent, q_rope, scale, w_uk, w_uv,
-                                         lambda q, qr: segment_attention(q, qr, scale, self.segments(), keys,
-                                                                         sinks))
-        keys = self._step_keys(content, rope, valid)
-        self.backend_steps[step_type(q_latent), "torch"] += 1
-        return latent_attention(q_latent, q_rope, keys, None, scale, mask, blocks=blocks, w_uk=w_uk, w_uv=w_uv,
-                                sinks=sinks)
-
-    @staticmethod
-    def _decode_segments(q_latent, q_rope, scale, w_uk, w_uv, attend) -> torch.Tensor:
-        """A one-query step over segments: q_latent (formed from q_nope with w_uk), attend(q (B, H, d_c),
-        q_rope (B, H, d_r)) -> (B, H, d_c), then the per-head values with w_uv. Returns (B, H, 1, d)."""
-        q = (q_latent if w_uk is None else q_latent @ w_uk)[:, :, 0]  # (B, H, d_c)
-        out = attend(q, q_rope[:, :, 0]).to(q.dtype)[:, :, None]
-        return out if w_uv is None else out @ w_uv.transpose(-1, -2)
-
-    def _reads_segments(self, q_latent, mask, valid) -> bool:
-        """A decode step that the stored segments serve: one query token, every path in a format the decode kernel
-        reads (int at 2/4/8 bits, or unquantized), its mask hiding padding slots only, and in serving mode a recent
-        window for the step's fresh token."""
-        if q_latent.shape[2] != 1 or (self.fmt is not None and self.fmt.kernel_unsupported() is not None):
-            return False
-        if self.quantized and self.fmt.mode == "serving" and self.fmt.recent == 0:
-            return False
-        return self._hides_only_padding(mask, valid)
-
-    def _hides_only_padding(self, mask, valid) -> bool:
-        """True when the one query's mask hides padding slots and nothing else (segments hold no padding)."""
-        if mask is None:
-            return True
-        seen = mask.keys if isinstance(mask, CausalMask) else visible(mask[:, 0, -1, :])  # (B, S + 1)
-        slots = self.slot_valid if self.slot_valid is not None else seen.new_zeros(seen.shape[0], 0)
-        new = torch.ones_like(seen[:, -1:]) if valid is None else valid.bool()
-        expected = torch.cat([slots, new], dim=1)
-        return expected.shape == seen.shape and bool((seen == expected).all())
-
-    def segments(self) -> list[Segment]:
-        """The stored tokens as decode segments (what `segment_attention` and the Triton kernel read, tensors only):
-        the paged store (per path, views of its page pool: codes or values, scales, zeros; the block table, tokens
-        per sequence), then the sinks and the recent window as dense buffers. Only formats the kernel reads."""
-        store, segments = self.store, []
-        if store.num_blocks and store.longest > 0:
-            pool = store.pool  # the store's part views (made once, outside any compiled region)
-            paths = {p: read_path(self.path_format(p), self._dim(p), store.layouts[p], store.pages[p], pool)
-                     for p in PATHS}
-            longest = -(-store.longest // store.block_size) * store.block_size  # host-side bound: no device sync
-            segments.append(Segment(paths["content"], paths["rope"], store.block_table(), store.lengths, longest))
-        if self.quantized:
-            for buffers, lengths in ((self.sinks, self.n_sinks), (self.recent, self.n_recent)):
-                if buffers["content"].shape[1]:
-                    segments.append(Segment.dense(buffers["content"], buffers["rope"], lengths))
-        return segments
-
-    # ------------------------------------------------------------------ bytes
-    def real_tokens(self) -> int:
-        return 0 if self.slot_valid is None else int(self.slot_valid.sum())
-
-    def _protected_bytes(self, held: bool) -> int:
-        return self._window_bytes(held) + self._tensor_scale_bytes(held)
-
-    def _window_bytes(self, held: bool, act_bytes: int | None = None) -> int:
-        """Sinks, recent and pending tokens: their slots (held) or the real ones, at their dtype's size or `act_bytes`
-        per value."""
-        total = 0
-        for p in self.sinks:
-            per_token = self.sinks[p].shape[-1] * (act_bytes or self.sinks[p].element_size())
-            if held:
-                slots = self.sinks[p].shape[1] + self.recent[p].shape[1] + self.pending[p].shape[1]
-                total += slots * self.sinks[p].shape[0] * per_token
-            else:
-                total += int(self.n_sinks.sum() + self.n_recent.sum() + self.n_pending.sum()) * per_token
-        return total
-
-    def _tensor_scale_bytes(self, held: bool) -> int:
-        """Per-sequence fp8 tensor scales (one tensor when shared by both paths): all slots, or the set ones."""
-        scales = {id(s): s for s in self.tensor_scales.values() if s is not None}
-        return sum((s.numel() if held else int((s > 0).sum())) * s.element_size() for s in scales.values())
-
-    def codebook_bytes(self) -> int:
-        """Bytes of the layer's lloyd codebooks (float32 levels per path, shared by every sequence)."""
-        books = [self.path_format(p).codebook() for p in PATHS] if self.quantized else []
-        return sum(t.numel() * t.element_size() for t in books if t is not None)
-
-    def nbytes(self) -> int:
-        """Bytes used by the real tokens, measured from the stored tensors: protected and pending tokens, codes,
-        scales, zeros, per-sequence tensor scales, and the layer's codebooks."""
-        if not self.is_initialized:
-            return 0
-        return self.store.used_bytes() + self._protected_bytes(held=False) + self.codebook_bytes()
-
-    def byte_parts(self, act_bytes: int | None = None) -> dict[str, float]:
-        """Bytes used by the real tokens, by part: "quantized" (the paged store's codes, scales and zeros; a path
-        the format leaves unquantized in its activation dtype), "full precision" (sinks, recent window, pending tokens;
-        every token when nothing is quantized) and "side" (per-sequence tensor scales, the layer's codebooks).
-        act_bytes=None: as held (their sum is `nbytes()`); else what activation-dtype values would take at
-        `act_bytes` each (2: a BF16 checkpoint's cache, whatever dtype this run computes in)."""
-        if not self.is_initialized:
-            return {"quantized": 0.0, "full precision": 0.0, "side": 0.0}
-        tokens = self._window_bytes(held=False, act_bytes=act_bytes)
-        side = self._tensor_scale_bytes(held=False) + self.codebook_bytes()
-        stored = self.store.used_bytes()
-        if act_bytes is not None:
-            n = int(self.store.lengths.sum())
-            stored = (n * sum(self.path_format(p).bytes_per_token(self._dims[p], act_bytes) for p in PATHS)
-                      if self.quantized else n * sum(self._dims.values()) * act_bytes)
-        if not self.quantized:
-            return {"quantized": 0.0, "full precision": float(stored + tokens), "side": float(side)}
-        return {"quantized": float(stored), "full precision": float(tokens), "side": float(side)}
-
-    def held_bytes(self) -> int:
-        """Bytes allocated: whole blocks of the paged store plus the protected and pending buffers."""
-        if not self.is_initialized:
-            return 0
-        return self.store.held_bytes() + self._protected_bytes(held=True) + self.codebook_bytes()
-
     # ------------------------------------------------------------------ transformers' CacheLayerMixin contract
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last -tokens_to_remove slots: per sequence its latest real tokens, recent window first, then
@@ -685,7 +407,6 @@ class LatentCacheLayer(LatentLayerContract):
         if self.is_initialized and self.store.device != self.device:
             self._move(self.device)
 
-
 @dataclass
 class _Stage:
     """The steady state's ring: the slot of the window's oldest token (`head`), and how many of the oldest tokens are
@@ -693,157 +414,4 @@ class _Stage:
 
     head: int
     ahead: int
-
-
-class StoredKeys:
-    """What one attention step reads from a cache layer: every slot (B, S) as stored, slot-aligned as `read_stored`
-    gives it, decoded on demand one block of slots at a time (`keys(k0, k1)` -> content (B, k1 - k0, d_c), rope
-    (B, k1 - k0, d_r) in the activation dtype), so the cache holds its stored tensors only and the workspace is one
-    block. `fresh` (serving mode): the step's own latents (B, t, d), shown at the last t slots instead of their
-    stored values. Padding slots show a neighbouring real token (attention masks them).
-    A path stored over blocks of tokens (channel_block) decodes its sequences' stored blocks once per step."""
-
-    def __init__(self, layer: LatentCacheLayer, fresh: tuple[torch.Tensor, torch.Tensor] | None = None):
-        if not layer.is_initialized:
-            raise RuntimeError("attention over an empty latent cache layer")
-        self.layer, self.fresh = layer, fresh
-        self.length = layer.slot_valid.shape[1]
-        self.dims = (layer._dim("content"), layer._dim("rope"))
-        self.dtype = layer.dtype
-        self.index = (layer.slot_valid.long().cumsum(1) - 1).clamp(min=0)  # (B, S): the real token each slot shows
-        store = layer.store
-        self.n_store = store.lengths
-        self.stored = bool(store.num_blocks) and int(self.n_store.max()) > 0
-        first = layer.n_sinks if layer.quantized else torch.zeros_like(self.n_store)
-        self.store_start = first  # (B,) index of each sequence's first stored token among its real tokens
-        dense = []  # (buffers, first index, count) of the unquantized regions
-        if layer.quantized:
-            dense = [(layer.sinks, torch.zeros_like(first), layer.n_sinks),
-                     (layer.pending, first + self.n_store, layer.n_pending),
-                     ({p: layer._window(p) for p in PATHS}, first + self.n_store + layer.n_pending, layer.n_recent)]
-        self.dense = [(buf, start, n) for buf, start, n in dense if buf["content"].shape[1]]
-        self._whole: dict[str, torch.Tensor] | None = None  # channel_block: the store decoded once per step
-
-    def __call__(self, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        p = self.index[:, k0:k1]  # (B, Kb) each slot's real-token index
-        regions = []  # the slots (b, j) of the block each unquantized region shows, and their index there
-        for buf, start, n in self.dense:
-            q = p - start[:, None]
-            b, j = ((q >= 0) & (q < n[:, None])).nonzero(as_tuple=True)
-            if b.numel():
-                regions.append((buf, b, j, q[b, j]))
-        out = []
-        for i, (path, d) in enumerate(zip(PATHS, self.dims)):
-            x = self._stored(path, p - self.store_start[:, None], d)
-            for buf, b, j, q in regions:  # a few tokens per sequence (sinks, pending, recent): written over
-                x[b, j] = buf[path][b, q].to(x.dtype)
-            if self.fresh is not None:  # serving: the step's own tokens at the last t slots
-                new = self.fresh[i]
-                t = new.shape[1]
-                if k1 > self.length - t:
-                    lo = max(k0, self.length - t)
-                    x[:, lo - k0:] = new[:, lo - (self.length - t):k1 - (self.length - t)].to(x.dtype)
-            out.append(x)
-        return out[0], out[1]
-
-    def _stored(self, path: str, q: torch.Tensor, d: int) -> torch.Tensor:
-        """The stored tokens q (B, Kb) (clamped into each sequence's store) of `path`, decoded: (B, Kb, d)."""
-        if not self.stored:
-            return torch.zeros(*q.shape, d, dtype=self.dtype, device=q.device)
-        layer, fmt = self.layer, self.layer.path_format(path)
-        q = torch.minimum(q.clamp(min=0), (self.n_store - 1).clamp(min=0)[:, None])
-        if fmt.blocked:  # decoded in whole token blocks, once per step
-            if self._whole is None:
-                self._whole = layer._decode_store(self.dtype)
-            return self._whole[path].gather(1, q[..., None].expand(-1, -1, d))
-        store = layer.store
-        names = [n for n in store.part_names() if n.startswith(path + "/")]
-        parts = store.gather_grid(q, names)
-        parts = {n.split("/", 1)[1]: v for n, v in parts.items()}
-        scale = layer.tensor_scales[path]
-        scale = None if scale is None else scale[:, None].expand_as(q)
-        return fmt.decode(parts, d, self.dtype, scale)
-
-
-class LatentCache(Cache):
-    """A `transformers.Cache` with one `LatentCacheLayer` (or a subclass) per MLA layer; in a hybrid stack, the other
-    decoder layers' own transformers cache layers (linear attention's recurrent and convolution states) beside
-    them, each in its decoder layer's slot."""
-
-    def __init__(self, num_layers: int, layer_factory=LatentCacheLayer, other_layers: Mapping[int, Any] | None = None):
-        """`layer_factory`: a zero-argument layer constructor, or a list of them, one per MLA layer (a per-layer
-        format). `other_layers`: {slot: cache layer} of the decoder layers that are not MLA; the MLA layers fill the
-        remaining slots in order (MLA layer i keeps `layer_idx` i)."""
-        if isinstance(layer_factory, (list, tuple)):
-            if len(layer_factory) != num_layers:
-                raise ValueError(f"a cache format per layer for {len(layer_factory)} layers (quant.layers); the model "
-                                 f"has {num_layers} cache layers")
-            latent = [make() for make in layer_factory]
-        else:
-            latent = [layer_factory() for _ in range(num_layers)]
-        for idx, layer in enumerate(latent):
-            layer.layer_idx = idx
-        other_layers = dict(other_layers or {})
-        slots = num_layers + len(other_layers)
-        free = iter(latent)
-        layers = [other_layers[i] if i in other_layers else next(free) for i in range(slots)]
-        self.latent_layers = latent
-        super().__init__(layers=layers)
-
-    def attend(self, layer_idx: int, q_latent, q_rope, content, rope, scale, mask, valid=None, **absorbed):
-        """The attention of the MLA module in cache slot `layer_idx` (its decoder layer)."""
-        return self.layers[layer_idx].attend(q_latent, q_rope, content, rope, scale, mask, valid, **absorbed)
-
-    def nbytes(self) -> int:
-        """Bytes used by all latent layers (valid tokens only), measured from the stored tensors."""
-        return sum(layer.nbytes() for layer in self.latent_layers)
-
-    def byte_parts(self, act_bytes: int | None = None) -> dict[str, float]:
-        """Every latent layer's `byte_parts`, summed."""
-        out: dict[str, float] = {}
-        for layer in self.latent_layers:
-            for part, b in layer.byte_parts(act_bytes).items():
-                out[part] = out.get(part, 0.0) + b
-        return out
-
-    def held_bytes(self) -> int:
-        """Bytes allocated by all latent layers (whole blocks, protected buffers)."""
-        return sum(layer.held_bytes() for layer in self.latent_layers)
-
-    def indexer_bytes(self) -> int:
-        """Bytes of the DSA indexers' keys (unquantized, beside the latent) of the real tokens, over every layer."""
-        return sum(layer.indexer_bytes() for layer in self.latent_layers)
-
-    def state_bytes(self) -> int:
-        """Bytes of the other decoder layers' states (a hybrid's linear-attention recurrent and convolution states),
-        counted apart from the latent cache: they do not grow with the tokens."""
-        latent = {id(layer) for layer in self.latent_layers}
-        total = 0
-        for layer in self.layers:
-            if id(layer) in latent:
-                continue
-            for name in ("recurrent_states", "conv_states", "keys", "values"):
-                states = getattr(layer, name, None)
-                tensors = states.values() if isinstance(states, dict) else [states]
-                total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        return total
-
-    def sequences(self) -> int:
-        """The batch size of what the cache holds (0 while empty)."""
-        valid = self.latent_layers[0].slot_valid if self.latent_layers else None
-        return 0 if valid is None else int(valid.shape[0])
-
-    def backends_run(self) -> dict[str, str]:
-        """{step type: backend(s) that ran it, "+"-joined} over every latent layer, for the run record."""
-        ran: dict[str, set] = {}
-        for layer in self.latent_layers:
-            for step, backend in getattr(layer, "backend_steps", {}):
-                ran.setdefault(step, set()).add(backend)
-        return {step: "+".join(sorted(b)) for step, b in sorted(ran.items())}
-
-    def bytes_per_token_per_layer(self, held: bool = False) -> float:
-        tokens = self.latent_layers[0].real_tokens()
-        if tokens == 0:
-            raise ValueError("the cache is empty: no bytes per token to report")
-        return (self.held_bytes() if held else self.nbytes()) / (tokens * len(self.latent_layers))
 

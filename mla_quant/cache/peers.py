@@ -22,7 +22,7 @@ from collections import Counter
 import torch
 import transformers.cache_utils as cache_utils
 
-from mla_quant.cache.layer import LatentLayerContract, step_type
+from mla_quant.cache.contract import LatentLayerContract, step_type
 from mla_quant.kernels.attention import latent_attention
 from mla_quant.quant.peers import LIBRARIES, PeerFormat
 

@@ -28,23 +28,15 @@ Attention sinks (`sinks`, (H,) float: Hunyuan V4's learned per-head logits, as g
 every softmax, with no value: o_t = sum_s exp(score_ts) c_s / (exp(sink) + sum_s exp(score_ts)). Every PyTorch form
 takes them; the decode kernels do not (a sink family decodes on the PyTorch path, `cache/kernel.py`).
 
-A decode step (one query per sequence) over a cache's stored tensors runs `segment_attention`: the Triton kernel's
-arithmetic (mla_quant/kernels/latent_decode.py) in PyTorch, reading the paged store's codes in place through its
-block table, with no dequantized copy of the latent (the scales and zeros of an integer path apply per group after
-the products).
-
-    out = segment_attention(q_latent, q_rope, scale, segments)    # (B, H, d_c) float32; kernels/layout.py Segment
+A decode step (one query per sequence) over a cache's stored tensors runs `segment_attention`
+(kernels/torch_decode.py).
 """
 
 from __future__ import annotations
 
-import functools
-import sys
 from dataclasses import dataclass
 
 import torch
-
-from mla_quant.kernels.layout import PagedPath, Segment, WordLayout
 
 
 @dataclass(frozen=True)
@@ -418,139 +410,3 @@ def _online_blocks(ql, qr, keys, scale, limit: int, k_block: int, block_mask, si
         acc = acc * alpha.view(b, h * tb, 1) + part.float()
         m = m_new
     return (acc / total.view(b, h * tb, 1)).view(b, h, tb, d_c).to(ql.dtype)
-
-
-
-# ------------------------------------------------------------------------------------------- decode over segments
-class _Chunk:
-    """One chunk of one path of a segment, as stored. A float path's values (B, n, d). An integer path with one
-    group per token (the RoPE key's formats): its codes as floats in the words' byte order (`unpack_bytes`, no
-    transpose) with the scale and zero (B, n) applied to the products, q . x = s (q' . c) + z sum(q) with q' the
-    query's channels in that order. Several groups: the codes unpacked in channel order and dequantized in place,
-    x = c s + z per group. (A symmetric path's zero is -2^(b-1) s.) A codebook (`levels`) reads c = levels[code].
-    A path of parts of several widths (format=pairs) is decoded by its codec."""
-
-    def __init__(self, p: PagedPath, read, d: int):
-        self.order = None
-        if p.decode is not None:  # parts of several widths (format=pairs): decoded by its codec
-            self.x = p.decode({k: read(v) for k, v in p.parts.items()})
-            return
-        if p.bits == 0:
-            self.x = read(p.data).float()
-            return
-        layout = WordLayout(p.bits, d)
-        s = read(p.scales)
-        s = torch.exp2(s.float()) if p.pow2 else s.float()  # (B, n, G)
-        z = -float(1 << (p.bits - 1)) * s if p.symmetric else read(p.zeros).float()
-        b, n, g = s.shape
-        if g == 1 and sys.byteorder == "little":
-            self.x = _levels(layout.unpack_bytes(read(p.data)), p)
-            self.s, self.z = s[..., 0][:, None], z[..., 0][:, None]
-            self.order = _byte_order(p.bits, d, self.x.device)
-            return
-        c = _levels(layout.unpack_float(read(p.data)), p).reshape(b, n, g, d // g)
-        self.x = c.mul_(s[..., None]).add_(z[..., None]).view(b, n, d)
-
-    def scores(self, q: torch.Tensor) -> torch.Tensor:
-        """q (B, H, d) float32 -> q . x (B, H, n)."""
-        if self.order is None:
-            return q @ self.x.transpose(1, 2)
-        q_bytes = torch.nn.functional.pad(q, (0, 1))[..., self.order[0]]  # zero at padding positions
-        return (q_bytes @ self.x.transpose(1, 2)) * self.s + q.sum(-1, keepdim=True) * self.z
-
-    def values(self, p: torch.Tensor) -> torch.Tensor:
-        """p (B, H, n) float32 -> p @ x (B, H, d)."""
-        if self.order is None:
-            return p @ self.x
-        return ((p * self.s) @ self.x)[..., self.order[1]] + p @ self.z.transpose(1, 2)
-
-
-def _levels(codes: torch.Tensor, p: PagedPath) -> torch.Tensor:
-    """Float codes -> the codebook's levels at them (the codes themselves without a codebook)."""
-    return codes if p.levels is None else p.levels.to(torch.float32)[codes.long()]
-
-
-@functools.lru_cache(maxsize=None)
-def _byte_order(bits: int, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the channel at each `unpack_bytes` position, padding -> d) (P W,), (each channel's position) (d,)."""
-    channels = WordLayout(bits, d).byte_channels(device)
-    real = channels < d
-    inverse = torch.empty(d, dtype=torch.long, device=device)
-    inverse[channels[real]] = torch.arange(channels.numel(), device=device)[real]
-    return channels.clamp(max=d), inverse
-
-
-def _chunks(seg: Segment, keys: int | None):
-    """(read, first, n) per chunk of a segment's tokens: read(t) -> the chunk's (B, n, *) rows of a pool tensor t,
-    the index of its first token and n. Paged segments are read whole blocks at a time through the block table."""
-    n_tokens = seg.longest()
-    if seg.rows:  # dense buffers: block b is row b
-        step = n_tokens if keys is None else max(1, keys)
-        for k0 in range(0, n_tokens, step):
-            yield (lambda t, k0=k0: t[:, k0 : k0 + step]), k0, min(step, n_tokens - k0)
-        return
-    block = seg.content.data.shape[1]
-    n_blocks = -(-n_tokens // block)
-    per = n_blocks if keys is None else max(1, keys // block)
-    table = seg.block_table.long()
-    for b0 in range(0, n_blocks, per):
-        index = table[:, b0 : min(b0 + per, n_blocks)]  # the table may hold blocks past the longest
-        yield (lambda t, index=index: t[index].flatten(1, 2)), b0 * block, index.shape[1] * block
-
-
-def _softmax_group(chunks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chunks [(scores (B, H, n), valid (B, n), the content `_Chunk`)] under one softmax: their max (B, H, 1), the
-    sum of their exponentials (B, H, 1) and the unnormalised output (B, H, d_c)."""
-    s = torch.cat([c[0] for c in chunks], -1)
-    s = s + torch.where(torch.cat([c[1] for c in chunks], -1), 0.0, float("-inf"))[:, None]
-    m = s.amax(-1, keepdim=True)  # -inf where the group holds none of the sequence's tokens
-    p = torch.exp(s - torch.where(m == float("-inf"), 0.0, m))
-    out, k0 = 0, 0
-    for _, _, x in chunks:
-        n = x.x.shape[1]
-        out = out + x.values(p[..., k0 : k0 + n])
-        k0 += n
-    return m, p.sum(-1, keepdim=True), out
-
-
-def segment_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments,
-                      keys_per_block: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """One query per sequence over the union of `segments`: q_latent (B, H, d_c), q_rope (B, H, d_r) ->
-    o_latent (B, H, d_c) float32, the arithmetic of `latent_decode_reference` (every token as stored, float32)
-    without its dequantized copy of the cache. Each segment is read `keys_per_block` tokens at a time (whole blocks
-    of a paged one; None: each segment at once) and decoded into a workspace of at most `keys_per_block` tokens:
-    the chunks that fit in it share one softmax, and the groups are merged by log-sum-exp weights (split-KV, as the
-    Triton kernel does). A sequence with no token at all attends to nothing (zeros). `sinks` (H,): one more group per
-    head, the sink's logit with no value (module docstring)."""
-    q, qr = q_latent.float(), q_rope.float()
-    d_c, d_r = q.shape[-1], qr.shape[-1]
-    groups, chunks, held = [], [], 0
-    for seg in segments:
-        if seg.longest() == 0:
-            continue
-        lengths = seg.lengths.to(q.device)
-        for read, first, n in _chunks(seg, keys_per_block):
-            if keys_per_block is not None and chunks and held + n > keys_per_block:  # before this chunk is decoded
-                groups.append(_softmax_group(chunks))
-                chunks, held = [], 0
-            content, rope = _Chunk(seg.content, read, d_c), _Chunk(seg.rope, read, d_r)
-            valid = torch.arange(first, first + n, device=q.device)[None, :] < lengths[:, None]  # (B, n)
-            chunks.append(((content.scores(q) + rope.scores(qr)) * scale, valid, content))
-            held += n
-    if chunks:
-        groups.append(_softmax_group(chunks))
-    if sinks is not None:
-        b, h = q.shape[:2]
-        groups.append((sinks.to(device=q.device, dtype=torch.float32).view(1, h, 1).expand(b, h, 1),
-                       q.new_ones(b, h, 1), q.new_zeros(q.shape)))
-    if not groups:
-        return q.new_zeros(q.shape)
-    if len(groups) == 1:
-        m, total, out = groups[0]
-    else:
-        maxes = torch.stack([g[0] for g in groups])  # (groups, B, H, 1)
-        m = maxes.amax(0)
-        weights = torch.exp(maxes - torch.where(m == float("-inf"), 0.0, m))
-        total = (torch.stack([g[1] for g in groups]) * weights).sum(0)
-        out = (torch.stack([g[2] for g in groups]) * weights).sum(0)
-    return torch.where(total > 0, out / total, 0.0)

@@ -1,7 +1,7 @@
 """Triton decode attention over a (quantized) paged latent cache: one query token per sequence, every head.
 
     o_latent = latent_decode(q_latent, q_rope, scale, segments)             # (B, H, d_c) float32
-    o_latent = latent_decode_reference(q_latent, q_rope, scale, segments)   # same signature, plain PyTorch
+    o_latent = latent_decode_reference(q_latent, q_rope, scale, segments)   # kernels/torch_decode.py: the same in PyTorch
 
 The kernel takes tensors only, in the spirit of FlashMLA's `flash_mla_with_kvcache(q, k_cache, block_table,
 cache_seqlens, ...)`, and knows nothing of cache objects. A `Segment` is a set of tokens per sequence: for each path
@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_quant.kernels.attention import reference_attention
+from mla_quant.kernels.decode_plan import launch_config, next_pow2, num_sms, split_plan
 from mla_quant.kernels.layout import (  # noqa: F401 (Segment, the checks: part of this API)
     FLOAT_DTYPES, KERNEL_BITS, POW2_CODE, PagedPath, Segment, WordLayout, check_inputs, flat_pairs,
     rows_contiguous,
@@ -60,67 +60,6 @@ def require_triton(what: str = "quant.backend=triton", hint: str = "") -> None:
     if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" or COMPILE_ONLY):
         raise RuntimeError(f"{what} cannot run: no CUDA GPU here (set TRITON_INTERPRET=1 before starting to run the "
                            f"kernel in Triton's CPU interpreter){hint}")
-
-
-def bytes_read(q_latent: torch.Tensor, q_rope: torch.Tensor, segments) -> int:
-    """Bytes one call reads, measured from the tensors: every valid token's stored bytes (both paths, codes, scales,
-    zeros), the block table rows, the lengths and the queries. (Partials are written and re-read on chip-near L2.)"""
-    total = q_latent.numel() * q_latent.element_size() + q_rope.numel() * q_rope.element_size()
-    for seg in segments:
-        per_token = 0
-        for p in (seg.content, seg.rope):
-            if p.parts is not None:
-                per_token += sum(t[0, 0].numel() * t.element_size() for t in p.parts.values())
-                continue
-            stored = [p.data] + ([] if p.bits == 0 else [p.scales] + ([] if p.symmetric else [p.zeros]))
-            per_token += sum(t[0, 0].numel() * t.element_size() for t in stored)
-        tokens = int(seg.lengths.sum())
-        blocks = -(-seg.lengths.long() // max(1, seg.content.data.shape[1]))
-        total += tokens * per_token + int(blocks.sum()) * 4 + seg.lengths.numel() * seg.lengths.element_size()
-        total += sum(p.levels.numel() * 4 for p in (seg.content, seg.rope) if p.levels is not None)
-    return total
-
-
-# --------------------------------------------------------------------------------------------------- reference
-def _gather_path(p: PagedPath, table: torch.Tensor, d: int) -> torch.Tensor:
-    """(B, max_blocks * block_size, d) float32 tokens of one path, read through the block table."""
-    idx = table.long()
-
-    def rows(t):
-        x = t[idx]  # (B, max_blocks, block_size, *)
-        return x.reshape(x.shape[0], -1, *t.shape[2:])
-
-    if p.decode is not None:  # parts of several widths (format=pairs): its codec
-        return p.decode({k: rows(v) for k, v in p.parts.items()}).float()
-    if p.bits == 0:
-        return rows(p.data).float()
-    q = WordLayout(p.bits, d).unpack(rows(p.data))
-    q = q.float() if p.levels is None else p.levels.float()[q.long()]
-    s = rows(p.scales)
-    s = torch.exp2(s.float()) if p.pow2 else s.float()
-    s = s.repeat_interleave(p.group, dim=-1)
-    if p.symmetric:
-        return (q - (1 << (p.bits - 1))) * s
-    return q * s + rows(p.zeros).float().repeat_interleave(p.group, dim=-1)
-
-
-def latent_decode_reference(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments,
-                            **_launch) -> torch.Tensor:
-    """The kernel's specification: every segment's tokens dequantized to float32, then absorbed attention in
-    float32 over their union. q_latent (B, H, d_c), q_rope (B, H, d_r) -> (B, H, d_c) float32."""
-    check_inputs(q_latent, q_rope, segments)
-    d_c, d_r = q_latent.shape[-1], q_rope.shape[-1]
-    cs, rs, oks = [], [], []
-    for seg in segments:
-        c = _gather_path(seg.content, seg.block_table, d_c)
-        cs.append(c)
-        rs.append(_gather_path(seg.rope, seg.block_table, d_r))
-        oks.append(torch.arange(c.shape[1], device=c.device)[None, :] < seg.lengths.to(c.device)[:, None])
-    ok = torch.cat(oks, dim=1)
-    mask = torch.zeros(ok.shape, device=ok.device).masked_fill(~ok, float("-inf"))[:, None, None, :]
-    out = reference_attention(q_latent.float()[:, :, None], q_rope.float()[:, :, None], torch.cat(cs, 1),
-                              torch.cat(rs, 1), scale, mask)
-    return out[:, :, 0].nan_to_num(0.0)  # a sequence with no token at all attends to nothing
 
 
 # ------------------------------------------------------------------------------------------------------ kernel
@@ -421,33 +360,6 @@ def _merge_kernel(O_PART, LSE_PART, OUT, stride_ob, stride_os, stride_oh, stride
     tl.store(OUT + b * stride_outb + h * stride_outh + dc, acc, mask=dc < DC)
 
 
-def _next_pow2(n: int, least: int = 16) -> int:
-    return max(least, 1 << (max(n, 1) - 1).bit_length())
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # an H100/H200, so that plans made on the CPU interpreter match the GPU's
-
-
-def split_plan(batch: int, head_blocks: int, longest: list[int], block_n: int, num_sms: int,
-               split_tokens: int | None = None, waves: int = 2, min_tiles: int = 4) -> list[tuple[int, int]]:
-    """(tokens per split, splits) per segment. Like FlashMLA's get_mla_metadata: split the KV so that
-    batch x head_blocks x splits fills about `waves` times the SMs, with splits of at least `min_tiles` tiles
-    (so a short segment, e.g. the protected tokens, is one split); `split_tokens` forces a split length."""
-    plan = []
-    for n in longest:
-        if split_tokens is not None:
-            tps = max(1, split_tokens)
-        else:
-            wanted = max(1, math.ceil(waves * num_sms / max(1, batch * head_blocks)))
-            most = max(1, math.ceil(n / (min_tiles * block_n)))
-            tps = math.ceil(max(1, n) / min(wanted, most) / block_n) * block_n
-        plan.append((tps, max(1, math.ceil(n / tps))))
-    return plan
-
-
 def _format_constexprs(seg: Segment, i: int) -> dict:
     out = {}
     for tag, p in (("C", seg.content), ("R", seg.rope)):
@@ -471,17 +383,6 @@ def _segment_args(seg: Segment | None, plan: tuple[int, int], dummy: torch.Tenso
             + [dummy if p.levels is None else p.levels for p in (seg.content, seg.rope)])
 
 
-def launch_config(heads: int, d_c: int, block_h: int | None = None, block_n: int | None = None,
-                  num_warps: int | None = None) -> dict:
-    """Tile sizes: BLOCK_H heads per program, BLOCK_N tokens per tile, warps; any of them may be given. At d_c = 512
-    the defaults are 16 heads, 32 tokens, 4 warps: the fastest of bench_kernel's candidates on an H200 for every
-    format at 16 and 128 heads (docs/kernel.md, "Measured figures"), though the int paths' tiles then spill."""
-    wide = d_c > 256
-    bh = _next_pow2(block_h or min(_next_pow2(heads), 16 if wide else 64))
-    bn = block_n or 32
-    return dict(block_h=bh, block_n=bn, num_warps=num_warps or (8 if bh * d_c > 16 * 512 else 4))
-
-
 def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments, *,
                   block_n: int | None = None, block_h: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, split_tokens: int | None = None, dot: str = "auto") -> torch.Tensor:
@@ -500,7 +401,7 @@ def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, se
     head_blocks = math.ceil(h / cfg["block_h"])
     dot_bf16 = dot == "bf16" or (dot == "auto" and dev.type == "cuda" and q_latent.dtype == torch.bfloat16)
     dot_mode = (2 if os.environ.get("TRITON_INTERPRET") == "1" else 1) if dot_bf16 else 0
-    plan = split_plan(b, head_blocks, [seg.longest() for seg in segments], cfg["block_n"], _num_sms(dev),
+    plan = split_plan(b, head_blocks, [seg.longest() for seg in segments], cfg["block_n"], num_sms(dev),
                       split_tokens)
     n_splits = sum(n for _, n in plan)
     o_part = torch.empty(b, n_splits, h, d_c, device=dev, dtype=torch.float32)
@@ -524,14 +425,14 @@ def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, se
             q_latent, q_rope, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
             lse_part.stride(1), base, float(scale), h, *seg_args,
-            NSEG=len(group), DC=d_c, DR=d_r, BLOCK_H=cfg["block_h"], BLOCK_DC=_next_pow2(d_c),
-            BLOCK_DR=_next_pow2(d_r), BLOCK_N=cfg["block_n"], DOT_MODE=dot_mode, num_warps=cfg["num_warps"],
+            NSEG=len(group), DC=d_c, DR=d_r, BLOCK_H=cfg["block_h"], BLOCK_DC=next_pow2(d_c),
+            BLOCK_DR=next_pow2(d_r), BLOCK_N=cfg["block_n"], DOT_MODE=dot_mode, num_warps=cfg["num_warps"],
             **constexprs, **extra,
         )
         base += group_splits
     _merge_kernel[(b, h)](
         o_part, lse_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
-        lse_part.stride(1), out.stride(0), out.stride(1), n_splits, DC=d_c, BLOCK_S=_next_pow2(n_splits, 2),
-        BLOCK_DC=_next_pow2(d_c), num_warps=4,
+        lse_part.stride(1), out.stride(0), out.stride(1), n_splits, DC=d_c, BLOCK_S=next_pow2(n_splits, 2),
+        BLOCK_DC=next_pow2(d_c), num_warps=4,
     )
     return out

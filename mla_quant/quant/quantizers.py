@@ -1,4 +1,7 @@
-"""Cache quantizers as small pure functions: integer group quantization (INT2/3/4/8) and FP8 e4m3.
+"""Cache quantizers as small pure functions: integer group quantization (INT2/3/4/8), and the scale arithmetic every
+codec shares (stored scales and zeros, groups). The functions of one codec alone live in its file under codecs/
+(FP8 e4m3 in codecs/fp8.py, KIVI's per-channel blocks in codecs/channel_block.py, TurboQuant's Gaussian codebook in
+codecs/codebook.py).
 
 Everything works along the last (feature) dim of any tensor (..., d), in per-token groups of `group_size` values
 (None = one group over the whole vector). Nothing here packs bits; `packing.py` does that.
@@ -6,7 +9,6 @@ Everything works along the last (feature) dim of any tensor (..., d), in per-tok
 Integer, asymmetric (scale + zero, zero = group minimum):     x_hat = q * s + z,              q in [0, 2^b)
 Integer, symmetric   (scale only, zero point implicit):        x_hat = (q - 2^(b-1)) * s,     q in [0, 2^b)
     s = (max - min) / (2^b - 1)   or   s = amax / (2^(b-1) - 1);   q = clamp(round_half_even((x - z) / s))
-FP8 e4m3 (torch.float8_e4m3fn):                                x_hat = fp8(x / s) * s,        s = amax / 448
 
 Scale dtypes (`scale_dtype`): "fp16", "bf16", "fp32", and "pow2": power-of-two scales stored as int8 exponents e,
 s = 2^e. Scales are rounded UP to the stored dtype (to the next power of two for pow2), so the rounded step still
@@ -20,13 +22,10 @@ the second term is the zero's own dtype rounding and is 0 for symmetric groups.
     levels = fit_levels(x_calib, bits=2, group_size=64)                   # quantizer=lloyd: a codebook (4,)
     codes, scales, zeros = group_quantize(x, 2, 64, quantizer="lloyd", levels=levels)   # x_hat = levels[q] s + z
     x_hat = fake_quantize(x, bits=4, group_size=128)                        # in x.dtype
-    codes, scales = fp8_quantize(x, group_size=128, scale_dtype="fp32")    # FlashMLA tiles: (..., d) e4m3, (..., 4)
-    x_hat = fp8_dequantize(codes, scales)
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -74,7 +73,7 @@ def n_groups(d: int, group_size: int | None) -> int:
     return d // group_size
 
 
-def _grouped(x: torch.Tensor, group_size: int | None) -> torch.Tensor:
+def grouped(x: torch.Tensor, group_size: int | None) -> torch.Tensor:
     """(..., d) -> (..., n_groups, g) view."""
     d = x.shape[-1]
     g = n_groups(d, group_size)
@@ -104,7 +103,7 @@ def load_scale(stored: torch.Tensor) -> torch.Tensor:
     return stored.float()
 
 
-def _round_zero(z: torch.Tensor, scale_dtype: str) -> torch.Tensor:
+def round_zero(z: torch.Tensor, scale_dtype: str) -> torch.Tensor:
     return z.to(ZERO_DTYPES[scale_dtype])
 
 
@@ -164,7 +163,7 @@ def group_quantize(
     check_quantizer(quantizer, symmetric)
     if levels is not None and quantizer != "lloyd":
         raise ValueError(f"levels are the codebook of quantizer=lloyd; quantizer={quantizer} takes none")
-    xg = _grouped(x.float(), group_size)  # (..., G, g)
+    xg = grouped(x.float(), group_size)  # (..., G, g)
     if quantizer == "lloyd":
         levels = fit_levels(x, bits, group_size, scale_dtype) if levels is None else levels
         return _lloyd_encode(x, xg, bits, scale_dtype, levels)
@@ -193,7 +192,7 @@ def _encode_range(xg, lo, s, bits, symmetric, scale_dtype):
     if symmetric:
         half = 2 ** (bits - 1)
         return (torch.round(xg / step) + half).clamp(0, 2**bits - 1), scales, None
-    zeros = _round_zero(lo, scale_dtype)
+    zeros = round_zero(lo, scale_dtype)
     return torch.round((xg - zeros.float().unsqueeze(-1)) / step).clamp(0, 2**bits - 1), scales, zeros
 
 
@@ -243,7 +242,7 @@ def _hqq(xg, best, bits, scale_dtype):
         e = torch.sign(residual) * torch.relu(mag - mag.pow(o["lp_norm"] - 1) / beta)
         z = (q - (xg - e) / s).mean(-1, keepdim=True)
         beta *= o["kappa"]
-        zeros = _round_zero(-(z * s).squeeze(-1), scale_dtype)
+        zeros = round_zero(-(z * s).squeeze(-1), scale_dtype)
         q_stored = torch.round((xg - zeros.float().unsqueeze(-1)) / s).clamp(0, levels)
         best = _keep_better(best, (q_stored, scales, zeros), xg, bits)
     return best
@@ -335,7 +334,7 @@ def fit_levels(x: torch.Tensor, bits: int, group_size: int | None = None, scale_
     if bits not in LLOYD_BITS:
         raise ValueError(f"quantizer=lloyd fits bits in {list(LLOYD_BITS)}; got bits={bits!r}")
     check_scale_dtype(scale_dtype)
-    return _fit(_grouped(x.detach().float(), group_size), bits, scale_dtype)
+    return _fit(grouped(x.detach().float(), group_size), bits, scale_dtype)
 
 
 def group_dequantize(
@@ -387,30 +386,6 @@ def fake_quantize(
     return group_dequantize(codes, scales, zeros, bits, x.dtype, levels)
 
 
-def channel_block_quantize(x: torch.Tensor, bits: int, block: int, scale_dtype: str = "fp16") -> Quantized:
-    """KIVI's key quantization: per channel over blocks of `block` consecutive tokens (asymmetric).
-    x (..., T, d), T a multiple of block -> codes (..., T, d) uint8, scales and zeros (..., T / block, d): one scale
-    and zero per channel and block, so a channel whose values are large everywhere (an outlier channel) gets its own
-    step instead of widening every token's step."""
-    t = x.shape[-2]
-    if block < 1 or t % block:
-        raise ValueError(f"channel_block_quantize: {t} tokens do not fill blocks of block={block}; allowed: a "
-                         f"positive divisor of the token count")
-    xb = x.reshape(*x.shape[:-2], t // block, block, x.shape[-1]).transpose(-1, -2)  # (..., nb, d, block)
-    codes, scales, zeros = group_quantize(xb, bits, None, False, scale_dtype)  # one group: a channel's block
-    codes = codes.transpose(-1, -2).reshape(x.shape)
-    return Quantized(codes, scales[..., 0], zeros[..., 0])
-
-
-def channel_block_dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """codes (..., T, d), scales/zeros (..., T / block, d) -> x_hat (..., T, d) in `dtype`."""
-    nb, d = scales.shape[-2:]
-    cb = codes.reshape(*codes.shape[:-2], nb, -1, d).transpose(-1, -2)  # (..., nb, d, block)
-    x = group_dequantize(cb, scales[..., None], zeros[..., None], bits, dtype)
-    return x.transpose(-1, -2).reshape(codes.shape)
-
-
 def group_quantize_reference(
     x: torch.Tensor,
     bits: int,
@@ -441,7 +416,7 @@ def group_quantize_reference(
                 step = (v.max() - v.min()) / top
                 step = step if step > 0 else torch.tensor(1.0)
                 scales[r, j] = store_scale(step.reshape(1), scale_dtype)[0]
-                zeros[r, j] = _round_zero(v.min(), scale_dtype)
+                zeros[r, j] = round_zero(v.min(), scale_dtype)
                 q = torch.round((v - zeros[r, j].float()) / load_scale(scales[r, j]))
             codes[r, j * size : (j + 1) * size] = q.clamp(0, top).to(torch.uint8)
     lead = x.shape[:-1]
@@ -450,101 +425,3 @@ def group_quantize_reference(
         scales.reshape(*lead, g),
         None if zeros is None else zeros.reshape(*lead, g),
     )
-
-
-# ---------------------------------------------------------------------------------------------- FP8 e4m3
-def fp8_quantize(
-    x: torch.Tensor,
-    group_size: int | None = None,
-    per_tensor: bool = False,
-    scale_dtype: str = "fp32",
-    scale: torch.Tensor | float | None = None,
-) -> Quantized:
-    """x (..., d) -> codes (..., d) float8_e4m3fn, scales; zeros is always None.
-
-    per_tensor=True: one scale for the whole tensor (scales is 0-d float32); `scale` fixes it (static/calibrated)
-    instead of amax/448. Otherwise per token (group_size=None, scales (..., 1)) or per tile of group_size values
-    (scales (..., d/group_size)), s = amax/448 rounded up to scale_dtype. Values are clamped to +-448 before
-    torch's own round-to-nearest-even cast.
-    """
-    check_scale_dtype(scale_dtype)
-    xf = x.float()
-    if per_tensor:
-        if scale is None:
-            s = xf.abs().amax() / FP8_MAX
-            s = torch.where(s > 0, s, torch.ones_like(s))
-        else:
-            s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-            if s.dim() != 0 or not bool(s > 0):
-                raise ValueError(f"a per-tensor fp8 scale must be one positive number, got {scale!r}")
-        scales = s.reshape(())
-        codes = (xf / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        return Quantized(codes, scales, None)
-    if scale is not None:
-        raise ValueError("a fixed fp8 `scale` is only for per_tensor=True")
-    xg = _grouped(xf, group_size)  # (..., G, g)
-    s = xg.abs().amax(-1) / FP8_MAX
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    scales = store_scale(s, scale_dtype)  # (..., G)
-    codes = (xg / load_scale(scales).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return Quantized(codes.reshape(x.shape), scales, None)
-
-
-def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """codes (..., d) float8_e4m3fn (or its uint8 view), scales 0-d or (..., n_groups) -> x_hat (..., d)."""
-    if codes.dtype == torch.uint8:
-        codes = codes.view(FP8_DTYPE)
-    x = codes.float()
-    s = load_scale(scales)
-    if s.dim() == 0:
-        return (x * s).to(dtype)
-    d, g = codes.shape[-1], scales.shape[-1]
-    x = x.reshape(*codes.shape[:-1], g, d // g) * s.unsqueeze(-1)
-    return x.reshape(codes.shape).to(dtype)
-
-
-def fp8_fake_quantize(x: torch.Tensor, group_size: int | None = None, per_tensor: bool = False,
-                      scale_dtype: str = "fp32") -> torch.Tensor:
-    """FP8 quantize then dequantize, back in x.dtype."""
-    codes, scales, _ = fp8_quantize(x, group_size, per_tensor, scale_dtype)
-    return fp8_dequantize(codes, scales, x.dtype)
-
-
-# ---------------------------------------------------------------------------------------------- Lloyd-Max codebook
-@functools.cache
-def gaussian_codebook(bits: int, iters: int = 200) -> torch.Tensor:
-    """The 2^bits Lloyd-Max (MSE-optimal) scalar quantizer levels of a standard normal, ascending (float64).
-
-    Lloyd's iteration on a fine grid of the density: levels -> midpoints -> conditional means."""
-    check_bits(bits)
-    grid = torch.linspace(-8.0, 8.0, 160_001, dtype=torch.float64)
-    pdf = torch.exp(-0.5 * grid**2)
-    n = 2**bits
-    levels = torch.linspace(-2.5, 2.5, n, dtype=torch.float64) * (1.0 if n > 2 else 0.3)
-    for _ in range(iters):
-        edges = (levels[1:] + levels[:-1]) / 2
-        cell = torch.bucketize(grid, edges)
-        mass = torch.zeros(n, dtype=torch.float64).index_add_(0, cell, pdf)
-        moment = torch.zeros(n, dtype=torch.float64).index_add_(0, cell, pdf * grid)
-        levels = moment / mass
-    return levels
-
-
-def codebook_quantize(x: torch.Tensor, bits: int, scale_dtype: str = "fp16") -> tuple[torch.Tensor, torch.Tensor]:
-    """TurboQuant's MSE quantizer: x (..., d) -> codes (..., d) uint8 (nearest Lloyd-Max level of the coordinates
-    of sqrt(d) x / ||x||, a unit-variance Gaussian after a random rotation), norms (..., 1) in `scale_dtype`."""
-    d = x.shape[-1]
-    norm = x.float().norm(dim=-1, keepdim=True)
-    norm = torch.where(norm > 0, norm, torch.ones_like(norm))
-    stored = store_scale(norm, scale_dtype)
-    u = x.float() / load_scale(stored) * d**0.5
-    levels = gaussian_codebook(bits).to(u.device, torch.float32)
-    codes = torch.bucketize(u, (levels[1:] + levels[:-1]) / 2).to(torch.uint8)
-    return codes, stored
-
-
-def codebook_dequantize(codes: torch.Tensor, norms: torch.Tensor, bits: int,
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    levels = gaussian_codebook(bits).to(codes.device, torch.float32)
-    d = codes.shape[-1]
-    return (levels[codes.long()] / d**0.5 * load_scale(norms)).to(dtype)

@@ -41,9 +41,9 @@ from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from mla_quant.cache.paged import read_path
-from mla_quant.kernels.attention import segment_attention
 from mla_quant.kernels.layout import PageLayout, Segment
 from mla_quant.kernels.ops import decode_op
+from mla_quant.kernels.torch_decode import segment_attention
 from mla_quant.quant.format import MIXED_KEYS, CacheFormat
 from mla_quant.quant.formats import PATHS, LayeredFormat, cache_format, check_finite, model_format
 from mla_quant.quant.peers import PeerFormat

@@ -35,9 +35,10 @@ from tqdm.auto import tqdm
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.cache.factory import layer_factory
 from mla_quant.calibration.codebooks import fitted_on
-from mla_quant.kernels.attention import DEFAULT_BLOCKS, segment_attention
-from mla_quant.kernels.latent_decode import (bytes_read, latent_decode, latent_decode_reference, launch_config,
-                                             require_triton)
+from mla_quant.kernels.attention import DEFAULT_BLOCKS
+from mla_quant.kernels.decode_plan import launch_config
+from mla_quant.kernels.latent_decode import latent_decode, require_triton
+from mla_quant.kernels.torch_decode import bytes_read, latent_decode_reference, segment_attention
 from mla_quant.models.build import resolve_device
 from mla_quant.quant.formats import cache_format
 from mla_quant.quant.peers import refuse_peer

@@ -86,7 +86,8 @@ def _store_calls(layer, task, g: torch.Generator) -> int:
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     from mla_quant.kernels import aot
-    from mla_quant.kernels.latent_decode import latent_decode, launch_config
+    from mla_quant.kernels.decode_plan import launch_config
+    from mla_quant.kernels.latent_decode import latent_decode
 
     check(cfg)
     task = cfg.task

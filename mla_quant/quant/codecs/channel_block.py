@@ -8,12 +8,13 @@ from mla_quant.checks import int_setting
 from mla_quant.quant import quantizers
 from mla_quant.quant.codecs.base import SCALE_BYTES, ZERO_BYTES, Codec, register
 from mla_quant.quant.codecs.integer import IntCodec
+from mla_quant.quant.quantizers import Quantized, group_dequantize, group_quantize
 
 
 @register
 class ChannelBlockCodec(Codec):
     """KIVI's key quantization: asymmetric integer codes per channel over blocks of `token_block` consecutive tokens
-    (`quantizers.channel_block_quantize`), so an outlier channel gets its own step instead of widening every
+    (`channel_block_quantize`), so an outlier channel gets its own step instead of widening every
     token's. Codes are packed per token as for `int`; a block's (d,) scales and zeros are spread over its tokens,
     S = ceil(d / token_block) of each per token (the last token's tail padded), so every stored tensor stays one
     row per token and the paged store, batch edits and byte counts work as for any codec. Encode and decode take
@@ -68,13 +69,13 @@ class ChannelBlockCodec(Codec):
 
     def encode(self, fmt, x, tensor_scale):
         self._blocks(fmt, x.shape[-2])
-        codes, scales, zeros = quantizers.channel_block_quantize(x, fmt.bits, fmt.token_block, fmt.scale_dtype)
+        codes, scales, zeros = channel_block_quantize(x, fmt.bits, fmt.token_block, fmt.scale_dtype)
         return {"codes": IntCodec.pack_codes(fmt, codes), "scales": self._spread(fmt, scales),
                 "zeros": self._spread(fmt, zeros)}
 
     def decode(self, fmt, parts, d, dtype, tensor_scale):
         codes = IntCodec.unpack_codes(fmt, parts["codes"], d)
-        return quantizers.channel_block_dequantize(codes, self._gather(fmt, parts["scales"], d),
+        return channel_block_dequantize(codes, self._gather(fmt, parts["scales"], d),
                                                    self._gather(fmt, parts["zeros"], d), fmt.bits, dtype)
 
     def fake_quantize(self, fmt, x, tensor_scale, where="fake_quantize"):
@@ -90,3 +91,27 @@ class ChannelBlockCodec(Codec):
 
     def describe(self, fmt):
         return f"int{fmt.bits} per channel over {fmt.token_block}-token blocks asym {fmt.scale_dtype}"
+
+
+def channel_block_quantize(x: torch.Tensor, bits: int, block: int, scale_dtype: str = "fp16") -> Quantized:
+    """KIVI's key quantization: per channel over blocks of `block` consecutive tokens (asymmetric).
+    x (..., T, d), T a multiple of block -> codes (..., T, d) uint8, scales and zeros (..., T / block, d): one scale
+    and zero per channel and block, so a channel whose values are large everywhere (an outlier channel) gets its own
+    step instead of widening every token's step."""
+    t = x.shape[-2]
+    if block < 1 or t % block:
+        raise ValueError(f"channel_block_quantize: {t} tokens do not fill blocks of block={block}; allowed: a "
+                         f"positive divisor of the token count")
+    xb = x.reshape(*x.shape[:-2], t // block, block, x.shape[-1]).transpose(-1, -2)  # (..., nb, d, block)
+    codes, scales, zeros = group_quantize(xb, bits, None, False, scale_dtype)  # one group: a channel's block
+    codes = codes.transpose(-1, -2).reshape(x.shape)
+    return Quantized(codes, scales[..., 0], zeros[..., 0])
+
+
+def channel_block_dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes (..., T, d), scales/zeros (..., T / block, d) -> x_hat (..., T, d) in `dtype`."""
+    nb, d = scales.shape[-2:]
+    cb = codes.reshape(*codes.shape[:-2], nb, -1, d).transpose(-1, -2)  # (..., nb, d, block)
+    x = group_dequantize(cb, scales[..., None], zeros[..., None], bits, dtype)
+    return x.transpose(-1, -2).reshape(codes.shape)

@@ -1,0 +1,78 @@
+"""transformers' cache-layer contract shared by every latent cache layer (ours in cache/layer.py, the peers' in
+cache/peers.py), and the small helpers the layers share: the latents' shape check, the step type, a row scatter."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+
+def check_latents(content: torch.Tensor, rope: torch.Tensor) -> None:
+    """content (B, T, d_c) and rope (B, T, d_r) with the same B and T."""
+    if content.dim() != 3 or rope.dim() != 3 or content.shape[:2] != rope.shape[:2]:
+        raise ValueError(
+            f"append expects content (B, T, d_c) and rope (B, T, d_r) with the same B, T; "
+            f"got {tuple(content.shape)} and {tuple(rope.shape)}"
+        )
+
+
+def step_type(q_latent: torch.Tensor) -> str:
+    """"decode" for one query token per sequence, "prefill" for more (q_latent (B, H, T, d_c))."""
+    return "decode" if q_latent.shape[2] == 1 else "prefill"
+
+
+def scatter_rows(dest: torch.Tensor, index: torch.Tensor, ok: torch.Tensor, src: torch.Tensor) -> None:
+    """dest[b, index[b, j]] = src[b, j] where ok[b, j]. dest (B, L, d), index/ok (B, J), src (B, J, d)."""
+    b, j = ok.nonzero(as_tuple=True)
+    dest[b, index[b, j]] = src[b, j].to(dest.dtype)
+
+
+class LatentLayerContract(CacheLayerMixin):
+    """transformers' `CacheLayerMixin` contract of a latent cache layer, from its `length`, `update_and_read` and
+    `_clear`: the part every latent layer (ours, and the peers' in cache/peers.py) shares."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """transformers' MLA classes call update(c_kv (B,1,T,d_c), k_pe (B,1,T,d_r)); same data, 4-D views."""
+        content, rope = self.update_and_read(key_states[:, 0], value_states[:, 0])
+        return content.unsqueeze(1), rope.unsqueeze(1)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    # A DSA indexer (DeepSeek-V3.2, GLM-5, GLM-5.3, ...) keeps its own key cache next to the latent, unquantized:
+    # `indexer_keys` (B, S, d_index), set to None by `_clear`.
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        if self.indexer_keys is None:
+            self.indexer_keys = indexer_key_states
+        else:
+            self.indexer_keys = torch.cat([self.indexer_keys, indexer_key_states], dim=1)
+        return self.indexer_keys
+
+    def indexer_bytes(self) -> int:
+        """Bytes of the indexer's keys of the real tokens (as held: unquantized)."""
+        keys = self.indexer_keys
+        return 0 if keys is None else self.real_tokens() * keys.shape[-1] * keys.element_size()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._clear()
+        self.is_initialized = False
+
+    def _count_slots(self, content: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """The start of every append: check the latents, initialize on the first, count the T new slots (their
+        validity joins `slot_valid`). Returns valid (B, T) bool (None: every slot real)."""
+        check_latents(content, rope)
+        if not self.is_initialized:
+            self.lazy_initialization(content, rope)
+        b, t = content.shape[:2]
+        valid = torch.ones(b, t, dtype=torch.bool, device=content.device) if valid is None else valid.bool()
+        if valid.shape != (b, t):
+            raise ValueError(f"valid must be (B, T) = {(b, t)}, got {tuple(valid.shape)}")
+        self.slot_valid = torch.cat([self.slot_valid, valid], dim=1)
+        self.length += t
+        return valid
