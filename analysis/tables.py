@@ -171,6 +171,7 @@ def _eval_base(r) -> dict:
         eval_set += " needle outside {}+{}".format(*data["needle_outside"])
     return {"model": r.model, "method": r["transform"] or "none", "cache": cache, "content": content, "rope": rope,
             "protected": protected, "eval set": eval_set, "peer": "peer" in quant, "budget": budget,
+            "budget B": r.metrics.get("alloc/budget") if budget is not None else None,
             "B quantized": r.metrics.get("cache/bytes_per_token_per_layer"),
             "B held": r.metrics.get("cache/bf16_B_per_token_per_layer"), "source": r.source}
 
@@ -645,9 +646,7 @@ def mixed(df: pd.DataFrame) -> Table:
         for key, g in long[long["budget"].notna()].groupby(group, sort=False):
             pooled = []
             for t in g.itertuples():
-                u = long[(long["cache"] == str(t.budget)) & (long["model"] == t.model) & (long["method"] == t.method)
-                         & (long["protected"] == t.protected) & (long["eval set"] == key[-1])
-                         & (long["task"] == t.task)]
+                u = _uniform(long, long.loc[t.Index], (long["eval set"] == key[-1]) & (long["task"] == t.task))
                 if u.empty:
                     continue
                 ref = refs[(refs["model"] == t.model) & (refs["task"] == t.task) & (refs["eval set"] == key[-1])]
@@ -666,9 +665,7 @@ def mixed(df: pd.DataFrame) -> Table:
     kl = quality_per_sequence(df)
     if not kl.empty and kl["budget"].notna().any():
         for _, r in kl[kl["budget"].notna()].iterrows():
-            u = kl[(kl["cache"] == str(r["budget"])) & (kl["model"] == r["model"]) & (kl["method"] == r["method"])
-                   & (kl["protected"] == r["protected"]) & (kl["data"] == r["data"])
-                   & (kl["held-out set"] == r["held-out set"])]
+            u = _uniform(kl, r, (kl["data"] == r["data"]) & (kl["held-out set"] == r["held-out set"]))
             if u.empty:
                 continue
             row = _kl_pair(r["per_sequence"], u.iloc[-1]["per_sequence"], "KL uniform")
@@ -691,6 +688,16 @@ def mixed(df: pd.DataFrame) -> Table:
             shown[c] = out[c].map(lambda v: "" if pd.isna(v) else f"{v:.4g}")
     return Table("mixed", "Mixed precision vs the uniform option at its bytes, on the same examples and sequences "
                  "(difference ± paired standard error; for KL lower is better)", shown.fillna(""), out, sources)
+
+
+def _uniform(frame: pd.DataFrame, r, same) -> pd.DataFrame:
+    """The runs of `frame` (rows where `same`) of the uniform option a mixed run `r` was given the bytes of: its
+    name, the same model, method and protected region, and its bytes per quantized token equal to the budget (so a
+    run of that option with other settings, e.g. another grouping, is not taken for it)."""
+    u = frame[same & (frame["cache"] == str(r["budget"])) & (frame["model"] == r["model"])
+              & (frame["method"] == r["method"]) & (frame["protected"] == r["protected"])]
+    budget = r.get("budget B")
+    return u if budget is None or pd.isna(budget) else u[u["B quantized"] == budget]
 
 
 def equivalence(df: pd.DataFrame) -> Table:

@@ -97,6 +97,8 @@ def test_mixed_runs_pair_with_the_uniform_option_at_their_bytes(tmp_path, monkey
                                                       "calib.samples=4", "calib.seq_len=128"])
     assert mixed["alloc/budget"] == uniform["cache/bytes_per_token_per_layer"] == 44
     assert mixed["cache/bytes_per_token_per_layer"] <= 44 and mixed["alloc/reused"] == 0
+    grouped = _quality(tmp_path, monkeypatch, "grouped", ["quant=int2_joint", "quant.rope.group_size=4", *low])
+    assert grouped["cache/bytes_per_token_per_layer"] == 56  # the budget's option with other settings: not its bytes
     t = tables.mixed(load_frame([tmp_path]))
     (row,) = t.long.to_dict("records")
     assert row["cache"] == "mixed sensitivity @int2_joint" and row["uniform"] == "int2_joint"
