@@ -145,6 +145,8 @@ def accuracy_vs_bytes(t: Table) -> dict:
     if t.empty:
         return {}
     long = t.long[(t.long["run as"] == "model") & t.long["B held"].notna()]
+    if "eval set" in long:  # the reported sets only: a development split's runs are choices, not results
+        long = long[~long["eval set"].astype(str).str.startswith("dev")]
     if long.empty:
         return {}
     key = ["model", "method", "cache", "protected", "B held"]
@@ -159,7 +161,7 @@ def accuracy_vs_bytes(t: Table) -> dict:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("cache bytes held per token per layer (BF16 values; protected region included)")
     ax.set_ylabel("accuracy (mean over tasks)")
-    ax.set_title("Accuracy vs cache bytes, every method and format", fontsize=9)
+    ax.set_title("Accuracy vs cache bytes held, every method and format (test sets)", fontsize=9)
     _legend_right(ax)
     fig.tight_layout()
     return {"accuracy_vs_bytes": (fig, sorted(set(long["source"])))}

@@ -247,3 +247,15 @@ def test_needle_quantized_keeps_the_examples_every_quantizing_cache_quantized():
     assert list(tables.needle_quantized(scores, ours, peer).index.get_level_values(0)) == [0, 3]
     assert len(tables.needle_quantized(scores, peer, bf16)) == 4
     assert tables.needle_quantized(scores, ours, None).empty  # a run without regions cannot vouch for its needles
+
+
+def test_accuracy_vs_bytes_plots_the_reported_sets_only():
+    """A development split's runs are the choices' sweeps: the figure of results leaves them out."""
+    row = {"model": "toy_mla", "method": "none", "cache": "int2_joint", "protected": "4+128", "run as": "model",
+           "task": "toy_niah_single_1", "score": 0.5, "B held": 76.0}
+    long = pd.DataFrame([{**row, "eval set": "test needle outside 4+128", "source": "test/record.json"},
+                         {**row, "eval set": "dev needle outside 4+128", "source": "dev/record.json", "score": 0.9}])
+    out = figures.accuracy_vs_bytes(tables.Table("accuracy", "", long.drop(columns="source"), long))
+    fig, sources = out["accuracy_vs_bytes"]
+    assert sources == ["test/record.json"]
+    figures.plt.close(fig)
