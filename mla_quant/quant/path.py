@@ -99,7 +99,8 @@ class PathFormat:
             raise ValueError(f"{where}.group_size={self.group_size!r}; allowed: null or a positive integer")
         if d is not None:
             self.codec.check_dim(self, d, where)
-        if d is not None and self.quantized and self.granularity == "group" and self.group_size is not None:
+        if (d is not None and self.quantized and self.granularity == "group" and self.group_size is not None
+                and not self.codec.partial_groups):
             if d % self.group_size:
                 divisors = [g for g in range(1, d + 1) if d % g == 0]
                 raise ValueError(

@@ -1,21 +1,18 @@
 """The registry of codecs, one module each: `CODECS[name]` is how a path with `format: <name>` is stored.
-Adding a format = a `Codec` subclass decorated with `register` in a module of its own here, imported below (the
-imports fill the registry, in the order formats are listed)."""
+Adding a format = a module here holding a `Codec` subclass decorated with `register`: every module of this package
+is imported below (in name order), which fills the registry; nothing else is edited."""
 
 from __future__ import annotations
 
-# isort: off
+import importlib
+import pkgutil
+
 from mla_quant.quant.codecs.base import CODECS, Codec, check_finite, register
-from mla_quant.quant.codecs.values import ValuesCodec
-from mla_quant.quant.codecs.integer import IntCodec
-from mla_quant.quant.codecs.fp8 import Fp8Codec
-from mla_quant.quant.codecs.codebook import CodebookCodec
-from mla_quant.quant.codecs.channel_block import ChannelBlockCodec
-from mla_quant.quant.codecs.pairs import PAIR_LAYOUTS, PairsCodec, pair_channels
-from mla_quant.quant.codecs.nvfp4 import Nvfp4Codec
-# isort: on
+from mla_quant.quant.codecs.pairs import PAIR_LAYOUTS, pair_channels
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    importlib.import_module(f"{__name__}.{_module}")
 
 FORMATS = tuple(CODECS)
 
-__all__ = ["CODECS", "FORMATS", "PAIR_LAYOUTS", "ChannelBlockCodec", "Codec", "CodebookCodec", "Fp8Codec", "IntCodec",
-           "Nvfp4Codec", "PairsCodec", "ValuesCodec", "check_finite", "pair_channels", "register"]
+__all__ = ["CODECS", "FORMATS", "PAIR_LAYOUTS", "Codec", "check_finite", "pair_channels", "register"]

@@ -39,6 +39,7 @@ class Codec:
     quantized = True  # False: the values kept as they are (bf16)
     integer_groups = False  # True: integer codes per group of each token's values (the objectives' closed-form STE)
     whole_page = False  # True: parts of several widths, the kernel reads the whole page (pairs)
+    partial_groups = False  # True: a dimension that group_size does not divide ends in one shorter group (mxfp8)
 
     def check(self, fmt: "PathFormat", where: str) -> None:
         """Format-specific checks (widths, granularity, scale dtype), independent of the dimension."""
