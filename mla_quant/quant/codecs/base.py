@@ -54,6 +54,19 @@ class Codec:
             raise ValueError(f"{where}.granularity={fmt.granularity!r}: format={self.name} takes "
                              f"{list(self.granularities)}")
 
+    def check_block_format(self, fmt: "PathFormat", where: str, block: int, scale_dtype: str, scales: str) -> None:
+        """The refusals of a fixed block format (an engine's: nvfp4, mxfp8): one scale of `scale_dtype` (`scales`
+        says what it is) per `block` values, signed codes with no zero point."""
+        if fmt.group_size != block:
+            raise ValueError(f"{where}.group_size={fmt.group_size!r}: format={self.name} scales every {block} values; "
+                             f"allowed: {block}")
+        if fmt.scale_dtype != scale_dtype:
+            raise ValueError(f"{where}.scale_dtype={fmt.scale_dtype!r}: format={self.name} stores {scales}; allowed: "
+                             f"{scale_dtype}")
+        if not fmt.symmetric:
+            raise ValueError(f"{where}.symmetric=false: format={self.name} codes are signed values with no zero "
+                             "point; allowed: true")
+
     def check_dim(self, fmt: "PathFormat", d: int, where: str) -> None:
         """Checks against the path's dimension that the format adds (pairs, packing blocks); none by default."""
 

@@ -68,15 +68,7 @@ class Mxfp8Codec(Codec):
 
     def check(self, fmt, where):
         super().check(fmt, where)
-        if fmt.group_size != BLOCK:
-            raise ValueError(f"{where}.group_size={fmt.group_size!r}: format=mxfp8 scales every {BLOCK} values; "
-                             f"allowed: {BLOCK}")
-        if fmt.scale_dtype != "e8m0":
-            raise ValueError(f"{where}.scale_dtype={fmt.scale_dtype!r}: format=mxfp8 stores E8M0 (power-of-two) "
-                             "scales; allowed: e8m0")
-        if not fmt.symmetric:
-            raise ValueError(f"{where}.symmetric=false: format=mxfp8 codes are signed values with no zero point; "
-                             "allowed: true")
+        self.check_block_format(fmt, where, BLOCK, "e8m0", "E8M0 (power-of-two) scales")
 
     def n_groups(self, fmt, d):
         return n_blocks(d)

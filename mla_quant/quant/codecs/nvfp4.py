@@ -75,15 +75,7 @@ class Nvfp4Codec(Codec):
 
     def check(self, fmt, where):
         super().check(fmt, where)
-        if fmt.group_size != BLOCK:
-            raise ValueError(f"{where}.group_size={fmt.group_size!r}: format=nvfp4 scales every {BLOCK} values; "
-                             f"allowed: {BLOCK}")
-        if fmt.scale_dtype != "e4m3":
-            raise ValueError(f"{where}.scale_dtype={fmt.scale_dtype!r}: format=nvfp4 stores e4m3 scales; allowed: "
-                             "e4m3")
-        if not fmt.symmetric:
-            raise ValueError(f"{where}.symmetric=false: format=nvfp4 codes are signed values with no zero point; "
-                             "allowed: true")
+        self.check_block_format(fmt, where, BLOCK, "e4m3", "e4m3 scales")
 
     def check_dim(self, fmt, d: int, where: str) -> None:
         if d % (2 * BLOCK):
