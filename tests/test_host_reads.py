@@ -23,7 +23,7 @@ PER_STEP = {
 PER_LAYER_PADDED = {
     # the decode kernel serves a step only if its mask hides padding slots and nothing else: the mask is compared
     # with the slots the cache marked as padding
-    (READ, "layer.py:_hides_only_padding"): 1,
+    (READ, "reads.py:_hides_only_padding"): 1,
     # the ring-buffer fast path of append takes a step whose new token is real in every row
     (READ, "layer.py:append"): 1,
 }

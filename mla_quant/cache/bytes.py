@@ -94,6 +94,30 @@ class HeldBytes:
     def copy(self) -> "HeldBytes":
         return self - HeldBytes()
 
+    def __add__(self, other: "HeldBytes") -> "HeldBytes":
+        out = self.copy()
+        out.token_layers += other.token_layers
+        for unit, parts in other.parts.items():
+            for part, b in parts.items():
+                out.parts[unit][part] = out.parts[unit].get(part, 0.0) + b
+        out.state += other.state
+        out.state_sequences += other.state_sequences
+        out.indexer += other.indexer
+        return out
+
+    def tally(self) -> dict:
+        """The tallies as plain numbers (a finished unit's result in the run's progress: JSON); `from_tally`."""
+        return {"token_layers": self.token_layers, "parts": self.parts, "state": self.state,
+                "state_sequences": self.state_sequences, "indexer": self.indexer}
+
+    @classmethod
+    def from_tally(cls, tally: dict) -> "HeldBytes":
+        out = cls()
+        out.token_layers, out.indexer = tally["token_layers"], tally["indexer"]
+        out.state, out.state_sequences = tally["state"], tally["state_sequences"]
+        out.parts = {unit: dict(parts) for unit, parts in tally["parts"].items()}
+        return out
+
     def metrics(self, prefix: str) -> dict[str, float]:
         """{prefix/held_B_per_token_per_layer, prefix/bf16_B_per_token_per_layer, prefix/bf16/<part>: B per token
         and MLA layer, prefix/tokens: tokens per layer; with a DSA indexer prefix/indexer_B_per_token_per_layer: its

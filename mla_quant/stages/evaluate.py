@@ -23,6 +23,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from mla_quant.cache.bytes import HeldBytes
 from mla_quant.eval import HEADLINE_FILTERS
 from mla_quant.eval.harness import LatentCacheHFLM, compact_samples, evaluate_tasks, rope_zeroed
 from mla_quant.eval.needles import check_placement, needle_region, region_metrics
@@ -52,7 +53,7 @@ def flat_metrics(results: dict, prefix: str) -> dict[str, float]:
     return out
 
 
-RESULT_FIELDS = ("results", "n-shot", "n-samples", "versions", "needles", "cache")
+RESULT_FIELDS = ("results", "n-shot", "n-samples", "versions", "needles", "cache", "held")
 
 
 def task_metrics(res: dict, prefix: str) -> dict[str, float]:
@@ -76,7 +77,9 @@ def evaluate_each(lm, tasks: list[str], folder, prefix: str, loaded: dict | None
         before = lm.held.copy()
         res = evaluate_tasks(lm, [(loaded or {}).get(task, task)], folder, log_samples=samples_dir is not None,
                              **kwargs)
-        res["cache"] = {name: (lm.held - before).metrics("cache") for name in res.get("results", {})}
+        held = lm.held - before
+        res["cache"] = {name: held.metrics("cache") for name in res.get("results", {})}
+        res["held"] = {task: held.tally()}  # the unit's own tallies: the run's bytes pool them, resumed units too
         res["needles"] = {}
         for name, samples in (res.get("samples") or {}).items():
             rows = compact_samples(samples, needle_of)
@@ -199,7 +202,9 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                             samples_dir=samples, needle_of=needle_of, **options)
         raw["stock"] = res
         metrics.update(task_metrics(res, "eval"))
-    metrics.update(lm.held.metrics("cache"))  # the bytes held over every task (the control's calls come after)
+    held = sum((HeldBytes.from_tally(t) for part in raw.values() for t in (part.get("held") or {}).values()),
+               HeldBytes())  # the bytes held over every task, the ones a resumed run kept included
+    metrics.update(held.metrics("cache"))
     metrics["eval/seconds"] = time.perf_counter() - start
     metrics["eval/cache_calls"] = lm.cache_calls
 
