@@ -214,8 +214,7 @@ def accuracy(df: pd.DataFrame) -> Table:
     index = ["model", "method", "cache", "content", "rope", "protected", "eval set", "run as"]
     shown = long.pivot_table(index=index, columns="task", values="cell", aggfunc="last", sort=False).reset_index()
     held = long.groupby(index, sort=False, dropna=False)[["B quantized", "B held"]].last().reset_index()
-    for c in ("B quantized", "B held"):  # per quantized token / held over the lengths the run evaluated (BF16)
-        held[c] = held[c].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.1f}")
+    _bytes_shown(held)  # per quantized token / held over the lengths the run evaluated (BF16)
     shown = shown.merge(held, on=index, how="left")
     shown = shown[[*index, "B quantized", "B held", *[c for c in shown.columns if c not in index
                                                        and c not in ("B quantized", "B held")]]]
@@ -378,8 +377,7 @@ def _paired_shown(out: pd.DataFrame, scores) -> tuple[pd.DataFrame, pd.DataFrame
     sources = sorted({s for row in out["sources"] for s in row})
     out = out.drop(columns="sources")
     shown = out.copy()
-    for c in [c for c in shown.columns if c.endswith(("B quantized", "B held"))]:
-        shown[c] = shown[c].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.1f}")
+    _bytes_shown(shown)
     for c in scores:
         shown[c] = shown[c].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.3f}")
     shown["delta"] = [_pm(d, e) for d, e in zip(out["delta"], out["paired SE"])]
@@ -474,8 +472,7 @@ def needles(df: pd.DataFrame) -> Table:
         acc, n = shown.pop(f"{region} accuracy"), shown.pop(f"{region} n")
         if n.any():
             shown[f"needle {region}"] = [f"{a:.3f} ({c})" if c else "" for a, c in zip(acc, n)]
-    for c in ("B quantized", "B held"):
-        shown[c] = shown[c].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.1f}")
+    _bytes_shown(shown)
     return Table("needles", "Needle accuracy by where the asked needle sat in the cache (accuracy (examples))",
                  shown.fillna(""), long, _used(df, long))
 
@@ -615,6 +612,14 @@ def _kl_pair(m: pd.DataFrame, base: pd.DataFrame, base_name: str) -> dict | None
             "sequences higher": int((per_m > per_b).sum())}
 
 
+def _bytes_shown(shown: pd.DataFrame) -> pd.DataFrame:
+    """Every bytes column of a table to print ("B quantized", "B held", and the other run's "<name> B ...") to one
+    decimal, empty where unknown; in place, returned."""
+    for c in [c for c in shown.columns if c.endswith(("B quantized", "B held"))]:
+        shown[c] = shown[c].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.1f}")
+    return shown
+
+
 def _held(r, other, name: str) -> dict:
     """Bytes per token and layer of a paired row's two runs at BF16: per quantized token and held over the sequences
     scored (the other run's columns prefixed with `name`)."""
@@ -623,9 +628,7 @@ def _held(r, other, name: str) -> dict:
 
 
 def _kl_shown(long_out: pd.DataFrame, kls) -> pd.DataFrame:
-    shown = long_out.copy()
-    for c in [c for c in shown.columns if c.endswith(("B quantized", "B held"))]:
-        shown[c] = shown[c].map(lambda v: "" if v is None or pd.isna(v) else f"{v:.1f}")
+    shown = _bytes_shown(long_out.copy())
     shown["delta"] = [_pm(d, e, 4) for d, e in zip(long_out["delta"], long_out["paired SE"])]
     shown["z"] = long_out["z"].map(lambda v: f"{v:+.1f}")
     for c in kls:
@@ -671,10 +674,8 @@ def mixed(df: pd.DataFrame) -> Table:
             row = _kl_pair(r["per_sequence"], u.iloc[-1]["per_sequence"], "KL uniform")
             if row is not None:
                 rows.append({"model": r["model"], "method": r["method"], "cache": r["cache"],
-                             "protected": r["protected"], "B quantized": r["B quantized"], "B held": r["B held"],
-                             "uniform": str(r["budget"]), "uniform B quantized": u.iloc[-1]["B quantized"],
-                             "uniform B held": u.iloc[-1]["B held"],
-                             "task": f"next-token KL ({r['data']})", "sources": [r["source"], u.iloc[-1]["source"]],
+                             "protected": r["protected"], **_held(r, u.iloc[-1], "uniform"),
+                             "uniform": str(r["budget"]), "task": f"next-token KL ({r['data']})", "sources": [r["source"], u.iloc[-1]["source"]],
                              **row})
     out = pd.DataFrame(rows)
     if out.empty:

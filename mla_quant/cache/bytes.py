@@ -81,29 +81,25 @@ class HeldBytes:
             self.state += state
             self.state_sequences += cache.sequences()
 
-    def __sub__(self, earlier: "HeldBytes") -> "HeldBytes":
+    def _combined(self, other: "HeldBytes", sign: int) -> "HeldBytes":
+        """self + sign * other, tally by tally."""
         out = HeldBytes()
-        out.token_layers = self.token_layers - earlier.token_layers
-        out.parts = {unit: {k: v - earlier.parts[unit].get(k, 0.0) for k, v in parts.items()}
-                     for unit, parts in self.parts.items()}
-        out.state = self.state - earlier.state
-        out.state_sequences = self.state_sequences - earlier.state_sequences
-        out.indexer = self.indexer - earlier.indexer
+        out.token_layers = self.token_layers + sign * other.token_layers
+        out.parts = {unit: {k: parts.get(k, 0.0) + sign * other.parts[unit].get(k, 0.0)
+                            for k in {**parts, **other.parts[unit]}} for unit, parts in self.parts.items()}
+        out.state = self.state + sign * other.state
+        out.state_sequences = self.state_sequences + sign * other.state_sequences
+        out.indexer = self.indexer + sign * other.indexer
         return out
+
+    def __sub__(self, earlier: "HeldBytes") -> "HeldBytes":
+        return self._combined(earlier, -1)
+
+    def __add__(self, other: "HeldBytes") -> "HeldBytes":
+        return self._combined(other, 1)
 
     def copy(self) -> "HeldBytes":
         return self - HeldBytes()
-
-    def __add__(self, other: "HeldBytes") -> "HeldBytes":
-        out = self.copy()
-        out.token_layers += other.token_layers
-        for unit, parts in other.parts.items():
-            for part, b in parts.items():
-                out.parts[unit][part] = out.parts[unit].get(part, 0.0) + b
-        out.state += other.state
-        out.state_sequences += other.state_sequences
-        out.indexer += other.indexer
-        return out
 
     def tally(self) -> dict:
         """The tallies as plain numbers (a finished unit's result in the run's progress: JSON); `from_tally`."""
