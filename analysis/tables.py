@@ -36,6 +36,8 @@ import pandas as pd
 from analysis.records import newest_complete
 from mla_quant.eval import HEADLINE_FILTERS
 from mla_quant.eval.needles import REGIONS
+from mla_quant.quant.formats import BASELINE
+from mla_quant.quant.path import path_label, quantizer_label
 from mla_quant.stats import clustered_stderr
 
 PAPER = Path(__file__).with_name("paper_results.csv")
@@ -67,19 +69,6 @@ def _newest(rows: list[dict], key: list[str]) -> pd.DataFrame:
 
 def _used(df: pd.DataFrame, long: pd.DataFrame) -> list[str]:
     return sorted(set(long["source"])) if "source" in long else []
-
-
-def _quantizer(path: dict) -> str:
-    """" <quantizer>" of a quant config's path, "" for the default (rtn, min/max ranges)."""
-    quantizer = path.get("quantizer") or "rtn"
-    return "" if quantizer == "rtn" else f" {quantizer}"
-
-
-def path_format(path: dict) -> str:
-    """One cache path of a quant config in a few characters: bf16, fp8, int4 g32, int2 tok (per token)."""
-    if path.get("format") != "int":
-        return str(path.get("format"))
-    return f"int{path['bits']} " + (f"g{path['group_size']}" if path.get("group_size") else "tok") + _quantizer(path)
 
 
 def _pm(mean, err, digits=3) -> str:
@@ -150,7 +139,7 @@ def _eval_base(r) -> dict:
         cache = f"mixed {alloc.get('by', 'sensitivity')} @{budget}"
         if (alloc.get("rope_groups") or 1) > 1:  # a width per group of RoPE pairs
             cache += f" rope/{alloc['rope_groups']}"
-        content, rope = (f"per layer{_quantizer(quant.get(path) or {})}" for path in ("content", "rope"))
+        content, rope = (f"per layer{quantizer_label(quant.get(path) or {})}" for path in ("content", "rope"))
         shield = quant.get("protected") or {}
         protected = f"{shield.get('n_sink', 0)}+{shield.get('recent', 0)}"
         if quant.get("mode") == "serving":
@@ -160,7 +149,7 @@ def _eval_base(r) -> dict:
         content = rope = f"{peer.get('library')} int{peer.get('bits')} g{peer.get('group_size')}"
         protected = f"prompt none, new < {peer.get('residual_length')}"  # transformers quantizes the whole prompt
     else:
-        content, rope = path_format(quant.get("content") or {}), path_format(quant.get("rope") or {})
+        content, rope = path_label(quant.get("content") or {}), path_label(quant.get("rope") or {})
         shield = quant.get("protected") or {}
         protected = f"{shield.get('n_sink', 0)}+{shield.get('recent', 0)}"
         if quant.get("mode") == "serving":  # the appending step sees its own tokens fresh: another semantics
@@ -340,7 +329,7 @@ def paired(df: pd.DataFrame) -> Table:
     long = _with_samples(long)
     rows = []
     group = ["model", "cache", "content", "rope", "protected", "eval set"]
-    refs = long[long["cache"] == "bf16"]
+    refs = long[long["cache"] == BASELINE]
     for key, g in long.groupby(group, sort=False):
         rtn = g[g["method"] == "none"]
         if rtn.empty:
@@ -644,7 +633,7 @@ def mixed(df: pd.DataFrame) -> Table:
     long = accuracy_long(df)
     if not long.empty and long["budget"].notna().any():
         long = _with_samples(long)
-        refs = long[long["cache"] == "bf16"]
+        refs = long[long["cache"] == BASELINE]
         group = ["model", "method", "cache", "content", "rope", "protected", "eval set"]
         for key, g in long[long["budget"].notna()].groupby(group, sort=False):
             pooled = []

@@ -97,3 +97,44 @@ def test_kernels_import_nothing_above_them():
     above = {m: sorted(d for d in deps if layer_of(d) != "kernels") for m, deps in graph.items()
              if layer_of(m) == "kernels"}
     assert not any(above.values()), f"kernel modules import from above: {above}"
+
+
+# (module outside quant/, literal): a string that happens to spell a codec's name but names something else there
+NOT_A_CODEC = {
+    ("kernels/latent_decode.py", "bf16"): "the dtype of the kernel's dot products",
+    ("models/fp8.py", "fp8"): "a checkpoint's quantization_config.quant_method",
+    ("serving/shape.py", "fp8"): "a checkpoint's quantization_config.quant_method",
+}
+
+
+def _name_literals(node: ast.AST) -> list[str]:
+    """The string constants a comparison or subscript tests against (`x == "a"`, `x in ("a", "b")`, `D["a"]`)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return []
+
+
+def test_no_codec_or_quantizer_name_compared_outside_quant():
+    """What a format is lives with its codec (quant/): no module outside quant/ compares a codec, quantizer or peer
+    library name, or looks a codec up by a literal name."""
+    from mla_quant.quant.codecs import CODECS
+    from mla_quant.quant.peers import LIBRARIES
+    from mla_quant.quant.quantizers import QUANTIZERS
+
+    names = set(CODECS) | set(QUANTIZERS) | set(LIBRARIES)
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        if rel.startswith("quant/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                literals = [s for operand in [node.left, *node.comparators] for s in _name_literals(operand)]
+            elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "CODECS":
+                literals = _name_literals(node.slice)
+            else:
+                continue
+            found += [f"{rel}:{node.lineno} {s!r}" for s in literals if s in names and (rel, s) not in NOT_A_CODEC]
+    assert not found, "codec / quantizer names compared outside quant/:\n" + "\n".join(found)

@@ -26,24 +26,22 @@ from mla_quant.cache.contract import LatentLayerContract, step_type
 from mla_quant.kernels.attention import latent_attention
 from mla_quant.quant.peers import LIBRARIES, PeerFormat
 
-HQQ_PACK_ROWS = {1: 8, 2: 4, 3: 10, 4: 2, 8: 1}  # groups HQQ's bit-packing takes at once, per width
-
 
 @functools.cache
-def row_class(library: str) -> type:
-    """transformers' quantized layer class of `library`; for HQQ a subclass that pads each tensor it quantizes with
-    zero tokens up to whole packs of groups. HQQ packs `HQQ_PACK_ROWS[bits]` groups together and transformers hands it
+def row_class(library: str, pack: int | None) -> type:
+    """transformers' quantized layer class of `library`; where its packing takes `pack` groups at once (HQQ:
+    `PeerFormat.pack_rows`) a subclass that pads each tensor it quantizes with zero tokens up to whole packs of
+    groups. HQQ packs several groups together and transformers hands it
     the tensor as it is, so it fails on other lengths (at 2 bits, an odd number of tokens on a path with one group per
     token). The groups are per token and zero groups add nothing to HQQ's stopping rule, so the real tokens quantize
     exactly as they would; the padding is dropped after dequantization and not counted as used bytes."""
     base = getattr(cache_utils, LIBRARIES[library][0])
-    if library != "hqq":
+    if pack is None:
         return base
 
     class PaddedHQQQuantizedLayer(base):
         def _quantize(self, tensor, axis):
             groups_per_token = tensor[..., 0, :].numel() // self.q_group_size
-            pack = HQQ_PACK_ROWS[self.nbits]
             pad = (-tensor.shape[-2]) % (pack // math.gcd(pack, groups_per_token))
             if pad:
                 tensor = torch.nn.functional.pad(tensor, (0, 0, 0, pad))
@@ -96,7 +94,7 @@ class PeerLatentCacheLayer(LatentLayerContract):
 
     def _new_row(self):
         f = self.fmt
-        return row_class(f.library)(nbits=f.bits, axis_key=f.axis, axis_value=f.axis, q_group_size=f.group_size,
+        return row_class(f.library, f.pack_rows)(nbits=f.bits, axis_key=f.axis, axis_value=f.axis, q_group_size=f.group_size,
                              residual_length=f.residual_length)
 
     @property

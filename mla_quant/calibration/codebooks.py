@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from mla_quant.models.absorbed import cached_latents, num_cache_layers
 from mla_quant.quant.formats import PATHS, CacheFormat, LayeredFormat
-from mla_quant.quant.quantizers import LLOYD_MAX_VALUES, check_levels, fit_levels
+from mla_quant.quant.quantizers import FIT_REFERENCES, LLOYD_MAX_VALUES, check_levels, fit_levels
 from mla_quant.record import config_sha256, write_json_atomic
 
 CODEBOOK_VERSION = 2  # 2: the fit starts from clip's ranges
@@ -147,9 +147,9 @@ def fitted_codebooks(model, fmt, ids: torch.Tensor, identity: dict, cache_dir: s
             levels[i, p] = tuple(float(v) for v in lv)
             energy = float(x.double().pow(2).sum())
             fitted = dataclasses.replace(pf, levels=levels[i, p])
-            others = [(q, dataclasses.replace(pf, quantizer=q)) for q in ("clip", "rtn")]
+            others = [(q, dataclasses.replace(pf, quantizer=q)) for q in FIT_REFERENCES]
             nmse[i, p] = {name: float((f.codec.fake_quantize(f, x, None).double() - x.double()).pow(2).sum())
-                          / max(energy, 1e-30) for name, f in [("lloyd", fitted), *others]}
+                          / max(energy, 1e-30) for name, f in [(pf.quantizer, fitted), *others]}
         stored = {"version": CODEBOOK_VERSION, "config_sha256": sha, "identity": identity,
                   "levels": [[i, p, list(lv)] for (i, p), lv in sorted(levels.items())],
                   "nmse": [[i, p, v] for (i, p), v in sorted(nmse.items())],
@@ -162,7 +162,5 @@ def fitted_codebooks(model, fmt, ids: torch.Tensor, identity: dict, cache_dir: s
     metrics = {"cache/codebooks": str(path), "cache/codebooks_reused": int(reused),
                "cache/codebook_bytes_per_layer": float(sum(f.codebook_bytes() for f in out.layers) / num_layers)}
     for i, p, v in stored.get("nmse", []):
-        metrics[f"cache/layer{i}/{p}/nmse_lloyd"] = float(v["lloyd"])
-        metrics[f"cache/layer{i}/{p}/nmse_clip"] = float(v["clip"])
-        metrics[f"cache/layer{i}/{p}/nmse_rtn"] = float(v["rtn"])
+        metrics.update({f"cache/layer{i}/{p}/nmse_{name}": float(x) for name, x in v.items()})
     return out, metrics

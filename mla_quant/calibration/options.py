@@ -9,6 +9,7 @@ import warnings
 from mla_quant.calibration.fit import FitOptions
 from mla_quant.calibration.objectives import CONTENT_OBJECTIVES, ROPE_OBJECTIVES
 from mla_quant.models.build import _plain
+from mla_quant.quant.codecs import CONTENT_CODECS
 from mla_quant.quant.formats import PATHS, CacheFormat, LayeredFormat, model_format
 from mla_quant.quant.peers import PeerFormat
 from mla_quant.transforms import KINDS
@@ -18,7 +19,6 @@ OBJECTIVES = {"content": CONTENT_OBJECTIVES, "rope": ROPE_OBJECTIVES}
 TRANSFORM_KEYS = ("name", "content", "rope", "fit")
 FIT_KEYS = ("format", "steps", "lr", "alpha", "batch", "eval_every", "cache_dir", "reuse")
 DEFAULT_FIT_FORMAT = "int4_joint"  # fit.format=auto when the run stores no quantized cache
-CONTENT_CODECS = (None, "codebook")  # transform.content.codec: store the content path with TurboQuant's codebook
 
 
 def kinds(transform_cfg) -> dict[str, str]:
@@ -94,14 +94,11 @@ def transformed_format(transform_cfg, fmt: CacheFormat | None) -> CacheFormat | 
         return fmt
     if codec is None or fmt is None or not fmt.content.quantized:
         return fmt
-    from mla_quant.quant.formats import PathFormat
-
     if not fmt.content.integer_groups:
         raise ValueError(f"transform.content.codec={codec} re-encodes an integer content path at its bit width; "
                          f"quant={fmt.name} stores content as {fmt.content.format} (use an int option, e.g. "
                          f"int4_joint)")
-    content = PathFormat(format=codec, bits=fmt.content.bits, group_size=None, scale_dtype=fmt.content.scale_dtype)
-    content.check(fmt.d_c, "quant.content")
+    content = fmt.content.recoded(codec, fmt.d_c)
     if fmt.backend == "triton":
         raise ValueError(f"transform.content.codec={codec}: quant.backend=triton cannot read format={codec}; use "
                          f"quant.backend=torch")

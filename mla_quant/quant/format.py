@@ -15,6 +15,7 @@ BACKENDS = ("auto", "torch", "triton", "cpu")  # auto: decode steps through the 
 # otherwise; prefill and multi-token steps always in PyTorch
 PATHS = ("content", "rope")  # the latent cache's two paths: the content latent c and the decoupled RoPE key k
 STEP_TYPES = ("prefill", "decode")  # multi-token steps (prefill, scoring) / one query token per sequence
+BASELINE = "bf16"  # the quant option of the unquantized cache (conf/quant/bf16.yaml), what tables compare against
 TENSOR_SCALE_BYTES = 4  # one float32 per tensor-granularity path (or one shared by both paths), per sequence and layer
 
 

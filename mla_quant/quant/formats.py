@@ -48,6 +48,7 @@ from mla_quant.quant.codecs.base import (
 )
 from mla_quant.quant.format import (
     BACKENDS,
+    BASELINE,
     COMMON,
     LAYER_KEYS,
     MIXED_KEYS,
@@ -75,7 +76,7 @@ from mla_quant.quant.path import (
     tensor_scale_for,
 )
 
-__all__ = ["BACKENDS", "CODEBOOK_LEVEL_BYTES", "CODECS", "COMMON", "DERIVED_KEYS", "FORMATS",
+__all__ = ["BACKENDS", "BASELINE", "CODEBOOK_LEVEL_BYTES", "CODECS", "COMMON", "DERIVED_KEYS", "FORMATS",
            "GRANULARITIES", "LAYER_KEYS", "MIXED_KEYS", "MODES", "PAIR_LAYOUTS", "PATHS", "SCALE_BYTES", "STEP_TYPES",
            "TENSOR_SCALE_BYTES", "TOP_KEYS", "TRITON_INT_BITS", "ZERO_BYTES", "CacheFormat", "Codec", "LayeredFormat",
            "PathFormat", "_check_keys", "_plain", "cache_bytes_per_token", "cache_format", "check_finite",

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
 UNQUANTIZED_BITS = 16  # a choice of 16 bits keeps the path unquantized (format bf16, in the activation dtype)
+PROBE_BITS = 4  # a width every integer quantizer takes: a mixed option's own path settings are checked at it
 
 
 def knapsack(options: Sequence[Sequence[tuple[float, float]]], budget: float) -> tuple[list[int], float, float]:
@@ -59,3 +60,22 @@ def path_override(choice) -> dict:
     if choice == UNQUANTIZED_BITS:  # unquantized: the option's integer quantizer does not apply
         return {"format": "bf16", "bits": UNQUANTIZED_BITS, "quantizer": "rtn"}
     return {"format": "int", "bits": choice}
+
+
+def probe_override() -> dict:
+    """The path block a mixed option's own settings (quantizer, group size, scale dtype) are checked with before any
+    choice: format int at `PROBE_BITS`."""
+    return path_override(PROBE_BITS)
+
+
+def pairs_override(widths: Sequence[int]) -> dict:
+    """The RoPE key's path block for a width per group of frequency pairs (format=pairs, 16 = unquantized)."""
+    return {"format": "pairs", "bits": [int(b) for b in widths]}
+
+
+def pair_group_bytes(fmt, n: int, act_bytes: int = 2) -> int:
+    """Bytes per token of one group of `n` RoPE channels at `fmt.bits`, as a RoPE key with widths per group of pairs
+    stores it (its own byte-stream codes, scale and zero)."""
+    from mla_quant.quant.codecs import CODECS
+
+    return CODECS["pairs"].group_bytes(fmt, fmt.bits, n, act_bytes)

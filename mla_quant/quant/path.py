@@ -45,7 +45,7 @@ class PathFormat:
     scale_dtype: str = "fp16"
     granularity: str = "group"
     token_block: int | None = None  # format=channel_block: tokens per block (one scale + zero per channel and block)
-    quantizer: str = "rtn"  # format=int: how each group's codes are chosen (quantizers.QUANTIZERS)
+    quantizer: str = quantizers.DEFAULT_QUANTIZER  # format=int: how each group's codes are chosen (quantizers.QUANTIZERS)
     pair_layout: str = "half"  # format=pairs: the model's RoPE pair layout (set from the model, not a config key)
     # quantizer=lloyd: this layer's codebook, 2^bits ascending levels in code units (fitted on calibration latents by
     # the preparation step, mla_quant/calibration/codebooks.py; not a config key)
@@ -107,6 +107,16 @@ class PathFormat:
                     f"{where}.group_size={self.group_size} does not divide the path dimension {d}; "
                     f"allowed: null (whole vector) or one of {divisors}"
                 )
+
+    def recoded(self, codec: str, d: int, where: str = "quant.content") -> "PathFormat":
+        """This integer path stored in `codec` (one of CONTENT_CODECS, e.g. TurboQuant's codebook) at its bit width and
+        scale dtype, checked against its dimension `d`."""
+        if not self.integer_groups:
+            raise ValueError(f"transform.content.codec={codec} re-encodes an integer content path at its bit width; "
+                             f"{where} is format={self.format}")
+        out = PathFormat(format=codec, bits=self.bits, group_size=None, scale_dtype=self.scale_dtype)
+        out.check(d, where)
+        return out
 
     def to_cfg(self) -> dict:
         """The config block this format parses from (`from_cfg`): its config keys, without what the model sets or
@@ -190,8 +200,31 @@ class PathFormat:
     def kernel_spec(self, d: int) -> dict:
         return self.codec.kernel_spec(self, d)
 
+    @property
+    def quantizer_label(self) -> str:
+        """" <quantizer>" where the codes are chosen otherwise than the default's min/max range, else ""."""
+        return "" if self.quantizer == quantizers.DEFAULT_QUANTIZER else f" {self.quantizer}"
+
+    def label(self) -> str:
+        return self.codec.label(self)
+
     def describe(self) -> str:
         return self.codec.describe(self)
+
+
+def path_label(block) -> str:
+    """A quant config's path block (as a run's record holds it) in a few characters, for tables: bf16, fp8, int4 g32,
+    int2 tok lloyd; a block this version cannot read shows its format's name."""
+    try:
+        return PathFormat.from_cfg(block).label()
+    except (TypeError, ValueError):
+        return str(_plain(block).get("format"))
+
+
+def quantizer_label(block) -> str:
+    """" <quantizer>" of a quant config's path block, "" for the default (`PathFormat.quantizer_label`)."""
+    quantizer = _plain(block).get("quantizer") or quantizers.DEFAULT_QUANTIZER
+    return PathFormat(quantizer=quantizer).quantizer_label
 
 
 def encode_path(fmt: PathFormat, x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

@@ -25,6 +25,9 @@ LIBRARIES = {
     "hqq": ("HQQQuantizedLayer", 1, (1, 2, 3, 4, 8), "hqq", "hqq"),
 }
 PEER_KEYS = ("library", "bits", "group_size", "residual_length")
+# library -> groups its bit-packing takes at once, per width (HQQ: a tensor of another number of groups fails, so the
+# cache pads it with zero tokens); a library absent here packs any number of groups
+PACK_ROWS = {"hqq": {1: 8, 2: 4, 3: 10, 4: 2, 8: 1}}
 
 
 def is_peer(quant_cfg) -> bool:
@@ -60,6 +63,12 @@ class PeerFormat:
     @property
     def axis(self) -> int:
         return LIBRARIES[self.library][1]
+
+    @property
+    def pack_rows(self) -> int | None:
+        """Groups the library's bit-packing takes at once at these bits (None: any number)."""
+        rows = PACK_ROWS.get(self.library)
+        return None if rows is None else rows[self.bits]
 
     def step_backends(self, device_type: str) -> dict[str, str]:
         return {"prefill": "torch", "decode": "torch"}

@@ -31,8 +31,9 @@ from typing import NamedTuple
 import torch
 
 from mla_quant.kernels.layout import SCALE_DTYPES, ZERO_DTYPES
+from mla_quant.quant.packing import PACK_BITS
 
-INT_BITS = (2, 3, 4, 8)
+INT_BITS = PACK_BITS  # integer codes at the widths the byte stream packs
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 _POW2_MIN_EXP, _POW2_MAX_EXP = -126, 127  # int8 exponent range kept inside normal float32
@@ -109,7 +110,9 @@ def round_zero(z: torch.Tensor, scale_dtype: str) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- integer groups
 QUANTIZERS = ("rtn", "clip", "hqq", "lloyd")  # how a group's codes are chosen; the stored layout is the same
+DEFAULT_QUANTIZER = QUANTIZERS[0]  # the group's min/max range, rounded to nearest
 FITTED = ("lloyd",)  # levels fitted on calibration latents: a codebook per layer and path
+FIT_REFERENCES = ("clip", "rtn")  # the quantizers a fitted codebook's cache NMSE is reported beside
 SEARCHED = ("clip", "lloyd")  # codes chosen by a search over ranges or levels (no closed-form rounding)
 STORED_BY_KERNEL = ("rtn",)  # what the store kernel rounds to: the group's min/max range
 LLOYD_BITS = (2, 3, 4)  # lloyd: non-uniform levels at these widths (a codebook of 2^bits levels per layer and path)

@@ -35,7 +35,6 @@ from mla_quant.cache.bytes import load_quant_option
 from mla_quant.checks import int_setting
 from mla_quant.models.absorbed import cached_latents, new_cache
 from mla_quant.quant.formats import (
-    CODECS,
     MIXED_KEYS,
     PATHS,
     CacheFormat,
@@ -47,7 +46,7 @@ from mla_quant.quant.formats import (
     layered_format,
     pair_channels,
 )
-from mla_quant.quant.mixed import knapsack, path_override
+from mla_quant.quant.mixed import knapsack, pair_group_bytes, pairs_override, path_override, probe_override
 from mla_quant.record import config_sha256, write_json_atomic
 from mla_quant.sensitivity.injection import InjectionSpec, check_nmse_target, injection_factory, nmse
 from mla_quant.sensitivity.study import capture
@@ -118,7 +117,7 @@ class MixedSpec:
         if g is None:
             return self.cost(path, k)
         fmt = self.unit_format(path, g, k)
-        return CODECS["pairs"].group_bytes(fmt, fmt.bits, len(self.channels(g)), 2)
+        return pair_group_bytes(fmt, len(self.channels(g)), 2)
 
     def path_format(self, path: str, k: int) -> PathFormat:
         """The format of choice `k` of `path`."""
@@ -135,7 +134,7 @@ class MixedSpec:
     def layered(self, picks: list[dict], source: str) -> LayeredFormat:
         """Per layer {path: choice index, or for the RoPE key per group of pairs a list of them} -> the formats."""
         layers = [{p: (self.choices[p][k] if isinstance(k, int) else
-                       {"format": "pairs", "bits": [self.choices[p][j]["bits"] for j in k]})
+                       pairs_override([self.choices[p][j]["bits"] for j in k]))
                    for p, k in layer.items()} for layer in picks]
         return layered_format(self.base, layers, self.d_c, self.d_r, self.context, self.num_layers, source=source,
                               rope_layout=self.rope_layout)
@@ -186,9 +185,9 @@ def mixed_spec(quant_cfg, d_c: int, d_r: int, num_layers: int, context: int | No
         if fixed:
             raise ValueError(f"quant.{path}.{fixed[0]}: quant={name} stores every path as format int at the widths "
                              f"of quant.choices.{path} (16 = unquantized); allowed: the block's other keys")
-    # the base paths' other settings (as format int at 4 bits, a width every integer quantizer takes; each choice
-    # is checked below) and the protected region
-    cache_format({**base, **{p: {**_plain(base.get(p) or {}), "format": "int", "bits": 4} for p in PATHS}},
+    # the base paths' other settings (at a width every integer quantizer takes; each choice is checked below) and
+    # the protected region
+    cache_format({**base, **{p: {**_plain(base.get(p) or {}), **probe_override()} for p in PATHS}},
                  d_c, d_r, context)
     choices = _plain(cfg.get("choices") or {})
     if set(choices) != set(PATHS):

@@ -40,7 +40,7 @@ from mla_quant.kernels.decode_plan import launch_config
 from mla_quant.kernels.latent_decode import latent_decode, require_triton
 from mla_quant.kernels.torch_decode import bytes_read, latent_decode_reference, segment_attention
 from mla_quant.models.build import resolve_device
-from mla_quant.quant.formats import cache_format
+from mla_quant.quant.formats import BASELINE, cache_format
 from mla_quant.quant.peers import refuse_peer
 from mla_quant.record import write_text_atomic
 from mla_quant.stages import StageResult
@@ -183,7 +183,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                                                  graph=False) * 1e6
                 ref = latent_decode_reference(q, qr, scale, segments)
                 row["max_rel_err"] = ((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
-                if option == "bf16" and task.flashinfer:
+                if option == BASELINE and task.flashinfer:
                     peer, why = flashinfer_peer(layers[option], q, qr, scale)
                     if peer is None:
                         skipped["flashinfer"] = why
@@ -216,14 +216,14 @@ def _tune(task, fixed: dict, option: str, q, qr, scale, segments, time_it) -> di
 
 def _with_speedups(df: pd.DataFrame) -> pd.DataFrame:
     keys = ["mode", "heads", "context"]
-    if "bf16" in set(df.format):
-        bf16 = df[df.format == "bf16"].set_index(keys)["kernel_us"]
+    if BASELINE in set(df.format):
+        bf16 = df[df.format == BASELINE].set_index(keys)["kernel_us"]
         df["speedup_vs_bf16_kernel"] = [bf16.get(tuple(r), math.nan) for r in df[keys].itertuples(index=False)]
         df["speedup_vs_bf16_kernel"] = df["speedup_vs_bf16_kernel"] / df.kernel_us
     if "torch_us" in df:
         df["speedup_vs_torch"] = df.torch_us / df.kernel_us
     if "flashinfer_us" in df:  # every format of a case against FlashInfer's BF16 decode of that case
-        peer = df[df.format == "bf16"].set_index(keys)["flashinfer_us"]
+        peer = df[df.format == BASELINE].set_index(keys)["flashinfer_us"]
         df["speedup_vs_flashinfer"] = [peer.get(tuple(r), math.nan) for r in df[keys].itertuples(index=False)]
         df["speedup_vs_flashinfer"] = df["speedup_vs_flashinfer"] / df.kernel_us
     return df

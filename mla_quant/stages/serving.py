@@ -35,7 +35,7 @@ from mla_quant.cache.bytes import load_quant_option  # noqa: E402
 from mla_quant.checks import int_setting  # noqa: E402
 from mla_quant.prepare import model_config  # noqa: E402
 from mla_quant.quant.peers import refuse_peer  # noqa: E402
-from mla_quant.quant.formats import cache_bytes_per_token, cache_format  # noqa: E402
+from mla_quant.quant.formats import BASELINE, cache_bytes_per_token, cache_format  # noqa: E402
 from mla_quant.record import write_text_atomic  # noqa: E402
 from mla_quant.serving.capacity import GPU, Deployment, StepTime, kernel_lookup, kv_blocks  # noqa: E402
 from mla_quant.serving.engine import TraceRequest, import_vllm, schedule_trace  # noqa: E402
@@ -162,7 +162,7 @@ def capacity(task, shape, dep, fmt, n: int, output: int) -> int:
 
 
 def _ratio(rows: list[dict], key: str) -> None:
-    base = {r["policy"]: r[key] for r in rows if r["format"] == "bf16"}
+    base = {r["policy"]: r[key] for r in rows if r["format"] == BASELINE}
     for r in rows:
         b = base.get(r["policy"])
         r[f"{key}_vs_bf16"] = r[key] / b if b else float("nan")
@@ -238,7 +238,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                             "concurrent_at_trace_length": (blocks - NULL_BLOCKS) // per_request,
                             "bytes_per_token_per_layer": bpt})
         cap_df = pd.DataFrame(cap)
-        base = cap_df[cap_df["format"] == "bf16"]
+        base = cap_df[cap_df["format"] == BASELINE]
         if not base.empty:
             b = base.iloc[0]
             first = cap_df.groupby("format").first()

@@ -14,5 +14,6 @@ for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     importlib.import_module(f"{__name__}.{_module}")
 
 FORMATS = tuple(CODECS)
+CONTENT_CODECS = (None, *(n for n, c in CODECS.items() if c.recodes_content))  # transform.content.codec
 
-__all__ = ["CODECS", "FORMATS", "PAIR_LAYOUTS", "Codec", "check_finite", "pair_channels", "register"]
+__all__ = ["CODECS", "CONTENT_CODECS", "FORMATS", "PAIR_LAYOUTS", "Codec", "check_finite", "pair_channels", "register"]

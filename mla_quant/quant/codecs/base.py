@@ -40,6 +40,8 @@ class Codec:
     integer_groups = False  # True: integer codes per group of each token's values (the objectives' closed-form STE)
     whole_page = False  # True: parts of several widths, the kernel reads the whole page (pairs)
     partial_groups = False  # True: a dimension that group_size does not divide ends in one shorter group (mxfp8)
+    recodes_content = False  # True: a transform may store an integer content path in it at its width
+    # (transform.content.codec: TurboQuant's codebook after its rotation)
 
     def check(self, fmt: "PathFormat", where: str) -> None:
         """Format-specific checks (widths, granularity, scale dtype), independent of the dimension."""
@@ -107,6 +109,10 @@ class Codec:
         raise NotImplementedError
 
     def describe(self, fmt: "PathFormat") -> str:
+        return self.name
+
+    def label(self, fmt: "PathFormat") -> str:
+        """The path in a few characters, for tables (bf16, fp8, int4 g32, int2 tok lloyd)."""
         return self.name
 
     uses_tensor_scale = staticmethod(lambda fmt: False)

@@ -8,7 +8,7 @@ import torch
 
 from mla_quant.quant import packing
 from mla_quant.quant.codecs.base import SCALE_BYTES, Codec, register
-from mla_quant.quant.quantizers import check_bits, check_scale_dtype, load_scale, store_scale
+from mla_quant.quant.quantizers import INT_BITS, check_bits, check_scale_dtype, load_scale, store_scale
 
 
 @register
@@ -17,7 +17,8 @@ class CodebookCodec(Codec):
     the Lloyd-Max levels of a unit Gaussian (the coordinates of a randomly rotated unit vector, times sqrt(d))."""
 
     name = "codebook"
-    widths = (2, 3, 4, 8)
+    recodes_content = True
+    widths = INT_BITS
 
     def check(self, fmt, where):
         super().check(fmt, where)

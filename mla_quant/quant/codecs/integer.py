@@ -81,5 +81,7 @@ class IntCodec(Codec):
 
     def describe(self, fmt):
         group = "per-token" if fmt.group_size is None else f"g={fmt.group_size}"
-        how = "" if fmt.quantizer == "rtn" else f" {fmt.quantizer}"
-        return f"int{fmt.bits} {group} {'sym' if fmt.symmetric else 'asym'} {fmt.scale_dtype}{how}"
+        return f"int{fmt.bits} {group} {'sym' if fmt.symmetric else 'asym'} {fmt.scale_dtype}{fmt.quantizer_label}"
+
+    def label(self, fmt):
+        return f"int{fmt.bits} " + (f"g{fmt.group_size}" if fmt.group_size else "tok") + fmt.quantizer_label
