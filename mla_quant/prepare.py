@@ -21,6 +21,7 @@ from hydra.utils import get_method
 from omegaconf import DictConfig, ListConfig
 from torch import nn
 
+from mla_quant.artifacts import model_identity
 from mla_quant.cache import layer_factory
 from mla_quant.calibration import calibrated_transforms, check_transform, transformed_format, weights_sha256
 from mla_quant.calibration.codebooks import fitted_codebooks, uses_lloyd
@@ -322,7 +323,7 @@ def _calibration_inputs(model, cfg: DictConfig, tokenizer, transform_metrics: di
     source = resolve_source(cfg.calib, cfg.model.get("_target_"))
     vocab = model.config.get_text_config(decoder=True).vocab_size
     ids = calibration_ids(cfg.calib, source, tokenizer, vocab)
-    identity = {"model": {k: v for k, v in _plain(cfg.model).items() if k not in ("device", "tokenizer", "resources")},
+    identity = {"model": model_identity(_plain(cfg.model)),
                 "weights": weights_sha256(model), "transform": (transform_metrics or {}).get("calib/file", "none"),
                 "calib": {**_plain(cfg.calib), "source": source}}
     return ids, identity

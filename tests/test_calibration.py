@@ -13,7 +13,7 @@ from mla_quant.calibration.capture import capture_layer
 from mla_quant.calibration.data import toy_ids
 from mla_quant.calibration.fit import FitOptions, fit_content, fit_rope
 from mla_quant.calibration.objectives import content_objective, ste_quantizer
-from mla_quant.calibration.store import load_transforms, save_transforms, transform_path
+from mla_quant.calibration.store import load_transforms, save_transforms
 from mla_quant.prepare import build_model, load_tokenizer
 from mla_quant.quant.formats import cache_format, fake_quantizer
 from mla_quant.quant.quantizers import fit_levels
@@ -161,7 +161,7 @@ def test_nan_in_captured_activations_names_the_layer():
 
 def test_store_roundtrip_reuse_and_integrity(tmp_path):
     tset = TransformSet([LayerTransform(rotation=torch.eye(4, dtype=torch.float64)), LayerTransform()])
-    path = transform_path(tmp_path, "k")
+    path = tmp_path / "k.safetensors"
     save_transforms(path, tset, {"config_sha256": "abc", "seed": 0})
     back = load_transforms(path, 2, "abc")
     assert torch.equal(back.layers[0].rotation, tset.layers[0].rotation) and back.layers[1].identity
@@ -180,6 +180,7 @@ def test_prepare_reuses_a_stored_calibration(tmp_path):
     assert metrics["calib/reused"] == 0 and metrics["calib/format"] == "int4_joint" and len(report) == 2 * 2
     meta = json.loads(json.dumps(tset.meta))
     assert meta["data_source"] == "random" and len(meta["data_sha256"]) == 64
+    assert {"config_sha256", "created", "host", "torch", "transformers"} <= set(meta)  # the artifact store's provenance
     again, metrics2, _ = calibrated_transforms(build_model(cfg.model, absorbed=False), cfg, None, None)
     assert metrics2["calib/reused"] == 1
     _, metrics_report, rows = calibrated_transforms(build_model(cfg.model, absorbed=False), cfg, None, None,

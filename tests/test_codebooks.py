@@ -34,6 +34,7 @@ def test_codebooks_are_fitted_per_layer_stored_and_reused(tmp_path, monkeypatch)
     stored = json.loads(Path(m["cache/codebooks"]).read_text())
     assert Path(m["cache/codebooks"]).parent == Path("outputs/calibration")
     assert stored["identity"]["weights"] and stored["identity"]["calib"]["samples"] == 8
+    assert stored["provenance"]["config_sha256"] == stored["config_sha256"]  # the artifact store's provenance
     # layer 2's content levels are fit_levels on that layer's latents over the calibration batch
     from mla_quant.calibration.data import calibration_ids, resolve_source
 

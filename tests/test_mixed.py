@@ -243,6 +243,7 @@ def test_mixed_allocates_measures_stores_and_reuses(tmp_path):
     assert m["alloc/bytes_per_token_per_layer"] <= m["alloc/budget"] == 44
     assert m["cache/bytes_per_token_per_layer"] == m["alloc/bytes_per_token_per_layer"]
     stored = json.loads(open(m["alloc/file"]).read())
+    assert stored["provenance"]["config_sha256"] == stored["config_sha256"]  # the artifact store's provenance
     assert stored["identity"]["weights"] and stored["dims"] == {"d_c": D_C, "d_r": D_R, "layers": LAYERS}
     spec = spec_of("quant.budget=int2_joint", f"quant.allocation.cache_dir={tmp_path}")
     table = {(i, p, None, k): v for i, layer in enumerate(stored["nmse"]) for p, ks in layer.items()

@@ -18,21 +18,20 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
+from mla_quant.artifacts import artifact, model_identity
+from mla_quant.artifacts import provenance as artifact_provenance
 from mla_quant.calibration.checkpoints import LayerCheckpoints
 from mla_quant.calibration.data import calibration_ids, check_calib, ids_sha256, resolve_source
 from mla_quant.calibration.options import (CONTENT_CODECS, DEFAULT_FIT_FORMAT, FIT_KEYS, OBJECTIVES, TRANSFORM_KEYS,
                                            check_transform, fit_format, fit_options, fitted_paths, kinds, needs_data,
                                            transformed_format)
-from mla_quant.calibration.store import load_transforms, save_transforms, transform_path
+from mla_quant.calibration.store import load_transforms, save_transforms
 from mla_quant.calibration.sweep import fit_all, report_metrics
 from mla_quant.models.absorbed import attention_modules, latent_dims
 from mla_quant.models.build import _plain
 from mla_quant.models.families import family_for_config
 from mla_quant.models.fp8 import weight_of
 from mla_quant.quant.formats import CacheFormat, LayeredFormat
-from mla_quant.record import config_sha256
 from mla_quant.transforms import TransformSet
 
 __all__ = ["CONTENT_CODECS", "DEFAULT_FIT_FORMAT", "FIT_KEYS", "OBJECTIVES", "TRANSFORM_KEYS", "LayerCheckpoints",
@@ -83,7 +82,7 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
     if use_data:
         check_calib(calib, source)
     fit = _plain(tcfg).get("fit") or {}
-    payload = {"model": {k2: v for k2, v in _plain(cfg.model).items() if k2 not in ("device", "tokenizer", "resources")},
+    payload = {"model": model_identity(_plain(cfg.model)),
                "weights": weights_sha256(model), "transform": {k2: v for k2, v in _plain(tcfg).items() if k2 != "fit"},
                "fit": {k2: v for k2, v in fit.items() if k2 not in ("cache_dir", "reuse")}, "revision": FIT_REVISION,
                "objective": _plain(cfg.get("objective")) if fitted_paths(tcfg) else None,
@@ -94,9 +93,9 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
                # a fitted transform computes its report while fitting: experiment=calibrate and every other stage
                # share it; a data-free one computes a report only when asked (experiment=calibrate)
                "report": bool(report) and not fitted_paths(tcfg)}
-    config_sha = config_sha256(payload)
     family = family_for_config(model.config).name
-    path = transform_path(fit.get("cache_dir", "outputs/calibration"), f"{family}-{name}-{config_sha[:16]}")
+    art = artifact(fit.get("cache_dir", "outputs/calibration"), f"{family}-{name}", payload, ".safetensors")
+    config_sha, path = art.sha, art.path
     metrics = {"calib/transform": name, "calib/format": fmt.name, "calib/file": str(path)}
     if fit.get("reuse", True):
         tset = load_transforms(path, len(attention_modules(model)), config_sha)
@@ -115,12 +114,9 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None,
                          int((calib or {}).get("batch_size", 8)) if calib is not None else 8, checkpoints,
                          (calib or {}).get("query_tokens") if calib is not None else None)
     seconds = time.perf_counter() - start
-    import transformers
-
-    provenance = {"config_sha256": config_sha, "seed": int(cfg.seed), "transform": name,
+    provenance = {**artifact_provenance(config_sha), "seed": int(cfg.seed), "transform": name,
                   "data_sha256": ids_sha256(ids) if ids is not None else "none", "data_source": source or "none",
-                  "format": fmt.name, "seconds": f"{seconds:.3f}", "report": json.dumps(rows),
-                  "torch": torch.__version__, "transformers": transformers.__version__}
+                  "format": fmt.name, "seconds": f"{seconds:.3f}", "report": json.dumps(rows)}
     save_transforms(Path(path), tset, provenance)
     checkpoints.clear()  # the whole set is stored: the per-layer files are no longer needed
     tset.meta.update({k2: str(v) for k2, v in provenance.items()})

@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+from mla_quant.artifacts import lock_file
 from mla_quant.calibration.store import load_transforms, save_transforms
 from mla_quant.calibration.sweep import report_metrics
 from mla_quant.record import progress
@@ -19,19 +20,16 @@ class LayerCheckpoints:
 
     def __init__(self, folder: Path, config_sha: str):
         self.folder, self.config_sha = Path(folder), config_sha
-        self._held = None  # the open lock file of the layer being fitted
+        self._held = None  # the lock of the layer being fitted (`artifacts.lock_file`)
 
     def _claim(self, i: int) -> None:
-        import fcntl
-
         self._release()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._held = open(self.folder / f"layer{i}.lock", "a")
-        fcntl.flock(self._held, fcntl.LOCK_EX)  # blocks while another job fits this layer
+        self._held = lock_file(self.folder / f"layer{i}.lock", f"layer {i} of {self.folder}")
+        self._held.__enter__()  # blocks while another job fits this layer
 
     def _release(self) -> None:
         if self._held is not None:
-            self._held.close()  # closing drops the lock
+            self._held.__exit__(None, None, None)  # drops the lock
             self._held = None
 
     def load(self, i: int) -> tuple[LayerTransform, list[dict]] | None:

@@ -15,7 +15,6 @@ provenance beside the fitted transforms and reused when the same configuration a
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from tqdm.auto import tqdm
 from mla_quant.models.absorbed import cached_latents, num_cache_layers
 from mla_quant.quant.formats import PATHS, CacheFormat, LayeredFormat
 from mla_quant.quant.quantizers import FIT_REFERENCES, LLOYD_MAX_VALUES, check_levels, fit_levels
-from mla_quant.record import config_sha256, write_json_atomic
+from mla_quant.artifacts import Artifact, artifact
 
 CODEBOOK_VERSION = 2  # 2: the fit starts from clip's ranges
 
@@ -71,29 +70,26 @@ def capture_latents(model, ids: torch.Tensor, wanted: list[tuple[int, str]], dim
     return {key: torch.cat(v) for key, v in out.items()}
 
 
-def codebook_path(fmt, identity: dict, cache_dir: str | Path, family: str) -> tuple[Path, str]:
+def codebook_artifact(fmt, identity: dict, cache_dir: str | Path, family: str) -> Artifact:
     layers = _layers(fmt)
     payload = {"version": CODEBOOK_VERSION, "identity": identity,
                # the paths' settings only (their codes' widths, groups and scale dtype): what the levels depend on
                "formats": [[repr(f.path(p)) for p in PATHS] for f in layers]}  # (a repr leaves the levels out)
-    sha = config_sha256(payload)
-    return Path(cache_dir) / f"codebooks-{family}-{sha[:16]}.json", sha
+    return artifact(cache_dir, f"codebooks-{family}", payload, ".json")
 
 
-def _load(path: Path, sha: str, wanted: list[tuple[int, str]], layers: list[CacheFormat]) -> dict | None:
-    if not path.is_file():
+def _load(art: Artifact, wanted: list[tuple[int, str]], layers: list[CacheFormat]) -> dict | None:
+    stored = art.read_json()
+    if stored is None:
         return None
     try:
-        stored = json.loads(path.read_text())
-        if stored.get("config_sha256") != sha:
-            return None
         levels = {(int(i), p): tuple(float(v) for v in lv) for i, p, lv in stored["levels"]}
         if set(levels) != set(wanted):
             return None
         for (i, p), lv in levels.items():
-            check_levels(lv, layers[i].path(p).bits, f"{path}: layer {i} {p}")
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-        print(f"[codebooks] ignoring unusable {path}: {err}")
+            check_levels(lv, layers[i].path(p).bits, f"{art.path}: layer {i} {p}")
+    except (KeyError, TypeError, ValueError) as err:
+        print(f"[codebooks] ignoring unusable {art.path}: {err}")
         return None
     return {**stored, "levels": levels}
 
@@ -124,6 +120,27 @@ def with_levels(fmt, levels: dict[tuple[int, str], tuple[float, ...]], num_layer
                          else source)
 
 
+def _fit(model, ids: torch.Tensor, wanted: list[tuple[int, str]], layers: list[CacheFormat], batch: int) -> dict:
+    """Each wanted (layer, path)'s levels fitted on its latents over `ids`, with the cache NMSE of the fitted codebook
+    beside the FIT_REFERENCES quantizers' at the same widths."""
+    start = time.perf_counter()
+    dims = {"content": layers[0].d_c, "rope": layers[0].d_r}
+    latents = capture_latents(model, ids, wanted, dims, batch)
+    levels, nmse = {}, {}
+    for (i, p), x in tqdm(latents.items(), desc="codebooks: lloyd", unit="path"):
+        pf = layers[i].path(p)
+        lv = fit_levels(x, pf.bits, pf.group_size, pf.scale_dtype)
+        levels[i, p] = tuple(float(v) for v in lv)
+        energy = float(x.double().pow(2).sum())
+        fitted = dataclasses.replace(pf, levels=levels[i, p])
+        others = [(q, dataclasses.replace(pf, quantizer=q)) for q in FIT_REFERENCES]
+        nmse[i, p] = {name: float((f.codec.fake_quantize(f, x, None).double() - x.double()).pow(2).sum())
+                      / max(energy, 1e-30) for name, f in [(pf.quantizer, fitted), *others]}
+    return {"version": CODEBOOK_VERSION, "levels": levels, "nmse": [[i, p, v] for (i, p), v in sorted(nmse.items())],
+            "tokens": {f"{i}/{p}": int(x.shape[0]) for (i, p), x in latents.items()},
+            "seconds": time.perf_counter() - start, "torch": torch.__version__}
+
+
 def fitted_codebooks(model, fmt, ids: torch.Tensor, identity: dict, cache_dir: str | Path, family: str,
                      batch: int = 8) -> tuple[LayeredFormat, dict]:
     """The codebooks of every lloyd path of `fmt` for `model` (transforms applied; the absorbed view), fitted on
@@ -131,33 +148,20 @@ def fitted_codebooks(model, fmt, ids: torch.Tensor, identity: dict, cache_dir: s
     num_layers = num_cache_layers(model)
     layers = _per_layer(fmt, num_layers)
     wanted = _wanted(layers)
-    path, sha = codebook_path(fmt, identity, cache_dir, family)
-    stored = _load(path, sha, wanted, layers)
-    reused = stored is not None
-    if reused:
-        print(f"[codebooks] reusing {path}")
-    else:
-        start = time.perf_counter()
-        dims = {"content": layers[0].d_c, "rope": layers[0].d_r}
-        latents = capture_latents(model, ids, wanted, dims, batch)
-        levels, nmse = {}, {}
-        for (i, p), x in tqdm(latents.items(), desc="codebooks: lloyd", unit="path"):
-            pf = layers[i].path(p)
-            lv = fit_levels(x, pf.bits, pf.group_size, pf.scale_dtype)
-            levels[i, p] = tuple(float(v) for v in lv)
-            energy = float(x.double().pow(2).sum())
-            fitted = dataclasses.replace(pf, levels=levels[i, p])
-            others = [(q, dataclasses.replace(pf, quantizer=q)) for q in FIT_REFERENCES]
-            nmse[i, p] = {name: float((f.codec.fake_quantize(f, x, None).double() - x.double()).pow(2).sum())
-                          / max(energy, 1e-30) for name, f in [(pf.quantizer, fitted), *others]}
-        stored = {"version": CODEBOOK_VERSION, "config_sha256": sha, "identity": identity,
-                  "levels": [[i, p, list(lv)] for (i, p), lv in sorted(levels.items())],
-                  "nmse": [[i, p, v] for (i, p), v in sorted(nmse.items())],
-                  "tokens": {f"{i}/{p}": int(x.shape[0]) for (i, p), x in latents.items()},
-                  "seconds": time.perf_counter() - start, "torch": torch.__version__}
-        write_json_atomic(path, stored)
-        stored = {**stored, "levels": levels}
-        print(f"[codebooks] lloyd levels of {len(levels)} layer paths in {stored['seconds']:.1f} s -> {path}")
+    art = codebook_artifact(fmt, identity, cache_dir, family)
+    path = art.path
+    with art.held():  # a job fitting the same codebooks is waited for, and its file reused
+        stored = _load(art, wanted, layers)
+        reused = stored is not None
+        if reused:
+            print(f"[codebooks] reusing {path}")
+        else:
+            stored = {**_fit(model, ids, wanted, layers, batch), "identity": identity}
+            stored = {**art.write_json({**stored, "levels": [[i, p, list(lv)] for (i, p), lv
+                                                             in sorted(stored["levels"].items())]}),
+                      "levels": stored["levels"]}
+            print(f"[codebooks] lloyd levels of {len(stored['levels'])} layer paths in {stored['seconds']:.1f} s "
+                  f"-> {path}")
     out = with_levels(fmt, stored["levels"], num_layers, str(path))
     metrics = {"cache/codebooks": str(path), "cache/codebooks_reused": int(reused),
                "cache/codebook_bytes_per_layer": float(sum(f.codebook_bytes() for f in out.layers) / num_layers)}

@@ -1,6 +1,6 @@
-"""Fitted transforms on disk: safetensors with provenance, reused when the same configuration asks again.
+"""Fitted transforms on disk: safetensors with provenance, reused when the same configuration asks again (the file's
+name, identity and provenance are the artifact store's, mla_quant/artifacts.py).
 
-    path = transform_path(cache_dir, key)                 # <cache_dir>/<key>.safetensors
     save_transforms(path, tset, provenance)              # atomic; metadata: provenance + tensor checksum
     tset = load_transforms(path, num_layers, config_sha) # None (with the reason printed) if absent, stale or corrupt
 
@@ -25,10 +25,6 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
         h.update(key.encode())
         h.update(tensors[key].detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-def transform_path(cache_dir: str | Path, key: str) -> Path:
-    return Path(cache_dir) / f"{key}.safetensors"
 
 
 def save_transforms(path: Path, tset: TransformSet, provenance: dict[str, str]) -> Path:

@@ -47,7 +47,7 @@ from mla_quant.quant.formats import (
     pair_channels,
 )
 from mla_quant.quant.mixed import knapsack, pair_group_bytes, pairs_override, path_override, probe_override
-from mla_quant.record import config_sha256, write_json_atomic
+from mla_quant.artifacts import Artifact, artifact
 from mla_quant.sensitivity.injection import InjectionSpec, check_nmse_target, injection_factory, nmse
 from mla_quant.sensitivity.study import capture
 
@@ -387,82 +387,83 @@ def _weights(spec: MixedSpec, model, ids, identity) -> tuple[dict, str]:
                                                    f"seeds, {min(alloc['sequences'], ids.shape[0])} sequences")
 
 
-def allocation_path(spec: MixedSpec, identity: dict) -> tuple[Path, str]:
+def allocation_artifact(spec: MixedSpec, identity: dict) -> Artifact:
     payload = {"version": ALLOCATION_VERSION, "identity": identity, "budget": spec.budget, "choices": spec.choices,
                # the paths' settings only: the protected region, mode and backend change no measured figure
                "base": {p: spec.base.get(p) for p in PATHS}, "allocation": {k: v for k, v in spec.allocation.items()
                                                  if k not in ("file", "reuse", "cache_dir")}}
-    sha = config_sha256(payload)
-    return Path(spec.allocation["cache_dir"]) / f"mixed-{spec.allocation['by']}-{sha[:16]}.json", sha
+    return artifact(spec.allocation["cache_dir"], f"mixed-{spec.allocation['by']}", payload, ".json")
 
 
-def load_allocation(path: Path, spec: MixedSpec, sha: str | None = None) -> dict | None:
-    """A stored allocation for this model's dims and layers (and, with `sha`, this configuration), else None (a
-    named `allocation.file` that does not fit is an error)."""
-    if not path.is_file():
-        return None
+def _dims(spec: MixedSpec) -> dict:
+    return {"d_c": spec.d_c, "d_r": spec.d_r, "layers": spec.num_layers}
+
+
+def load_allocation(path: Path, spec: MixedSpec) -> dict:
+    """A named allocation file (`allocation.file`) for this model's dims and layers; anything else is refused."""
     try:
         stored = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        if sha is None:
-            raise ValueError(f"quant.allocation.file={str(path)!r} is not an allocation ({err})") from err
-        print(f"[allocate] ignoring unreadable {path}: {err}")
-        return None
-    dims = {"d_c": spec.d_c, "d_r": spec.d_r, "layers": spec.num_layers}
-    if sha is None:
-        theirs = {k: stored.get("dims", {}).get(k) for k in dims}
-        if theirs != dims:
-            raise ValueError(f"quant.allocation.file={str(path)!r} is for dims {theirs}; this model has {dims}")
-        return stored
-    return stored if stored.get("config_sha256") == sha and stored.get("dims") == dims else None
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"quant.allocation.file={str(path)!r} is not an allocation ({err})") from err
+    dims = _dims(spec)
+    theirs = {k: stored.get("dims", {}).get(k) for k in dims}
+    if theirs != dims:
+        raise ValueError(f"quant.allocation.file={str(path)!r} is for dims {theirs}; this model has {dims}")
+    return stored
+
+
+def _measured(model, spec: MixedSpec, ids: torch.Tensor, identity: dict, batch: int, source: str) -> dict:
+    """The allocation of `spec` measured on `model` and solved: what the store keeps of it."""
+    start = time.perf_counter()
+    table = measure_nmse(model, ids, spec, batch)
+    weights, weight_source = _weights(spec, model, ids, identity)
+    picks, mean_bytes, predicted = solve(spec, table, weights)
+    fmt = spec.layered(picks, source=source)
+
+    def per_unit(values, i, p):  # a whole path's value, or the list over its groups of pairs
+        keys = [g for q, g in spec.units() if q == p]
+        return values(i, p, None) if keys == [None] else [values(i, p, g) for g in keys]
+
+    n = {p: len(spec.choices[p]) for p in PATHS}
+    return {"version": ALLOCATION_VERSION, "identity": identity, "dims": _dims(spec),
+            "budget": spec.budget, "budget_name": spec.budget_name, "by": spec.allocation["by"],
+            "rope_groups": spec.rope_groups, "weights_from": weight_source, "choices": spec.choices,
+            "picks": picks, "layers": fmt.describe(),
+            "bits": [{p: (list(b) if isinstance(b := f.path(p).bits, tuple) else b) for p in PATHS}
+                     for f in fmt.layers],
+            "bytes": [{p: f.path(p).bytes_per_token(f.dim(p), 2) for p in PATHS} for f in fmt.layers],
+            "bytes_per_token_per_layer": mean_bytes, "predicted_error": predicted,
+            "weights": [{p: per_unit(lambda i, p, g: weights[i, p, g], i, p) for p in PATHS}
+                        for i in range(spec.num_layers)],
+            "nmse": [{p: per_unit(lambda i, p, g: [table[i, p, g, k] for k in range(n[p])], i, p)
+                      for p in PATHS} for i in range(spec.num_layers)],
+            "seconds": time.perf_counter() - start, "torch": torch.__version__}
 
 
 def allocate(model, spec: MixedSpec, ids: torch.Tensor, identity: dict, batch: int = 8
              ) -> tuple[LayeredFormat, dict]:
     """The per-layer format of `spec` for `model` (transforms applied), and its record metrics."""
     alloc = spec.allocation
-    path, sha = allocation_path(spec, identity)
-    stored = None
     if alloc["file"] is not None:
-        path, stored = Path(alloc["file"]), load_allocation(Path(alloc["file"]), spec)
+        path, stored, reused = Path(alloc["file"]), load_allocation(Path(alloc["file"]), spec), True
         if identity.get("model") != stored.get("identity", {}).get("model"):
             raise ValueError(f"quant.allocation.file={alloc['file']!r} was allocated for another model "
                              f"({stored.get('identity', {}).get('model')}); this run's is {identity.get('model')}")
-    elif alloc["reuse"]:
-        stored = load_allocation(path, spec, sha)
-    reused = stored is not None
-    if reused:
-        print(f"[allocate] reusing {path}")
     else:
-        start = time.perf_counter()
-        table = measure_nmse(model, ids, spec, batch)
-        weights, weight_source = _weights(spec, model, ids, identity)
-        picks, mean_bytes, predicted = solve(spec, table, weights)
-        fmt = spec.layered(picks, source=str(path))
-
-        def per_unit(values, i, p):  # a whole path's value, or the list over its groups of pairs
-            keys = [g for q, g in spec.units() if q == p]
-            return values(i, p, None) if keys == [None] else [values(i, p, g) for g in keys]
-
-        n = {p: len(spec.choices[p]) for p in PATHS}
-        stored = {"version": ALLOCATION_VERSION, "config_sha256": sha, "identity": identity,
-                  "dims": {"d_c": spec.d_c, "d_r": spec.d_r, "layers": spec.num_layers},
-                  "budget": spec.budget, "budget_name": spec.budget_name, "by": alloc["by"],
-                  "rope_groups": spec.rope_groups, "weights_from": weight_source, "choices": spec.choices,
-                  "picks": picks, "layers": fmt.describe(),
-                  "bits": [{p: (list(b) if isinstance(b := f.path(p).bits, tuple) else b) for p in PATHS}
-                           for f in fmt.layers],
-                  "bytes": [{p: f.path(p).bytes_per_token(f.dim(p), 2) for p in PATHS} for f in fmt.layers],
-                  "bytes_per_token_per_layer": mean_bytes, "predicted_error": predicted,
-                  "weights": [{p: per_unit(lambda i, p, g: weights[i, p, g], i, p) for p in PATHS}
-                              for i in range(spec.num_layers)],
-                  "nmse": [{p: per_unit(lambda i, p, g: [table[i, p, g, k] for k in range(n[p])], i, p)
-                            for p in PATHS} for i in range(spec.num_layers)],
-                  "seconds": time.perf_counter() - start, "torch": torch.__version__}
-        write_json_atomic(path, stored)
-        figure(stored, path.with_suffix(".png"))
-        print(f"[allocate] {alloc['by']}: {spec.num_layers} layers, {mean_bytes:.2f} of {spec.budget:.2f} "
-              f"B/token/layer -> {path}")
+        art = allocation_artifact(spec, identity)
+        path = art.path
+        with art.held():  # a job allocating the same configuration is waited for, and its file reused
+            stored = art.read_json() if alloc["reuse"] else None
+            if stored is not None and stored.get("dims") != _dims(spec):
+                stored = None
+            reused = stored is not None
+            if reused:
+                print(f"[allocate] reusing {path}")
+            else:
+                stored = art.write_json(_measured(model, spec, ids, identity, batch, str(path)))
+                figure(stored, path.with_suffix(".png"))
+                print(f"[allocate] {alloc['by']}: {spec.num_layers} layers, {stored['bytes_per_token_per_layer']:.2f} "
+                      f"of {spec.budget:.2f} B/token/layer -> {path}")
     if stored.get("choices") != spec.choices:
         raise ValueError(f"{path}: allocated over quant.choices {stored.get('choices')}; this run's are {spec.choices}")
     fmt = spec.layered(stored["picks"], source=str(path))
