@@ -26,6 +26,7 @@ import torch
 from omegaconf import DictConfig
 
 from mla_quant.models.families import family_for_config, mla_layer_count, mla_setting
+from mla_quant.quant.formats import as_spec
 
 GB = 1e9
 RUNTIME_BYTES = 0.04 * GB  # a first forward's one-time allocations beyond its tensors (CPU, toy and V2-Lite dims)
@@ -152,17 +153,15 @@ def forward_bytes(text, batch: int, tokens: int, act: int, blocks, logits_float:
 
 def cache_bytes(fmt, text, batch: int, tokens: int, act: int) -> float:
     """The latent cache of `batch` sequences of `tokens` over every layer, in `fmt` (None: unquantized)."""
-    d_c, d_r, layers = mla_setting(text, "kv_lora_rank"), mla_setting(text, "qk_rope_head_dim"), mla_layer_count(text)
+    layers = mla_layer_count(text)
     layer_dims = family_for_config(text).layer_dims(text)  # a NoPE layer (Mistral Large 4) caches no RoPE key
     full = sum(c + r for c, r in layer_dims) * act / len(layer_dims)
-    if fmt is None or not getattr(fmt, "quantized", False):
+    spec = as_spec(fmt)
+    if spec is None or not spec.quantized:
         return batch * tokens * layers * full
-    protected = min(tokens, int(getattr(fmt, "n_sink", 0)) + int(getattr(fmt, "recent", 0)))
-    if hasattr(fmt, "content") and hasattr(fmt, "rope"):  # one format for every layer: its two paths
-        per_token = fmt.content.bytes_per_token(d_c, act) + fmt.rope.bytes_per_token(d_r, act)
-    else:  # per layer (mixed), or a peer's nominal bytes
-        per_token = fmt.bytes_per_token(act)
-        per_token = sum(per_token) / len(per_token) if isinstance(per_token, (list, tuple)) else float(per_token)
+    protected = 0 if spec.peer else min(tokens, spec.n_sink + spec.recent)
+    per_layer = spec.bytes_per_token(act)  # a quantized token of each layer (a peer's nominal bytes)
+    per_token = sum(per_layer) / len(per_layer)
     return batch * layers * (protected * full + (tokens - protected) * per_token)
 
 

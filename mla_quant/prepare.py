@@ -35,8 +35,7 @@ from mla_quant.models.families import dims_of, family_for_config, text_config
 from mla_quant.models.fp8 import check_fp8_config
 from mla_quant.plan import MemoryPlan, memory_plan
 from mla_quant.plan import mode_of as plan_mode
-from mla_quant.quant.formats import PATHS, CacheFormat, LayeredFormat, model_format
-from mla_quant.quant.peers import PeerFormat
+from mla_quant.quant.formats import PATHS, CacheSpec, as_spec, model_format
 from mla_quant.quant.quantizers import FITTED
 from mla_quant.sensitivity.allocation import MixedSpec, allocate, is_mixed, mixed_spec
 from mla_quant.transforms import apply_transforms
@@ -99,9 +98,9 @@ def rope_layout(model_cfg) -> str:
 
 
 def validate(cfg: DictConfig, dims: Mapping[str, int], quant: bool = True, calib_report: bool = False
-             ) -> CacheFormat | LayeredFormat | MixedSpec | None:
-    """Check the quant, transform, objective and calib groups against the model's dims; the validated cache format
-    (for quant=mixed its validated spec, allocated once the model is loaded). calib_report=True: calibration data is
+             ) -> CacheSpec | MixedSpec | None:
+    """Check the quant, transform, objective and calib groups against the model's dims; the resolved cache spec
+    (for quant=mixed its validated request, allocated once the model is loaded). calib_report=True: calibration data is
     read even for a data-free transform (experiment=calibrate)."""
     check_transform(cfg.get("transform"), cfg.get("objective"))
     check_family_transform(family_for_config(model_config(cfg.model)), cfg.get("transform"))
@@ -182,13 +181,16 @@ class Prepared:
     model: nn.Module
     tokenizer: Any
     dims: dict[str, int]
-    # validated against the model's dims (None: the stage does not use quant); quant=mixed: the allocated formats
-    fmt: CacheFormat | LayeredFormat | PeerFormat | None
+    # resolved for the model's layers (None: the stage does not use quant); quant=mixed: the allocated formats
+    fmt: CacheSpec | None
     transform_metrics: dict | None = None  # transform name, calibration file, seconds, objective errors
     calib_report: list | None = None  # per layer and path: objective error without and with the transform
     # quant=mixed: the allocation's file, budget, bits per layer and path; quantizer=lloyd: the codebooks' file
     alloc_metrics: dict | None = None
     plan_metrics: dict | None = None  # the memory plan's predicted peak and components (mla_quant.plan)
+
+    def __post_init__(self):  # a format given alone is the spec of it repeated over the model's layers
+        self.fmt = as_spec(self.fmt, int(self.dims.get("layers") or 1))
 
     def layer_factory(self):
         return None if self.fmt is None else layer_factory(self.fmt)
@@ -208,37 +210,35 @@ class Prepared:
         dtype = str(param.dtype).replace("torch.", "")
         backends = {} if self.fmt is None else {f"cache/backend/{step}": backend for step, backend
                                                 in self.fmt.step_backends(param.device.type).items()}
-        d_c, d_r = self.dims["d_c"], self.dims["d_r"]
-        layer_dims = self.dims.get("layer_dims") or [(d_c, d_r)]  # bytes per token per layer of the BF16 cache the
+        layer_dims = self.dims.get("layer_dims") or [(self.dims["d_c"], self.dims["d_r"])]  # bytes per token per layer of the BF16 cache the
         bf16 = sum(c + r for c, r in layer_dims) * 2 / len(layer_dims)  # analysis compares against: mean over layers
-        if isinstance(self.fmt, PeerFormat):  # transformers' QuantizedCache: nominal bytes at 2 B scales and zeros
-            return {"cache/content": self.fmt.describe(), "cache/rope": self.fmt.describe(),
-                    "cache/protected": f"the latest < {self.fmt.residual_length} per sequence, {dtype}",
-                    "cache/bytes_per_token_per_layer": float(self.fmt.bytes_per_token(2)), **backends}
+        one = None if self.fmt is None else self.fmt.uniform
+        if self.fmt is not None and self.fmt.peer:  # transformers' QuantizedCache: nominal bytes at 2 B scales, zeros
+            return {"cache/content": one.describe(), "cache/rope": one.describe(),
+                    "cache/protected": f"the latest < {one.residual_length} per sequence, {dtype}",
+                    "cache/bytes_per_token_per_layer": float(one.bytes_per_token(2)), **backends}
         if self.fmt is None or not self.fmt.quantized:
             return {"cache/content": f"{dtype} values", "cache/rope": f"{dtype} values", "cache/protected": "none",
                     "cache/bytes_per_token_per_layer": float(bf16), **backends}
-        if isinstance(self.fmt, LayeredFormat):  # per layer, and the mean over layers
+        protected = f"{self.fmt.n_sink} sinks + {self.fmt.recent} recent per sequence, {dtype}"
+        if one is None:  # per layer, and the mean over layers
             per_layer = self.fmt.bytes_per_token(2)
-            out = {"cache/content": "per layer", "cache/rope": "per layer",
-                   "cache/protected": f"{self.fmt.n_sink} sinks + {self.fmt.recent} recent per sequence, {dtype}",
+            out = {"cache/content": "per layer", "cache/rope": "per layer", "cache/protected": protected,
                    "cache/bytes_per_token_per_layer": float(sum(per_layer) / len(per_layer))}
             for i, (paths, b) in enumerate(zip(self.fmt.describe(), per_layer)):
                 out.update({f"cache/layer{i}/{p}": d for p, d in paths.items()})
                 out[f"cache/layer{i}/bytes_per_token"] = float(b)
             return {**out, **backends}
-        out = {f"cache/{p}": (self.fmt.path(p).describe() if self.fmt.path(p).quantized else f"{dtype} values")
-               for p in PATHS}
-        out["cache/protected"] = f"{self.fmt.n_sink} sinks + {self.fmt.recent} recent per sequence, {dtype}"
+        out = {f"cache/{p}": (one.path(p).describe() if one.path(p).quantized else f"{dtype} values") for p in PATHS}
+        out["cache/protected"] = protected
         # outside the protected region, with BF16 for unquantized paths (as stored on real checkpoints)
-        out["cache/bytes_per_token_per_layer"] = float(self.fmt.content.bytes_per_token(d_c, 2)
-                                                       + self.fmt.rope.bytes_per_token(d_r, 2))
+        out["cache/bytes_per_token_per_layer"] = float(one.bytes_per_token(2))
         return {**out, **backends}
 
 
 def preflight(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, calib_report: bool = False,
               host: dict[str, float] | None = None
-              ) -> tuple[dict[str, int], CacheFormat | LayeredFormat | MixedSpec | None, MemoryPlan | None]:
+              ) -> tuple[dict[str, int], CacheSpec | MixedSpec | None, MemoryPlan | None]:
     """Everything `prepare_model` refuses, done without reading any weight: the model's dims from its config alone,
     the quant/transform/objective/calib settings against them, the tokenizer's files (before loading it), and the
     calibration data (a text dataset loaded, so an offline machine is told now, naming the setting), the memory plan.
@@ -283,22 +283,30 @@ def needs_calibration_data(cfg: DictConfig, quant: bool = True, calib_report: bo
 
 
 def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: Any = True, absorbed: bool = True,
-                  calib_report: bool = False, host: dict[str, float] | None = None, **build_overrides) -> Prepared:
+                  calib_report: bool = False, host: dict[str, float] | None = None,
+                  validated: tuple[dict, Any] | None = None, **build_overrides) -> Prepared:
     """Validate, then load, transform, absorb and place the model of `cfg.model` (see the module docstring).
     quant=False: the stage does not use the quant group. tokenizer=False: do not load one; a tokenizer: the model's,
     loaded already by the stage (its files were checked then), used as is. calib_report=True: report
     the calibration objectives per layer even for transforms that fit nothing (experiment=calibrate). host: {what:
-    bytes} the stage holds already on the host (measured; the memory plan counts it on the CPU)."""
+    bytes} the stage holds already on the host (measured; the memory plan counts it on the CPU). validated: (dims,
+    format) from the stage's own `preflight` of the same settings (its checks done): only the memory plan is made
+    again, with what the stage holds now."""
     loaded = None if isinstance(tokenizer, bool) else tokenizer
     tokenizer = tokenizer is not False
-    dims, fmt, plan = preflight(cfg, quant=quant, tokenizer=tokenizer, calib_report=calib_report, host=host)
+    if validated is None:
+        dims, fmt, plan = preflight(cfg, quant=quant, tokenizer=tokenizer, calib_report=calib_report, host=host)
+    else:
+        dims, fmt = validated
+        plan = plan_memory(cfg, fmt, host)
     if plan is not None:
         print(plan.table(), flush=True)
     spec = fmt if isinstance(fmt, MixedSpec) else None
     tok = loaded if loaded is not None else (load_tokenizer(cfg.model) if tokenizer or needs_tokenizer(cfg, calib_report)
                                              else None)  # before weights
     model = build_model(cfg.model, absorbed=False, **build_overrides)
-    run_format = fmt if spec is None else spec.budget_format  # quant=mixed: fit for the budget's named option
+    # quant=mixed: fit for the budget's named option
+    run_format = fmt if spec is None else as_spec(spec.budget_format, dims["layers"])
     tset, transform_metrics, report = calibrated_transforms(model, cfg, tok, run_format, report=calib_report)
     if tset is not None:
         apply_transforms(model, tset)

@@ -13,7 +13,7 @@ from mla_quant.calibration.codebooks import capture_latents
 from mla_quant.calibration.objectives import ste_quantizer
 from mla_quant.models.absorbed import absorbed_view, cache_kwargs
 from mla_quant.prepare import model_dims, prepare_model, validate
-from mla_quant.quant.formats import LayeredFormat, PathFormat, cache_bytes_per_token
+from mla_quant.quant.formats import CacheSpec, PathFormat, cache_bytes_per_token
 from mla_quant.quant.quantizers import fake_quantize, fit_levels
 
 LLOYD = ["quant=int2_joint", "quant.content.quantizer=lloyd", "quant.rope.quantizer=lloyd", "calib.samples=8",
@@ -24,7 +24,7 @@ def test_codebooks_are_fitted_per_layer_stored_and_reused(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)  # the codebooks are stored under outputs/calibration of the working directory
     prep = prepare_model(compose(LLOYD))
     m, fmt = prep.metrics(), prep.fmt
-    assert isinstance(fmt, LayeredFormat) and len(fmt) == 4 and m["cache/codebooks_reused"] == 0
+    assert isinstance(fmt, CacheSpec) and len(fmt) == 4 and m["cache/codebooks_reused"] == 0
     books = [(f.content.levels, f.rope.levels) for f in fmt.layers]
     assert all(c is not None and r is not None for c, r in books) and len(set(books)) == 4  # each layer its own
     for i in range(4):

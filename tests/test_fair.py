@@ -120,7 +120,7 @@ def test_quantized_positions_are_where_the_cache_quantizes(option, settings, n):
 def test_quantized_positions_of_a_layered_format_and_a_peer():
     base = load_quant_option("int4_joint", groups=GROUPS)
     fmt = cache_format(OmegaConf.merge(base, {"layers": [None, {"content": {"bits": 2}}]}), D_C, D_R)
-    assert type(fmt).__name__ == "LayeredFormat" and fmt.quantized_positions(300) == (4, 172)
+    assert type(fmt).__name__ == "CacheSpec" and fmt.quantized_positions(300) == (4, 172)
     peer = cache_format(load_quant_option("hf_hqq_int2"), D_C, D_R)
     assert peer.quantized_positions(300) == (0, 300)  # transformers quantizes the whole prompt
 

@@ -20,7 +20,7 @@ from mla_quant.calibration.sweep import fit_all
 from mla_quant.models import families
 from mla_quant.models.absorbed import absorb, cache_kwargs, latent_dims, new_cache, quantized_cache
 from mla_quant.prepare import build_model, model_dims, validate
-from mla_quant.quant.formats import LayeredFormat
+from mla_quant.quant.formats import CacheSpec
 from mla_quant.stages.equivalence import compare, make_batch
 
 OPTION = "model=tiny_mistral_large4"
@@ -66,7 +66,7 @@ def test_a_format_per_layer_takes_each_layers_dims(model):
     bits = [(layer.fmt.content.bits, layer.fmt.rope.bits if layer.fmt.d_r else None) for layer in cache.latent_layers]
     assert bits == [(4, 4), (2, None), (4, 2), (4, 4)]
     fmt = validate(compose(OPTION, "quant=int4_joint", *TINY), model_dims(compose(OPTION).model))
-    assert isinstance(fmt, LayeredFormat) and fmt.one_format
+    assert isinstance(fmt, CacheSpec) and fmt.one_format
     assert fmt.describe()[NOPE]["rope"] == "none (no RoPE key)"
     # int4 content in groups of 16: 16 B codes + 2 x (fp16 scale + zero); int4 RoPE per token: 4 B codes + 4 B
     assert fmt.bytes_per_token(4) == [32, 24, 32, 32]

@@ -16,7 +16,7 @@ from mla_quant.cache import LatentCache, cache_layer_factory
 from mla_quant.cache.bytes import byte_table, load_quant_option
 from mla_quant.models.absorbed import cache_kwargs, quantized_cache
 from mla_quant.prepare import model_dims, prepare_model, validate
-from mla_quant.quant.formats import LayeredFormat, cache_bytes_per_token, cache_format, fake_quantizer
+from mla_quant.quant.formats import CacheSpec, cache_bytes_per_token, cache_format, fake_quantizer
 from mla_quant.quant.mixed import knapsack
 from mla_quant.sensitivity.allocation import (_weights, load_allocation, mixed_spec, sensitivity_from_record,
                                               solve)
@@ -74,7 +74,7 @@ def test_layers_store_what_each_layer_format_stores(toy):
     cache assembled from the named options layer by layer; and the layers do change what is stored."""
     cfg = option("int4_joint", layers=LAYERED, protected={"recent": 16})
     fmt = cache_format(cfg, D_C, D_R, num_layers=LAYERS)
-    assert isinstance(fmt, LayeredFormat) and [f.content.bits for f in fmt.layers] == [4, 2, 4, 8]
+    assert isinstance(fmt, CacheSpec) and [f.content.bits for f in fmt.layers] == [4, 2, 4, 8]
     assert [f.rope.quantized for f in fmt.layers] == [True, True, False, True]
     ours = quantized_cache(toy, cfg)
     theirs = LatentCache(LAYERS, [cache_layer_factory(OmegaConf.merge(q, {"protected": {"recent": 16}}), D_C, D_R)
@@ -239,7 +239,7 @@ def test_mixed_allocates_measures_stores_and_reuses(tmp_path):
                  "quant.allocation.sequences=2", "quant.allocation.seeds=1", "calib.samples=8", "calib.seq_len=192"]
     prep = prepare_model(compose(overrides))
     m = prep.metrics()
-    assert isinstance(prep.fmt, LayeredFormat) and m["alloc/reused"] == 0 and m["alloc/budget_name"] == "int2_joint"
+    assert isinstance(prep.fmt, CacheSpec) and m["alloc/reused"] == 0 and m["alloc/budget_name"] == "int2_joint"
     assert m["alloc/bytes_per_token_per_layer"] <= m["alloc/budget"] == 44
     assert m["cache/bytes_per_token_per_layer"] == m["alloc/bytes_per_token_per_layer"]
     stored = json.loads(open(m["alloc/file"]).read())

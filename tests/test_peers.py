@@ -148,7 +148,8 @@ def test_fitted_transform_on_a_peer_names_its_fit_format(cfg_of):
         validate(cfg, model_dims(cfg.model))
     ok = cfg_of(["experiment=evaluate", "quant=hf_hqq_int2", "transform=quantmla", "calib=toy",
                  "transform.fit.format=int2_joint"])
-    assert isinstance(validate(ok, model_dims(ok.model)), PeerFormat)
+    spec = validate(ok, model_dims(ok.model))
+    assert spec.peer and isinstance(spec.uniform, PeerFormat)
 
 
 def test_crop_is_refused_with_the_reason():
@@ -158,13 +159,18 @@ def test_crop_is_refused_with_the_reason():
         layer.crop(-1)
 
 
-def test_peer_option_scores_through_lm_eval(tmp_path, cfg_of):
-    """experiment=evaluate with a peer: lm-eval's generate over the peer cache, the record naming what it held."""
+def test_peer_option_scores_through_lm_eval(tmp_path, cfg_of, monkeypatch):
+    """experiment=evaluate with a peer: lm-eval's generate over the peer cache, the record naming what it held; the
+    settings validated once (the stage's own check), not again by the preparation step."""
+    import mla_quant.prepare
     from mla_quant.stages.evaluate import run
 
+    validate, calls = mla_quant.prepare.validate, []
+    monkeypatch.setattr(mla_quant.prepare, "validate", lambda *a, **k: calls.append(1) or validate(*a, **k))
     cfg = cfg_of(["experiment=evaluate", "logger=none", "quant=hf_hqq_int2", "eval.tasks=[toy_niah_single_1]",
                   "eval.data.niah_per_length=2", "eval.data.niah_lengths=[256]", "eval.control_no_rope.enabled=false"])
     metrics = run(cfg, tmp_path).metrics
+    assert len(calls) == 1
     assert 0.0 <= metrics["eval/toy_niah_single_1/exact_match"] <= 1.0
     assert metrics["cache/content"].startswith("transformers QuantizedCache (hqq) int2 g=16")
     assert metrics["cache/bytes_per_token_per_layer"] == 56.0

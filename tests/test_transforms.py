@@ -152,9 +152,9 @@ def test_turboquant_stores_the_content_path_as_codebook():
     from mla_quant.prepare import model_dims, validate
 
     cfg = compose(["model=toy_mla", "quant=int4_joint", "transform=turboquant"])
-    fmt = validate(cfg, model_dims(cfg.model))
+    fmt = validate(cfg, model_dims(cfg.model)).uniform
     assert fmt.content.format == "codebook" and fmt.content.bits == 4 and fmt.rope == validate(
-        compose(["model=toy_mla", "quant=int4_joint"]), model_dims(cfg.model)).rope
+        compose(["model=toy_mla", "quant=int4_joint"]), model_dims(cfg.model)).uniform.rope
     assert fmt.content.bytes_per_token(96) == 96 * 4 / 8 + 2  # codes + one fp16 norm per token
     with pytest.raises(ValueError, match="quant.backend=triton cannot read format=codebook"):
         validate(compose(["model=toy_mla", "quant=int4_joint", "quant.backend=triton", "transform=turboquant"]),

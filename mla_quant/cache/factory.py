@@ -13,22 +13,22 @@ from collections.abc import Callable
 import torch
 
 from mla_quant.cache.layer import LatentCacheLayer
-from mla_quant.quant.formats import CacheFormat, LayeredFormat, cache_format
+from mla_quant.quant.formats import CacheFormat, CacheSpec, cache_format
 from mla_quant.quant.peers import PeerFormat
 
 
-def layer_factory(fmt: CacheFormat | LayeredFormat | None
+def layer_factory(fmt: CacheFormat | CacheSpec | None
                   ) -> Callable[[], LatentCacheLayer] | list[Callable[[], LatentCacheLayer]]:
     """A zero-argument layer constructor for `fmt` (None: unquantized, torch backend). backend=triton: decode steps
     through the Triton kernel, backend=cpu through the C++ kernel (a clear error where it cannot run);
     backend=auto: a kernel-capable layer when a kernel would run here (a visible CUDA GPU and a format the Triton
     kernel reads, or the C++ kernel built and a format it reads; each decode step then picks by the device of its
     tensors, `CacheFormat.step_backends`), the PyTorch layer otherwise. A `PeerFormat`: transformers' quantized
-    layers. A `LayeredFormat`: one constructor per cache layer, in order (`LatentCache` takes the list)."""
+    layers. A `CacheSpec`: one constructor per cache layer, in order (`LatentCache` takes the list)."""
     if fmt is None:
         return LatentCacheLayer
-    if isinstance(fmt, LayeredFormat):
-        return [layer_factory(f) for f in fmt.layers]
+    if isinstance(fmt, CacheSpec):  # one constructor for a uniform spec (any number of layers), else one per layer
+        return layer_factory(fmt.uniform) if fmt.uniform is not None else [layer_factory(f) for f in fmt.layers]
     if isinstance(fmt, PeerFormat):
         from mla_quant.cache.peers import PeerLatentCacheLayer
 

@@ -31,7 +31,7 @@ from mla_quant.models.absorbed import attention_modules, latent_dims
 from mla_quant.models.build import _plain
 from mla_quant.models.families import family_for_config
 from mla_quant.models.fp8 import weight_of
-from mla_quant.quant.formats import CacheFormat, LayeredFormat
+from mla_quant.quant.formats import CacheFormat, CacheSpec, as_spec
 from mla_quant.transforms import TransformSet
 
 __all__ = ["CONTENT_CODECS", "DEFAULT_FIT_FORMAT", "FIT_KEYS", "OBJECTIVES", "TRANSFORM_KEYS", "LayerCheckpoints",
@@ -57,14 +57,13 @@ def weights_sha256(model) -> str:
     return h.hexdigest()
 
 
-def fit_identity(fmt: CacheFormat | LayeredFormat) -> list[str]:
+def fit_identity(fmt: CacheSpec | CacheFormat) -> list[str]:
     """What identifies the format transforms are fitted for: its paths (calibration quantizes every token, whatever
     the protected region or backend), per layer where the layers' dims differ."""
-    layers = fmt.layers if isinstance(fmt, LayeredFormat) else (fmt,)
-    return [repr(part) for f in layers for part in (f.content, f.rope)]
+    return [repr(part) for f in as_spec(fmt).identity_layers for part in (f.content, f.rope)]
 
 
-def calibrated_transforms(model, cfg, tokenizer, run_format: CacheFormat | None, report: bool = False
+def calibrated_transforms(model, cfg, tokenizer, run_format: CacheSpec | None, report: bool = False
                           ) -> tuple[TransformSet | None, dict, list[dict]]:
     """The configured transforms for `model` (unabsorbed or absorbed, unquantized): loaded from the store when the
     same configuration was fitted before, else computed (and stored). report=True: compute the per-layer objective

@@ -8,7 +8,7 @@ A lloyd path stores the same codes, scales and zeros as `rtn`, but a code q read
 levels in code units) instead of q. The levels of each (layer, path) are fitted by Lloyd's algorithm, in turn with each
 group's range (`mla_quant.quant.quantizers.fit_levels`), on that layer's latents over the calibration batch, after
 the configured transforms (which the model already carries), with every token counted (no protected region). The
-result is a `LayeredFormat` whose layer i carries its levels (`PathFormat.levels`), stored as JSON with its
+result is a `CacheSpec` whose layer i carries its levels (`PathFormat.levels`), stored as JSON with its
 provenance beside the fitted transforms and reused when the same configuration asks again.
 """
 
@@ -23,31 +23,25 @@ import torch
 from tqdm.auto import tqdm
 
 from mla_quant.models.absorbed import cached_latents, num_cache_layers
-from mla_quant.quant.formats import PATHS, CacheFormat, LayeredFormat
+from mla_quant.quant.formats import PATHS, CacheFormat, CacheSpec
 from mla_quant.quant.quantizers import FIT_REFERENCES, LLOYD_MAX_VALUES, check_levels, fit_levels
 from mla_quant.artifacts import Artifact, artifact
 
 CODEBOOK_VERSION = 2  # 2: the fit starts from clip's ranges
 
 
-def _layers(fmt: CacheFormat | LayeredFormat) -> tuple[CacheFormat, ...]:
-    return fmt.layers if isinstance(fmt, LayeredFormat) else (fmt,)
+def uses_lloyd(fmt: CacheSpec | None) -> bool:
+    """True when some path of some layer of the resolved spec `fmt` is quantizer=lloyd."""
+    return fmt is not None and not fmt.peer and any(f.path(p).fitted_levels for f in fmt.identity_layers
+                                                    for p in PATHS)
 
 
-def uses_lloyd(fmt) -> bool:
-    """True when some path of some layer of `fmt` (a CacheFormat or LayeredFormat) is quantizer=lloyd."""
-    if not isinstance(fmt, (CacheFormat, LayeredFormat)):
-        return False
-    return any(f.path(p).fitted_levels for f in _layers(fmt) for p in PATHS)
-
-
-def _per_layer(fmt, num_layers: int) -> list[CacheFormat]:
-    layers = list(_layers(fmt))
-    if len(layers) == 1:
-        return layers * num_layers
-    if len(layers) != num_layers:
-        raise ValueError(f"quant={fmt.name}: {len(layers)} layer formats for a model with {num_layers} cache layers")
-    return layers
+def _per_layer(fmt: CacheSpec, num_layers: int) -> list[CacheFormat]:
+    if fmt.uniform is not None:
+        return [fmt.uniform] * num_layers
+    if len(fmt) != num_layers:
+        raise ValueError(f"quant={fmt.name}: {len(fmt)} layer formats for a model with {num_layers} cache layers")
+    return list(fmt.layers)
 
 
 def _wanted(layers: list[CacheFormat]) -> list[tuple[int, str]]:
@@ -70,8 +64,8 @@ def capture_latents(model, ids: torch.Tensor, wanted: list[tuple[int, str]], dim
     return {key: torch.cat(v) for key, v in out.items()}
 
 
-def codebook_artifact(fmt, identity: dict, cache_dir: str | Path, family: str) -> Artifact:
-    layers = _layers(fmt)
+def codebook_artifact(fmt: CacheSpec, identity: dict, cache_dir: str | Path, family: str) -> Artifact:
+    layers = fmt.identity_layers
     payload = {"version": CODEBOOK_VERSION, "identity": identity,
                # the paths' settings only (their codes' widths, groups and scale dtype): what the levels depend on
                "formats": [[repr(f.path(p)) for p in PATHS] for f in layers]}  # (a repr leaves the levels out)
@@ -106,7 +100,8 @@ def fitted_on(fmt: CacheFormat, content: torch.Tensor, rope: torch.Tensor) -> Ca
     return dataclasses.replace(fmt, **paths)
 
 
-def with_levels(fmt, levels: dict[tuple[int, str], tuple[float, ...]], num_layers: int, source: str) -> LayeredFormat:
+def with_levels(fmt: CacheSpec, levels: dict[tuple[int, str], tuple[float, ...]], num_layers: int, source: str
+                ) -> CacheSpec:
     """`fmt` with each layer's lloyd paths given their levels: one format per cache layer."""
     layers = _per_layer(fmt, num_layers)
     out = []
@@ -116,8 +111,7 @@ def with_levels(fmt, levels: dict[tuple[int, str], tuple[float, ...]], num_layer
         for p in paths:
             f.path(p).check(f.dim(p), f"quant.{p} (layer {i})")
         out.append(f)
-    return LayeredFormat(fmt.name, tuple(out), getattr(fmt, "source", source) if isinstance(fmt, LayeredFormat)
-                         else source)
+    return CacheSpec(fmt.name, tuple(out), source if fmt.uniform is not None else fmt.source)
 
 
 def _fit(model, ids: torch.Tensor, wanted: list[tuple[int, str]], layers: list[CacheFormat], batch: int) -> dict:
@@ -141,8 +135,8 @@ def _fit(model, ids: torch.Tensor, wanted: list[tuple[int, str]], layers: list[C
             "seconds": time.perf_counter() - start, "torch": torch.__version__}
 
 
-def fitted_codebooks(model, fmt, ids: torch.Tensor, identity: dict, cache_dir: str | Path, family: str,
-                     batch: int = 8) -> tuple[LayeredFormat, dict]:
+def fitted_codebooks(model, fmt: CacheSpec, ids: torch.Tensor, identity: dict, cache_dir: str | Path, family: str,
+                     batch: int = 8) -> tuple[CacheSpec, dict]:
     """The codebooks of every lloyd path of `fmt` for `model` (transforms applied; the absorbed view), fitted on
     its latents over `ids` or reused from `cache_dir`, and the record's metrics."""
     num_layers = num_cache_layers(model)

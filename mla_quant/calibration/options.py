@@ -10,7 +10,7 @@ from mla_quant.calibration.fit import FitOptions
 from mla_quant.calibration.objectives import CONTENT_OBJECTIVES, ROPE_OBJECTIVES
 from mla_quant.models.build import _plain
 from mla_quant.quant.codecs import CONTENT_CODECS
-from mla_quant.quant.formats import PATHS, CacheFormat, LayeredFormat, model_format
+from mla_quant.quant.formats import PATHS, CacheFormat, CacheSpec, as_spec, model_format
 from mla_quant.quant.peers import PeerFormat
 from mla_quant.transforms import KINDS
 from mla_quant.transforms import kind as transform_kind
@@ -80,19 +80,29 @@ def check_family_transform(family, transform_cfg) -> None:
                          f"{family.name}: {ROPE_NORM_REFUSAL}")
 
 
-def transformed_format(transform_cfg, fmt: CacheFormat | None) -> CacheFormat | None:
-    """The cache format with the transform's content codec (transform=turboquant: the quant option's content bits
-    stored as TurboQuant's codebook with one norm per token instead of per-group scales)."""
+def transformed_format(transform_cfg, fmt: CacheSpec | CacheFormat | None) -> CacheSpec | None:
+    """The resolved spec with the transform's content codec in each layer (transform=turboquant: the quant option's
+    content bits stored as TurboQuant's codebook with one norm per token instead of per-group scales); a format
+    given alone comes back as a spec of it."""
+    fmt = as_spec(fmt)
     codec = (_plain(transform_cfg).get("content") or {}).get("codec")
-    if isinstance(fmt, PeerFormat):
-        check_peer_transform(transform_cfg, fmt, codec)
+    if fmt is None:
+        return None
+    if fmt.peer:
+        check_peer_transform(transform_cfg, fmt.uniform, codec)
         return fmt
-    if isinstance(fmt, LayeredFormat):
-        if fmt.one_format:  # one option at each layer's own dims: the codec in every layer
-            return dataclasses.replace(fmt, layers=tuple(transformed_format(transform_cfg, f) for f in fmt.layers))
+    if not fmt.one_format:
         check_layered_transform(transform_cfg, fmt.name, codec)
         return fmt
-    if codec is None or fmt is None or not fmt.content.quantized:
+    if codec is None:
+        return fmt
+    layers = tuple(_recoded(f, codec) for f in fmt.layers)  # one option (at each layer's own dims)
+    return dataclasses.replace(fmt, name=f"{fmt.name}_{codec}" if layers != fmt.layers else fmt.name, layers=layers)
+
+
+def _recoded(fmt: CacheFormat, codec: str) -> CacheFormat:
+    """One layer's format with its quantized content path stored in `codec`."""
+    if not fmt.content.quantized:
         return fmt
     if not fmt.content.integer_groups:
         raise ValueError(f"transform.content.codec={codec} re-encodes an integer content path at its bit width; "
@@ -135,16 +145,16 @@ def check_layered_transform(transform_cfg, quant_name: str, codec) -> None:
                          f"option), or give quant.budget as an option's name")
 
 
-def fit_format(transform_cfg, run_format: CacheFormat | LayeredFormat | None, layer_dims: list[tuple[int, int]],
-               groups: dict | None) -> CacheFormat | LayeredFormat:
+def fit_format(transform_cfg, run_format: CacheSpec | None, layer_dims: list[tuple[int, int]],
+               groups: dict | None) -> CacheSpec:
     """The cache format the transforms are fitted for: transform.fit.format, `auto` = the run's quantized format,
-    else int4_joint; at each MLA layer's (d_c, d_r) in `layer_dims` (a `LayeredFormat` of one option where the
+    else int4_joint; at each MLA layer's (d_c, d_r) in `layer_dims` (a `CacheSpec` of one option where the
     layers' dims differ)."""
     from mla_quant.cache.bytes import load_quant_option
 
     name = (_plain(transform_cfg).get("fit") or {}).get("format", "auto")
     if name == "auto":
-        if isinstance(run_format, LayeredFormat) and not run_format.one_format:
+        if run_format is not None and not run_format.one_format:
             raise ValueError(f"quant={run_format.name} gives each layer its own format; the transforms are fitted and "
                              f"reported for one: name it, transform.fit.format=int2_content_int4_rope (or another "
                              f"quant option)")

@@ -16,10 +16,10 @@ from mla_quant.calibration.objectives import rope_output_bound, ste_quantizer
 from mla_quant.calibration.options import OBJECTIVES, fit_options, kinds
 from mla_quant.models.absorbed import absorbed_view, attention_modules
 from mla_quant.models.build import _plain
-from mla_quant.quant.formats import PATHS, CacheFormat, LayeredFormat, layer_format
+from mla_quant.quant.formats import PATHS, CacheFormat, CacheSpec, layer_format
 from mla_quant.transforms import KINDS, LayerTransform, TransformSet
 
-def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: CacheFormat | LayeredFormat,
+def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: CacheFormat | CacheSpec,
             seed: int, batch_size: int = 8, checkpoints=None, query_tokens: int | None = None,
             capture: str = "sweep") -> tuple[TransformSet, list[dict]]:
     """Fit (or compute) every block's transforms; the per-layer report rows (objective error before and after).
@@ -32,7 +32,7 @@ def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: 
     objectives = {p: (_plain(objective_cfg).get(p) or {}).get("kind") or OBJECTIVES[p][0] for p in PATHS}
     opts = fit_options(transform_cfg, seed)
     # one quantizer per layer and path (a lloyd path's levels are fitted on its own layer's latents), in the layer's
-    # own format (a model whose layers' dims differ: a LayeredFormat of one option)
+    # own format (a model whose layers' dims differ: a CacheSpec of one option)
     quant = lambda i: {p: ste_quantizer(layer_format(fmt, i).path(p), layer_format(fmt, i).dim(p))  # noqa: E731
                        for p in PATHS}
     modules = attention_modules(model)

@@ -1,4 +1,4 @@
-"""The cache format of the whole `quant` group (`CacheFormat`), one per cache layer (`LayeredFormat`), and the bytes
+"""The cache format of the whole `quant` group (`CacheFormat`), one per cache layer (`CacheSpec`), and the bytes
 a cache in a format holds per token."""
 
 from __future__ import annotations
@@ -64,6 +64,14 @@ class CacheFormat:
             end -= (end - start) % self.token_block
         return start, end
 
+    def bytes_per_token(self, act_bytes: int = 2) -> float:
+        """Bytes one token takes in the quantized region (both paths; unquantized ones at `act_bytes`)."""
+        return self.content.bytes_per_token(self.d_c, act_bytes) + self.rope.bytes_per_token(self.d_r, act_bytes)
+
+    def describe(self) -> dict[str, str]:
+        return {"content": self.content.describe(),
+                "rope": self.rope.describe() if self.d_r else "none (no RoPE key)"}
+
     def codebook_bytes(self) -> int:
         """Per layer constant bytes, shared by every sequence: the lloyd codebooks of both paths."""
         return self.content.codebook_bytes() + self.rope.codebook_bytes()
@@ -125,22 +133,22 @@ COMMON = ("mode", "backend", "n_sink", "recent", "block_size")  # one value for 
 
 
 @dataclass(frozen=True)
-class LayeredFormat:
-    """A cache format per cache layer (`quant.layers`, or the allocation of `quant=mixed`): each layer its own
-    validated `CacheFormat`, with the protected region, mode, backend and block size common to all. Duck-types
-    what stages read of a `CacheFormat` that holds for every layer (name, quantized, mode, backend, step_backends,
-    kernel_unsupported); what differs per layer is read per layer (`layer(i)`), and a stage that reads one format
-    for the whole model refuses it by name (`refuse_layered`)."""
+class CacheSpec:
+    """The resolved cache of a run: one entry per cache layer, each a validated `CacheFormat` at that layer's dims (or,
+    for transformers' own QuantizedCache, its `PeerFormat`). A uniform option is its one entry repeated; `quant.layers`,
+    a `quant=mixed` allocation and lloyd codebooks (levels fitted per layer) give each layer its own. The settings
+    common to all layers (mode, backend, protected region, block size) are read from the spec; what differs per layer
+    from `layer(i)`; a reader of one format for the whole model takes `uniform` (or `one(what)`, refused by name)."""
 
     name: str
-    layers: tuple[CacheFormat, ...]
+    layers: tuple
     source: str = "quant.layers"  # where the per-layer formats came from (an allocation file for quant=mixed)
 
     def __post_init__(self):
         if not self.layers:
             raise ValueError(f"quant={self.name}: quant.layers is empty; allowed: one entry per cache layer")
         for key in COMMON:
-            values = {getattr(f, key) for f in self.layers}
+            values = {getattr(f, key, None) for f in self.layers}
             if len(values) > 1:
                 raise ValueError(f"quant={self.name}: {key} differs between layers ({sorted(values)}); it is "
                                  f"common to all layers")
@@ -149,14 +157,39 @@ class LayeredFormat:
         return len(self.layers)
 
     @property
+    def uniform(self):
+        """The one entry every layer has (a uniform option at one (d_c, d_r)), else None."""
+        return self.layers[0] if len(set(self.layers)) == 1 else None
+
+    def one(self, what: str):
+        """The uniform entry; where `what` reads one cache format for the whole model and layers differ, refused by
+        name."""
+        if self.uniform is None:
+            raise ValueError(f"quant={self.name} gives each cache layer its own format ({self.source}): {what} reads "
+                             f"one format for the whole model; use a uniform option (e.g. int2_content_int4_rope)")
+        return self.uniform
+
+    @property
+    def peer(self) -> bool:
+        """transformers' own QuantizedCache (a peer option), not one of the project's formats."""
+        return not isinstance(self.layers[0], CacheFormat)
+
+    @property
+    def identity_layers(self) -> tuple:
+        """What identifies the spec's formats: the uniform entry alone, or every layer's."""
+        return (self.uniform,) if self.uniform is not None else self.layers
+
+    @property
     def one_format(self) -> bool:
         """Every layer stores the same paths, a layer without a RoPE key aside (it stores none): one option at each
         layer's own dims (a model whose layers' dims differ), not a format per layer."""
+        if self.peer:
+            return True
         ropes = {f.rope for f in self.layers if f.d_r > 0}
         return len({f.content for f in self.layers}) == 1 and len(ropes) <= 1 and len(
             {f.shared_scale for f in self.layers if f.d_r > 0}) <= 1
 
-    def layer(self, idx: int) -> CacheFormat:
+    def layer(self, idx: int):
         return self.layers[idx]
 
     def __getattr__(self, key):  # the settings common to all layers
@@ -170,7 +203,7 @@ class LayeredFormat:
 
     @property
     def token_block(self) -> int | None:
-        blocks = {f.token_block for f in self.layers} - {None}
+        blocks = {getattr(f, "token_block", None) for f in self.layers} - {None}
         return blocks.pop() if len(blocks) == 1 else None
 
     def quantized_positions(self, length: int) -> tuple[int, int]:
@@ -188,37 +221,44 @@ class LayeredFormat:
         return self._first_refusal("cpu_kernel_unsupported")
 
     def _first_refusal(self, check: str) -> str | None:
-        """The first layer's reason from its `check` method (naming the layer), or None when every layer passes."""
-        for i, f in enumerate(self.layers):
+        """The first layer's reason from its `check` method (naming the layer where layers differ), or None when
+        every layer passes."""
+        for i, f in enumerate(self.identity_layers):
             why = getattr(f, check)()
             if why is not None:
-                return f"layers[{i}]: {why}"
+                return why if self.uniform is not None else f"layers[{i}]: {why}"
         return None
 
     def step_backends(self, device_type: str) -> dict[str, str]:
-        per_layer = [f.step_backends(device_type) for f in self.layers]
+        per_layer = [f.step_backends(device_type) for f in self.identity_layers]
         return {step: "+".join(sorted({b[step] for b in per_layer})) for step in STEP_TYPES}
 
     def bytes_per_token(self, act_bytes: int = 2) -> list[float]:
         """Per layer: bytes one token takes in the quantized region (both paths; unquantized ones at `act_bytes`)."""
-        return [f.content.bytes_per_token(f.d_c, act_bytes) + f.rope.bytes_per_token(f.d_r, act_bytes)
-                for f in self.layers]
+        return [f.bytes_per_token(act_bytes) for f in self.layers]
 
     def describe(self) -> list[dict[str, str]]:
-        return [{"content": f.content.describe(), "rope": f.rope.describe() if f.d_r else "none (no RoPE key)"}
+        return [f.describe() if isinstance(f, CacheFormat) else {"content": f.describe(), "rope": f.describe()}
                 for f in self.layers]
+
+
+def as_spec(fmt, num_layers: int = 1) -> CacheSpec | None:
+    """A validated format as a `CacheSpec` (a `CacheFormat` or `PeerFormat` repeated over `num_layers` layers); a
+    spec, or None, as it is."""
+    if fmt is None or isinstance(fmt, CacheSpec):
+        return fmt
+    return CacheSpec(fmt.name, (fmt,) * num_layers, "the option")
 
 
 def layer_format(fmt, idx: int):
-    """Cache layer `idx`'s format: its own in a `LayeredFormat`, the format itself otherwise."""
-    return fmt.layer(idx) if isinstance(fmt, LayeredFormat) else fmt
+    """Cache layer `idx`'s format: its own in a `CacheSpec`, the format itself otherwise."""
+    return fmt.layer(idx) if isinstance(fmt, CacheSpec) else fmt
 
 
-def refuse_layered(fmt, what: str) -> None:
-    """Where `what` reads one cache format for the whole model, a per-layer format is refused by name."""
-    if isinstance(fmt, LayeredFormat):
-        raise ValueError(f"quant={fmt.name} gives each cache layer its own format ({fmt.source}): {what} reads one "
-                         f"format for the whole model; use a uniform option (e.g. int2_content_int4_rope)")
+def refuse_layered(fmt, what: str):
+    """Where `what` reads one cache format for the whole model, a spec whose layers differ is refused by name; ->
+    the one format."""
+    return fmt.one(what) if isinstance(fmt, CacheSpec) else fmt
 
 
 def cache_bytes_per_token(fmt: CacheFormat, d_c: int, d_r: int, context: int, batch: int = 1,

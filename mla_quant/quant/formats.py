@@ -10,7 +10,7 @@ own under `quant/codecs/`, registered in `quant/codecs/__init__.py`.
 This module is the public face of the formats; each part lives in its own module:
     quant/codecs/   one module per codec (`base.py`: the interface and the byte sizes they share)
     quant/path.py   `PathFormat` (one path) and the helpers that store and read back one path
-    quant/format.py `CacheFormat` (the quant group), `LayeredFormat` (one per cache layer), the bytes per token
+    quant/format.py `CacheFormat` (the quant group), `CacheSpec` (one per cache layer), the bytes per token
     quant/parse.py  `cache_format`: a config's `quant` group -> its validated format
 
     fmt = cache_format(cfg.quant, d_c=512, d_r=64)        # raises ValueError on bad bits / group sizes
@@ -35,7 +35,7 @@ Codecs (`format`), see docs/cache.md "Formats":
           until it fills (cache/layer.py)
     pairs  the RoPE key with `bits` a list: one width (2/3/4/8, 16 unquantized) per group of consecutive frequency
           pairs in the model's RoPE layout, each group one integer group (byte-stream codes, its own scale + zero)
-A `layers` list gives each cache layer its own paths (`LayeredFormat`).
+A `layers` list gives each cache layer its own paths (`CacheSpec`).
 """
 
 from mla_quant.quant.codecs import CODECS, FORMATS, PAIR_LAYOUTS, Codec, check_finite, pair_channels
@@ -58,7 +58,8 @@ from mla_quant.quant.format import (
     TENSOR_SCALE_BYTES,
     TOP_KEYS,
     CacheFormat,
-    LayeredFormat,
+    CacheSpec,
+    as_spec,
     cache_bytes_per_token,
     cpu_kernel_usable,
     layer_format,
@@ -78,8 +79,8 @@ from mla_quant.quant.path import (
 
 __all__ = ["BACKENDS", "BASELINE", "CODEBOOK_LEVEL_BYTES", "CODECS", "COMMON", "DERIVED_KEYS", "FORMATS",
            "GRANULARITIES", "LAYER_KEYS", "MIXED_KEYS", "MODES", "PAIR_LAYOUTS", "PATHS", "SCALE_BYTES", "STEP_TYPES",
-           "TENSOR_SCALE_BYTES", "TOP_KEYS", "TRITON_INT_BITS", "ZERO_BYTES", "CacheFormat", "Codec", "LayeredFormat",
-           "PathFormat", "_check_keys", "_plain", "cache_bytes_per_token", "cache_format", "check_finite",
+           "TENSOR_SCALE_BYTES", "TOP_KEYS", "TRITON_INT_BITS", "ZERO_BYTES", "CacheFormat", "Codec", "CacheSpec",
+           "PathFormat", "_check_keys", "as_spec", "_plain", "cache_bytes_per_token", "cache_format", "check_finite",
            "cpu_kernel_usable", "decode_path", "encode_path", "fake_quantizer", "layer_format", "layered_format", "model_format",
            "pair_channels",
            "refuse_layered", "tensor_scale_for"]

@@ -8,13 +8,14 @@ import warnings
 from mla_quant.checks import int_setting
 from mla_quant.quant.codecs import PAIR_LAYOUTS
 from mla_quant.quant.codecs.base import TRITON_INT_BITS
-from mla_quant.quant.format import BACKENDS, LAYER_KEYS, MIXED_KEYS, MODES, TOP_KEYS, CacheFormat, LayeredFormat
+from mla_quant.quant.format import (BACKENDS, LAYER_KEYS, MIXED_KEYS, MODES, TOP_KEYS, CacheFormat, CacheSpec,
+                                     as_spec)
 from mla_quant.quant.path import PathFormat, _check_keys, _plain
 
 
 def layered_format(cfg: dict, layers, d_c: int | None, d_r: int | None, context: int | None,
                    num_layers: int | None, source: str = "quant.layers", rope_layout: str = "half",
-                   layer_dims: list[tuple[int, int]] | None = None) -> LayeredFormat:
+                   layer_dims: list[tuple[int, int]] | None = None) -> CacheSpec:
     """`quant.layers`: a list with one entry per cache layer, each null (the option's own paths) or a mapping of
     `content` / `rope` blocks whose keys replace those of the option's blocks for that layer. Each layer is
     validated against (d_c, d_r), or against its own dims in `layer_dims` (a model whose layers differ)."""
@@ -41,19 +42,19 @@ def layered_format(cfg: dict, layers, d_c: int | None, d_r: int | None, context:
                                         rope_layout=rope_layout))
         except ValueError as err:
             raise ValueError(f"quant.layers[{i}]: {err}") from err
-    return LayeredFormat(name, tuple(formats), source)
+    return CacheSpec(name, tuple(formats), source)
 
 
 def model_format(quant_cfg, layer_dims: list[tuple[int, int]], context: int | None = None,
                  rope_layout: str = "half"):
-    """The format of a `quant` config for a model whose MLA layers have (d_c, d_r) = `layer_dims`, in cache-layer
-    order: `cache_format` where every layer has the same dims; where they differ (Mistral Large 4's NoPE layers
-    cache no RoPE key), a `LayeredFormat` with each layer validated against its own dims (`quant.layers` entries
-    applied), a RoPE part skipped in the layers without a RoPE key (said once)."""
+    """The resolved `CacheSpec` of a `quant` config for a model whose MLA layers have (d_c, d_r) = `layer_dims`, in
+    cache-layer order: `cache_format` repeated where every layer has the same dims (or each layer's own with
+    `quant.layers`); where they differ (Mistral Large 4's NoPE layers cache no RoPE key), each layer validated against
+    its own dims (`quant.layers` entries applied), a RoPE part skipped in the layers without a RoPE key (said once)."""
     layer_dims = [tuple(d) for d in layer_dims]
     if len(set(layer_dims)) <= 1:
         d_c, d_r = layer_dims[0] if layer_dims else (None, None)
-        return cache_format(quant_cfg, d_c, d_r, context, len(layer_dims), rope_layout)
+        return as_spec(cache_format(quant_cfg, d_c, d_r, context, len(layer_dims), rope_layout), len(layer_dims) or 1)
     cfg = _plain(quant_cfg)
     name = cfg.get("name", "?")
     from mla_quant.quant.peers import is_peer
@@ -84,7 +85,7 @@ def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None, num_
     With `context` (the longest sequence the run will hold), a quantized format whose protected region covers the
     whole context is refused: nothing would ever be quantized. A backend that cannot read the format is refused.
     A config with a `peer` block is a peer option: its `PeerFormat` (mla_quant/quant/peers.py). A `layers` list
-    gives each cache layer its own paths: a `LayeredFormat` (its length checked against `num_layers` when given).
+    gives each cache layer its own paths: a `CacheSpec` (its length checked against `num_layers` when given).
     `rope_layout`: the model's RoPE pair layout (`half` | `interleaved`), which a RoPE key with bits per group of
     pairs (format=pairs) groups by.
     """

@@ -76,6 +76,8 @@ class PeerFormat:
     def kernel_unsupported(self) -> str | None:
         return f"peer.library={self.library} (transformers' QuantizedCache; the Triton kernel reads the project's formats)"
 
+    cpu_kernel_unsupported = kernel_unsupported
+
     def quantized_positions(self, length: int) -> tuple[int, int]:
         """transformers' quantized layer quantizes a prompt appended at once as a whole (its residual holds only later
         tokens): every position."""

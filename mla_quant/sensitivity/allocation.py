@@ -1,7 +1,7 @@
 """`quant=mixed`: bits per cache layer and path from the model's sensitivity, under a byte budget.
 
     spec = mixed_spec(cfg.quant, d_c, d_r, num_layers, context, groups)   # validated before any weight is read
-    fmt, metrics = allocate(model, spec, ids, identity, cache_dir)        # a LayeredFormat, reused when stored
+    fmt, metrics = allocate(model, spec, ids, identity, cache_dir)        # a CacheSpec, reused when stored
 
 The predicted output error of an allocation is sum over layers l and paths p of w[l, p] x NMSE[l, p](bits): NMSE
 measured with the real quantizer of each candidate width on the model's own cache latents over the calibration
@@ -38,7 +38,7 @@ from mla_quant.quant.formats import (
     MIXED_KEYS,
     PATHS,
     CacheFormat,
-    LayeredFormat,
+    CacheSpec,
     PathFormat,
     _plain,
     cache_format,
@@ -131,7 +131,7 @@ class MixedSpec:
         cache/bytes_per_token_per_layer)."""
         return self.path_format(path, k).bytes_per_token(self.dim(path), 2)
 
-    def layered(self, picks: list[dict], source: str) -> LayeredFormat:
+    def layered(self, picks: list[dict], source: str) -> CacheSpec:
         """Per layer {path: choice index, or for the RoPE key per group of pairs a list of them} -> the formats."""
         layers = [{p: (self.choices[p][k] if isinstance(k, int) else
                        pairs_override([self.choices[p][j]["bits"] for j in k]))
@@ -441,7 +441,7 @@ def _measured(model, spec: MixedSpec, ids: torch.Tensor, identity: dict, batch: 
 
 
 def allocate(model, spec: MixedSpec, ids: torch.Tensor, identity: dict, batch: int = 8
-             ) -> tuple[LayeredFormat, dict]:
+             ) -> tuple[CacheSpec, dict]:
     """The per-layer format of `spec` for `model` (transforms applied), and its record metrics."""
     alloc = spec.allocation
     if alloc["file"] is not None:

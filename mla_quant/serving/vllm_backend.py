@@ -44,9 +44,8 @@ from mla_quant.cache.paged import read_path
 from mla_quant.kernels.layout import PageLayout, Segment
 from mla_quant.kernels.ops import decode_op
 from mla_quant.kernels.torch_decode import segment_attention
-from mla_quant.quant.format import MIXED_KEYS, CacheFormat
-from mla_quant.quant.formats import PATHS, LayeredFormat, cache_format, check_finite, model_format
-from mla_quant.quant.peers import PeerFormat
+from mla_quant.quant.format import MIXED_KEYS
+from mla_quant.quant.formats import PATHS, CacheFormat, CacheSpec, as_spec, cache_format, check_finite, model_format
 from mla_quant.serving import CACHE_FILE
 
 
@@ -58,9 +57,9 @@ def read_description(model: str | Path) -> dict | None:
     return json.loads(path.read_text())
 
 
-def served_format(description: dict, fitted: bool = True) -> CacheFormat | LayeredFormat:
-    """The format an exported checkpoint's description names (one for every layer, or a `LayeredFormat` rebuilt from
-    its layers' paths and codebooks), as the engine can store it; refused by name where it cannot. fitted=False:
+def served_format(description: dict, fitted: bool = True) -> CacheSpec:
+    """The spec an exported checkpoint's description names (one format for every layer, or each layer's rebuilt from
+    its paths and codebooks), as the engine can store it; refused by name where it cannot. fitted=False:
     checked before the preparation step allocates layers or fits codebooks (a `quant` config and the model's dims)."""
     quant, cache = dict(description.get("quant") or {}), description.get("cache") or {}
     if not fitted or cache.get("layers_quant") is not None:  # the allocation's settings: done, or not yet
@@ -75,13 +74,13 @@ def served_format(description: dict, fitted: bool = True) -> CacheFormat | Layer
     if cache.get("layer_dims"):  # a model whose layers' dims differ: each layer at its own
         fmt = model_format(quant, [(int(c), int(r)) for c, r in cache["layer_dims"]], rope_layout=layout)
     else:
-        fmt = cache_format(quant, int(cache["d_c"]), int(cache["d_r"]), rope_layout=layout)
+        fmt = as_spec(cache_format(quant, int(cache["d_c"]), int(cache["d_r"]), rope_layout=layout))
     name = fmt.name
-    if isinstance(fmt, PeerFormat):
+    if fmt.peer:
         raise ValueError(f"quant={name}: a transformers QuantizedCache peer has no engine layout")
-    if isinstance(fmt, LayeredFormat) and cache.get("codebooks"):
+    if cache.get("codebooks"):  # with a format per layer (layers_quant)
         books = cache["codebooks"]
-        fmt = LayeredFormat(fmt.name, tuple(
+        fmt = CacheSpec(fmt.name, tuple(
             dataclasses.replace(f, **{p: dataclasses.replace(f.path(p), levels=tuple(levels))
                                       for p, levels in book.items()}) for f, book in zip(fmt.layers, books)),
             fmt.source)
@@ -92,8 +91,8 @@ def served_format(description: dict, fitted: bool = True) -> CacheFormat | Layer
         raise ValueError(f"quant={name}: quant.protected n_sink={fmt.n_sink}, recent={fmt.recent}: the engine stores "
                          "every token in the format (no full-precision sinks or recent window in its blocks yet); "
                          "export with quant.protected.n_sink=0 quant.protected.recent=0")
-    for i, layer in enumerate(layers_of(fmt)):
-        where = f"quant={name}" + (f", layer {i}" if isinstance(fmt, LayeredFormat) else "")
+    for i, layer in enumerate(fmt.layers):
+        where = f"quant={name}" + (f", layer {i}" if fmt.uniform is None else "")
         if layer.token_block is not None:
             raise ValueError(f"{where}: token_block={layer.token_block}: a path quantized over blocks of tokens "
                              "waits for whole blocks, which the engine's per-token writes do not give; use a per-token "
@@ -109,15 +108,10 @@ def served_format(description: dict, fitted: bool = True) -> CacheFormat | Layer
     return fmt
 
 
-def layers_of(fmt) -> tuple[CacheFormat, ...]:
-    """Each cache layer's format (one repeated for a uniform format: `len` of it is 1)."""
-    return fmt.layers if isinstance(fmt, LayeredFormat) else (fmt,)
-
-
 def page_token_bytes(fmt, block_size: int, act_dtype: torch.dtype) -> int:
     """vLLM's per-token page bytes for a served format: vLLM gives every layer of a cache group one page size, so a
     format per layer takes its largest layer's."""
-    return max(EnginePages(f, block_size, act_dtype).token_bytes for f in layers_of(fmt))
+    return max(EnginePages(f, block_size, act_dtype).token_bytes for f in fmt.layers)
 
 
 @dataclass(frozen=True)
@@ -194,7 +188,7 @@ class EnginePages:
 
 
 @functools.lru_cache(maxsize=8)
-def served(model: str) -> CacheFormat | LayeredFormat | None:
+def served(model: str) -> CacheSpec | None:
     """The served format of an exported checkpoint folder (read once per process), or None (not one of ours)."""
     description = read_description(model)
     return None if description is None else served_format(description)
@@ -203,7 +197,7 @@ def served(model: str) -> CacheFormat | LayeredFormat | None:
 _LOADED: dict[str, object] = {}  # the format of the model this process loaded (see current_format)
 
 
-def current_format() -> tuple[CacheFormat | LayeredFormat | None, object | None]:
+def current_format() -> tuple[CacheSpec | None, object | None]:
     """The served format of the model vLLM is loading (None: not an exported checkpoint) and vLLM's config. Where
     vLLM asks outside its config context (sizing the KV cache), the format found when the model's attention layers
     were built in this process."""
@@ -273,7 +267,7 @@ class LatentMLAImpl(CPUMLAImpl):
     def fmt(self) -> CacheFormat:
         """This layer's format: the served one, or its entry for this layer (the layer found by its name among the
         engine's MLA layers, in decoder order, on the first step)."""
-        layers = layers_of(self.served)
+        layers = self.served.layers
         if len(layers) == 1:
             return layers[0]
         from vllm.forward_context import get_forward_context

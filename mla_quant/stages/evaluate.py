@@ -126,11 +126,18 @@ def table(metrics: dict[str, float]) -> pd.DataFrame:
 
 
 def check(cfg: DictConfig, data_folder: Path | None = None, data: bool = True) -> tuple[TaskPlan, dict]:
+    """`checked`, without what it validated."""
+    plan, stock, _ = checked(cfg, data_folder, data)
+    return plan, stock
+
+
+def checked(cfg: DictConfig, data_folder: Path | None = None, data: bool = True) -> tuple[TaskPlan, dict, tuple]:
     """Everything this stage refuses, before any weight is read: every eval.* value, the task names, code execution,
     the tokenizer, the lengths against the model's positions, the quant/transform/objective/calib settings
     (`preflight`), then every stock task's dataset (loaded, or refused naming the task, its dataset and the local
-    alternative). -> (the task plan, the loaded stock tasks). data_folder: where local task files go (None: a
-    temporary folder, dropped: the check only). data=False: the datasets are not loaded (nor returned)."""
+    alternative). -> (the task plan, the loaded stock tasks, (dims, format) as `preflight` validated them).
+    data_folder: where local task files go (None: a temporary folder, dropped: the check only). data=False: the
+    datasets are not loaded (nor returned)."""
     ev = cfg.eval
     check_eval(ev)
     plan = plan_tasks(ev, TOY_TASKS)  # unknown names, RULER without lengths, idle data_files: refused here
@@ -143,13 +150,13 @@ def check(cfg: DictConfig, data_folder: Path | None = None, data: bool = True) -
         raise ValueError(f"model {cfg.model.get('_target_')} has no tokenizer (a random tiny model?); "
                          f"evaluate needs a trained model, e.g. model=toy_mla")
     check_lengths(cfg, plan)
-    _, fmt, _ = preflight(cfg)  # quant, transform, objective, calib, the tokenizer's files
+    dims, fmt, _ = preflight(cfg)  # quant, transform, objective, calib, the tokenizer's files
     check_placement((ev.get("data") or {}).get("needle_outside") if plan.toy else None, fmt)
     # The stock tasks' datasets before any weight is read: offline, the error names the task and its dataset.
     # (RULER builds its samples with the tokenizer; no other stock task reads it before the model is prepared)
     if not data:
-        return plan, {}
-    return plan, stock_tasks(plan, ev, load_tokenizer(cfg.model) if plan.ruler else None, data_folder)
+        return plan, {}, (dims, fmt)
+    return plan, stock_tasks(plan, ev, load_tokenizer(cfg.model) if plan.ruler else None, data_folder), (dims, fmt)
 
 
 def stock_tasks(plan: TaskPlan, ev: DictConfig, tokenizer, data_folder: Path | None) -> dict:
@@ -164,7 +171,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     ev = cfg.eval
     torch.set_num_threads(int(ev.get("threads", 2)))
     before = allocated_bytes()
-    plan, _ = check(cfg, data=False)
+    plan, _, validated = checked(cfg, data=False)
     tokenizer = load_tokenizer(cfg.model)  # once, its files checked: RULER's samples, the toy task files, the model's
     stock = stock_tasks(plan, ev, tokenizer, run_dir / "lm_eval_tasks" / "local")
     after = allocated_bytes()  # lm-eval, its loaded tasks (RULER's haystacks: ~0.15 GB) are held through the run
@@ -174,7 +181,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     folder = (write_task_files(run_dir / "lm_eval_tasks", tokenizer, tasks=plan.toy,
                                **OmegaConf.to_container(ev.data, resolve=True)) if plan.toy else None)
     # validates quant/transform/objective against the model before loading weights; plans memory with the tasks
-    prep = prepare_model(cfg, tokenizer=tokenizer,
+    prep = prepare_model(cfg, tokenizer=tokenizer, validated=validated,  # checked above: the plan is made again
                          host=None if after is None else {"lm-eval tasks": max(0, after - before)})
     model = prep.model
     lm = LatentCacheHFLM(model, tokenizer, layer_factory=prep.layer_factory(),

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mla_quant.models.families import family_for_config
 from mla_quant.prepare import build_model, prepare_model, rope_layout
-from mla_quant.quant.formats import PATHS, LayeredFormat
+from mla_quant.quant.formats import PATHS
 from mla_quant.quant.peers import refuse_peer
 from mla_quant.record import write_json_atomic
 from mla_quant.serving import CACHE_FILE
@@ -31,7 +31,8 @@ def cache_description(prep) -> dict:
     fmt = prep.fmt
     if fmt is None:
         return {"format": "none"}
-    if isinstance(fmt, LayeredFormat):  # a format per cache layer (quant.layers, or quant=mixed's allocation)
+    one = fmt.uniform
+    if one is None:  # a format per cache layer (quant.layers, quant=mixed's allocation, lloyd codebooks)
         out = {"format": fmt.name, "mode": fmt.mode, "layers": fmt.describe(),
                "bytes_per_token_per_layer": fmt.bytes_per_token(2), "allocation": fmt.source,
                "protected": {"n_sink": fmt.n_sink, "recent": fmt.recent}, "d_c": max(f.d_c for f in fmt.layers),
@@ -43,8 +44,8 @@ def cache_description(prep) -> dict:
         if any(books):  # quantizer=lloyd: each layer's levels, x = levels[q] s + z
             out["codebooks"] = books
         return out
-    return {"format": fmt.name, "mode": fmt.mode, "content": fmt.content.describe(), "rope": fmt.rope.describe(),
-            "protected": {"n_sink": fmt.n_sink, "recent": fmt.recent}, "d_c": fmt.d_c, "d_r": fmt.d_r}
+    return {"format": one.name, "mode": one.mode, "content": one.content.describe(), "rope": one.rope.describe(),
+            "protected": {"n_sink": one.n_sink, "recent": one.recent}, "d_c": one.d_c, "d_r": one.d_r}
 
 
 def write_checkpoint(model, out: Path) -> list[str]:
