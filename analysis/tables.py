@@ -36,12 +36,14 @@ import pandas as pd
 from analysis.records import newest_complete
 from mla_quant.eval import HEADLINE_FILTERS
 from mla_quant.eval.needles import REGIONS
+from mla_quant.metrics import (EXAMPLES, SETTINGS, eval_key, layer_key, parse_bytes, parse_eval,
+                                parse_sensitivity)
+from mla_quant.quant.format import PATHS
 from mla_quant.quant.formats import BASELINE
 from mla_quant.quant.path import path_label, quantizer_label
 from mla_quant.stats import clustered_stderr
 
 PAPER = Path(__file__).with_name("paper_results.csv")
-HEADLINE_METRICS = ("exact_match", "pass@1", "acc")  # the first a task reports is its column in the accuracy table
 
 
 @dataclass
@@ -90,16 +92,17 @@ def amplification(df: pd.DataFrame) -> Table:
         rows.append({**base, "A logits": m["sensitivity/amplification/logits"],
                      "A logits std": m.get("sensitivity/amplification/logits_std"),
                      "A KL": m.get("sensitivity/amplification/kl"), "seeds": task.get("seeds")})
-        layers = sorted({int(k.split("/")[1][5:]) for k in m if k.startswith("sensitivity/layer")})
+        parsed = {k: parse_sensitivity(k) for k in m}
+        layers = sorted({p["layer"] for p in parsed.values() if p and "layer" in p})
         for i in layers:
             per_layer.append({**base, "layer": i,
-                              "measured": m.get(f"sensitivity/layer{i}/amplification/attn_output"),
-                              "measured std": m.get(f"sensitivity/layer{i}/amplification/attn_output_std"),
-                              "predicted": m.get(f"sensitivity/layer{i}/predicted_amplification")})
+                              "measured": m.get(layer_key(i, "amplification/attn_output")),
+                              "measured std": m.get(layer_key(i, "amplification/attn_output_std")),
+                              "predicted": m.get(layer_key(i, "predicted_amplification"))})
         for k, v in m.items():
-            parts = k.split("/")
-            if len(parts) == 5 and parts[1] == "sweep" and parts[3] in ("content", "rope"):
-                sweep.append({**base, "injected NMSE": float(parts[2][5:]), "path": parts[3], "output NMSE": v})
+            p = parsed[k]
+            if p and "nmse" in p and p["path"] in PATHS:
+                sweep.append({**base, "injected NMSE": p["nmse"], "path": p["path"], "output NMSE": v})
     long = _newest(rows, ["model", "noise", "cache NMSE"])
     if long.empty:
         return Table("amplification", "RoPE/content amplification", long)
@@ -176,18 +179,15 @@ def accuracy_long(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for _, r in newest_complete(df, "evaluate").iterrows():
         m = r.metrics
-        for prefix, label in (("eval/", "model"), ("eval/control_no_rope/", "rope=0")):
+        for label in SETTINGS:
             seen = set()
             for key, value in m.items():
-                rest = key[len(prefix):] if key.startswith(prefix) else ""
-                if rest.count("/") != 1:
+                k = parse_eval(key)
+                if k is None or k.setting != label or not k.headline or k.task in seen:
                     continue
-                task, metric = rest.split("/")
-                if task in seen or metric not in HEADLINE_METRICS:
-                    continue
-                seen.add(task)
-                rows.append({**_eval_base(r), "run as": label, "task": task, "metric": metric, "score": value,
-                             "stderr": m.get(f"{prefix}{task}/{metric}_stderr")})
+                seen.add(k.task)
+                rows.append({**_eval_base(r), "run as": label, "task": k.task, "metric": k.metric, "score": value,
+                             "stderr": m.get(k.stderr_key())})
     return _newest(rows, EVAL_KEY)
 
 
@@ -437,12 +437,11 @@ def needles(df: pd.DataFrame) -> Table:
     for _, r in newest_complete(df, "evaluate").iterrows():
         counts: dict[str, list[float]] = {}
         for key, value in r.metrics.items():
-            parts = key.split("/")
-            if len(parts) == 4 and parts[0] == "eval" and parts[2].startswith("needle_") and parts[3] == "examples":
-                region = parts[2][len("needle_"):]
-                score = r.metrics.get(f"eval/{parts[1]}/{parts[2]}/exact_match")
+            k = parse_eval(key)
+            if k is not None and k.setting == "model" and k.region is not None and k.metric == EXAMPLES:
+                score = r.metrics.get(eval_key(k.task, "exact_match", region=k.region))
                 if score is not None:
-                    counts.setdefault(region, []).append((score * value, value))
+                    counts.setdefault(k.region, []).append((score * value, value))
         if not counts:
             continue
         base = {k: v for k, v in _eval_base(r).items() if k not in ("peer", "budget")}
@@ -471,12 +470,9 @@ def ruler(df: pd.DataFrame) -> Table:
     rows = []
     for _, r in newest_complete(df, "evaluate").iterrows():
         for key, value in r.metrics.items():
-            parts = key.split("/")
-            if len(parts) != 3 or parts[0] != "eval":
-                continue
-            length = parts[2][3:] if parts[2].startswith("em_") else parts[2]
-            if length.isdigit():
-                rows.append({**_eval_base(r), "run as": "model", "task": parts[1], "length": int(length),
+            k = parse_eval(key)
+            if k is not None and k.setting == "model" and k.length is not None:
+                rows.append({**_eval_base(r), "run as": "model", "task": k.task, "length": k.length,
                              "score": value})
     long = _newest(rows, [*EVAL_KEY, "length"])
     if long.empty:
@@ -495,9 +491,10 @@ def memory(df: pd.DataFrame) -> Table:
     for _, r in newest_complete(df, "cache_bytes").iterrows():
         per: dict = {}
         for key, value in r.metrics.items():
-            parts = key.split("/")
-            if len(parts) == 4 and parts[0] == "bytes" and parts[2].startswith("ctx"):
-                per.setdefault((parts[1], int(parts[2][3:])), {})[parts[3]] = value
+            parsed = parse_bytes(key)
+            if parsed is not None:
+                option, ctx, field = parsed
+                per.setdefault((option, ctx), {})[field] = value
         for (option, ctx), v in per.items():
             rows.append({"format": option, "context": ctx, "d_c": r.config["task"].get("d_c"),
                          "used": v.get("used_bytes_per_token_per_layer"),

@@ -25,6 +25,7 @@ from hydra import compose
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from mla_quant.metrics import parse_eval
 from mla_quant import pipeline
 from mla_quant.record import write_text_atomic
 from mla_quant.stages import (GROUPS, StageResult, nested_overrides, override_group, refuse_unused_groups,
@@ -157,9 +158,9 @@ def headline(metrics: dict) -> float | None:
     """Mean over tasks of each task's headline score (exact_match or pass@1) of an evaluate record."""
     scores = {}
     for key, value in metrics.items():
-        parts = key.split("/")
-        if len(parts) == 3 and parts[0] == "eval" and parts[2] in ("exact_match", "pass@1"):
-            scores.setdefault(parts[1], value)
+        k = parse_eval(key)
+        if k is not None and k.headline and k.setting == "model":
+            scores.setdefault(k.task, value)
     return sum(scores.values()) / len(scores) if scores else None
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from mla_quant.eval import HEADLINE_FILTERS
+from mla_quant.metrics import EXAMPLES, needle_metric
 
 REGIONS = ("quantized", "protected", "straddling", "unquantized")  # every region `needle_region` names
 
@@ -65,6 +66,6 @@ def region_metrics(rows: Iterable[dict], metric: str = "exact_match") -> dict[st
         by.setdefault(region, []).append(float(row["metrics"][metric]))
     out = {}
     for region, values in by.items():
-        out[f"needle_{region}/{metric}"] = sum(values) / len(values)
-        out[f"needle_{region}/examples"] = float(len(values))
+        out[needle_metric(region, metric)] = sum(values) / len(values)
+        out[needle_metric(region, EXAMPLES)] = float(len(values))
     return out

@@ -14,9 +14,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from mla_quant.metrics import bytes_key
 from mla_quant.stages import StageResult
 from mla_quant.cache.bytes import byte_table, format_byte_table
 from mla_quant.record import write_text_atomic
+
+
+BYTES_FIELDS = {"used_bytes_per_token_per_layer": "used_B_per_token", "held_bytes_per_token_per_layer": "held_B_per_token",
+                "formula_bytes_per_token_per_layer": "formula_B_per_token", "held_over_used": "held_over_used",
+                "pct_of_bf16": "pct_of_bf16"}  # the record's field -> the byte table's column
 
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
@@ -25,12 +31,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                       chunk=task.chunk, block_size=task.block_size)
     metrics = {}
     for r in rows:
-        key = f"bytes/{r['option']}/ctx{r['context']}"
-        metrics[f"{key}/used_bytes_per_token_per_layer"] = r["used_B_per_token"]
-        metrics[f"{key}/held_bytes_per_token_per_layer"] = r["held_B_per_token"]
-        metrics[f"{key}/formula_bytes_per_token_per_layer"] = r["formula_B_per_token"]
-        metrics[f"{key}/held_over_used"] = r["held_over_used"]
-        metrics[f"{key}/pct_of_bf16"] = r["pct_of_bf16"]
+        for field, column in BYTES_FIELDS.items():
+            metrics[bytes_key(r["option"], r["context"], field)] = r[column]
     table = format_byte_table(rows)
     head = (f"d_c={task.d_c}, d_r={task.d_r}, batch {task.batch_size}, blocks of {task.block_size} tokens, stored "
             f"dtype bfloat16 (protected and unquantized tokens)")

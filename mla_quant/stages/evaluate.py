@@ -31,6 +31,7 @@ from mla_quant.eval.task_files import CODE_TASKS, TOY_TASKS, write_task_files
 from mla_quant.eval.task_utils import ALLOW_ENV, OPT_IN_HINT
 from mla_quant.eval.suites import CODE_STOCK_TASKS, TaskPlan, check_eval, load_stock_tasks, plan_tasks
 from mla_quant.memory import allocated_bytes
+from mla_quant.metrics import eval_prefix, parse_eval
 from mla_quant.models.build import load_tokenizer
 from mla_quant.prepare import check_context, model_dims, preflight, prepare_model
 from mla_quant.stages import StageResult
@@ -115,13 +116,9 @@ def table(metrics: dict[str, float]) -> pd.DataFrame:
     """Long table (setting, task, metric, score) of the eval/... metrics."""
     rows = []
     for key, value in metrics.items():
-        parts = key.split("/")
-        if parts[0] != "eval" or "_stderr" in parts[-1]:
-            continue
-        if parts[1] == "control_no_rope" and len(parts) == 4:
-            rows.append({"setting": "rope=0", "task": parts[2], "metric": parts[3], "score": value})
-        elif len(parts) == 3 and parts[2] not in ("seconds", "cache_calls"):
-            rows.append({"setting": "model", "task": parts[1], "metric": parts[2], "score": value})
+        k = parse_eval(key)
+        if k is not None and k.score and k.region is None:
+            rows.append({"setting": k.setting, "task": k.task, "metric": k.metric, "score": value})
     return pd.DataFrame(rows)
 
 
@@ -203,28 +200,28 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         res = evaluate_each(lm, toy, folder, "eval", allow_code_execution=allow, samples_dir=samples,
                             needle_of=needle_of, **options)
         raw["toy"] = res
-        metrics.update(task_metrics(res, "eval"))
+        metrics.update(task_metrics(res, eval_prefix()))
     if plan.stock:
         res = evaluate_each(lm, plan.stock, None, "eval", loaded=stock, allow_code_execution=allow,
                             samples_dir=samples, needle_of=needle_of, **options)
         raw["stock"] = res
-        metrics.update(task_metrics(res, "eval"))
+        metrics.update(task_metrics(res, eval_prefix()))
     held = sum((HeldBytes.from_tally(t) for part in raw.values() for t in (part.get("held") or {}).values()),
                HeldBytes())  # the bytes held over every task, the ones a resumed run kept included
     metrics.update(held.metrics("cache"))
-    metrics["eval/seconds"] = time.perf_counter() - start
-    metrics["eval/cache_calls"] = lm.cache_calls
+    metrics[f"{eval_prefix()}/seconds"] = time.perf_counter() - start
+    metrics[f"{eval_prefix()}/cache_calls"] = lm.cache_calls
 
     control = ev.get("control_no_rope")
     control_tasks = [t for t in (control.tasks if control else []) if t in toy]
     if control and control.enabled and control_tasks:
         start = time.perf_counter()
         with rope_zeroed(model):
-            res = evaluate_each(lm, control_tasks, folder, "eval/control_no_rope",
+            res = evaluate_each(lm, control_tasks, folder, eval_prefix("rope=0"),
                                 samples_dir=samples and samples / "control_no_rope", needle_of=needle_of, **options)
         raw["control_no_rope"] = res
-        metrics.update(task_metrics(res, "eval/control_no_rope"))
-        metrics["eval/control_no_rope/seconds"] = time.perf_counter() - start
+        metrics.update(task_metrics(res, eval_prefix("rope=0")))
+        metrics[f"{eval_prefix('rope=0')}/seconds"] = time.perf_counter() - start
 
     write_json_atomic(run_dir / "lm_eval_results.json",
                       json.loads(json.dumps({k: {f: v.get(f) for f in RESULT_FIELDS}

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from mla_quant.metrics import layer_key, sweep_key
 from mla_quant.models.absorbed import new_cache  # noqa: E402
 from mla_quant.prepare import check_context, model_dims, preflight, prepare_model  # noqa: E402
 from mla_quant.quant.formats import PATHS  # noqa: E402
@@ -232,7 +233,7 @@ def summarise(df, specs, clean, headline, n_layers, attention_layer_of, unrotate
         m[f"sensitivity/amplification/{name}_std"] = a.std(ddof=0)
     for t in sorted(df.nmse_target.unique()):
         a = _ratio_over_seeds(df, "logits", kind="all_layers", nmse_target=t)
-        m[f"sensitivity/sweep/nmse_{t:g}/amplification/logits"] = a.mean()
+        m[sweep_key(t, "amplification", "logits")] = a.mean()
 
     lines = [f"# Fixed-NMSE sensitivity (cache NMSE {headline:g}, {df.seed.nunique()} seeds)\n",
              *([f"{unrotated}'s second key path is not rotated (no RoPE): \"RoPE\" below names that shared key, "
@@ -254,18 +255,18 @@ def summarise(df, specs, clean, headline, n_layers, attention_layer_of, unrotate
             one = dict(kind="one_layer", layer=i)
             if i in no_rope_layers:
                 v = df[(df.site == "logits") & (df.path == "content") & _match(df, one)].value.mean()
-                m[f"sensitivity/layer{i}/output_nmse/content/logits"] = v
+                m[layer_key(i, "output_nmse/content/logits")] = v
                 lines.append(f"| {i} | no RoPE key (content alone: logits NMSE {v:.3g}) | | | |")
                 continue
             a_attn = _ratio_over_seeds(df, f"attn_output/{i}", **one)
             a_layer = _ratio_over_seeds(df, f"layer_output/{attention_layer_of[i]}", **one)
             a_logits = _ratio_over_seeds(df, "logits", **one)
             pred = predicted_amplification(specs, clean, i)
-            m[f"sensitivity/layer{i}/amplification/attn_output"] = a_attn.mean()
-            m[f"sensitivity/layer{i}/amplification/attn_output_std"] = a_attn.std(ddof=0)
-            m[f"sensitivity/layer{i}/amplification/layer_output"] = a_layer.mean()
-            m[f"sensitivity/layer{i}/amplification/logits"] = a_logits.mean()
-            m[f"sensitivity/layer{i}/predicted_amplification"] = pred
+            m[layer_key(i, "amplification/attn_output")] = a_attn.mean()
+            m[layer_key(i, "amplification/attn_output_std")] = a_attn.std(ddof=0)
+            m[layer_key(i, "amplification/layer_output")] = a_layer.mean()
+            m[layer_key(i, "amplification/logits")] = a_logits.mean()
+            m[layer_key(i, "predicted_amplification")] = pred
             lines.append(f"| {i} | {a_attn.mean():.2f} ± {a_attn.std(ddof=0):.2f} | {a_layer.mean():.2f} | "
                          f"{a_logits.mean():.2f} | {pred:.2f} |")
 
@@ -282,7 +283,7 @@ def summarise(df, specs, clean, headline, n_layers, attention_layer_of, unrotate
             for g in range(groups):
                 sel = df[(df.site == "logits") & _match(df, dict(kind="one_layer_group", layer=i, group=g))]
                 slope = float((sel.value / sel.nmse_target).mean())
-                m[f"sensitivity/layer{i}/rope_group{g}/logits_per_cache_nmse"] = slope
+                m[layer_key(i, f"rope_group{g}/logits_per_cache_nmse")] = slope
                 row.append(f"{slope:.3g}")
             lines.append(f"| {i} | " + " | ".join(row) + " |")
 
@@ -314,7 +315,7 @@ def _summarise_content(df, specs, headline, n_layers, family: str):
         lines += ["", "## One layer at a time (logits NMSE)", "", "| layer | logits NMSE |", "|---|---|"]
         for i in range(n_layers):
             v = df[(df.site == "logits") & _match(df, dict(kind="one_layer", layer=i))].value.mean()
-            m[f"sensitivity/layer{i}/output_nmse/content/logits"] = v
+            m[layer_key(i, "output_nmse/content/logits")] = v
             lines.append(f"| {i} | {v:.3g} |")
     lines += _mechanism(df, m)
     return m, "\n".join(lines) + "\n"
@@ -336,7 +337,7 @@ def _path_metrics(df, specs, headline, paths) -> dict[str, float]:
     for t in sorted(df.nmse_target.unique()):
         for path in paths:
             sel = df[(df.site == "logits") & (df.path == path) & _match(df, dict(kind="all_layers", nmse_target=t))]
-            m[f"sensitivity/sweep/nmse_{t:g}/{path}/logits"] = sel.value.mean()
+            m[sweep_key(t, path, "logits")] = sel.value.mean()
     return m
 
 
@@ -375,14 +376,14 @@ def figures(df: pd.DataFrame, m: dict, headline: float, n_layers: int, run_dir: 
             fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
         plt.close(fig)
 
-    if "sensitivity/layer0/amplification/attn_output" in m:
+    if layer_key(0, "amplification/attn_output") in m:
         fig, ax = plt.subplots(figsize=(max(4, 0.6 * n_layers + 2), 3.2))
         xs = list(range(n_layers))
         nan = float("nan")  # a layer without a RoPE key has no amplification: no bar
-        ax.bar(xs, [m.get(f"sensitivity/layer{i}/amplification/attn_output", nan) for i in xs],
-               yerr=[m.get(f"sensitivity/layer{i}/amplification/attn_output_std", nan) for i in xs], capsize=3,
+        ax.bar(xs, [m.get(layer_key(i, "amplification/attn_output"), nan) for i in xs],
+               yerr=[m.get(layer_key(i, "amplification/attn_output_std"), nan) for i in xs], capsize=3,
                label="measured (attention output)", color="tab:blue", alpha=0.8)
-        ax.plot(xs, [m.get(f"sensitivity/layer{i}/predicted_amplification", nan) for i in xs], "o", color="tab:red",
+        ax.plot(xs, [m.get(layer_key(i, "predicted_amplification"), nan) for i in xs], "o", color="tab:red",
                 label="predicted (score error)")
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_xlabel("MLA layer (injected alone)")
