@@ -151,21 +151,21 @@ def test_a_kernel_that_does_not_build_is_named_or_skipped(monkeypatch):
     """backend=cpu where the kernel cannot build: an error naming the setting and why; backend=auto: a warning, and
     decode steps in PyTorch."""
     from mla_quant.cache import LatentCacheLayer
-    from mla_quant.quant import formats
+    from mla_quant.kernels import backends
 
     monkeypatch.setattr(cpu_decode, "_load", lambda: (None, "CalledProcessError: no compiler"))
-    formats.cpu_kernel_usable.cache_clear()
+    backends._usable.cache_clear()
     cfg = OmegaConf.merge(load_quant_option("int4_joint"), {"content": {"group_size": 32}})
     try:
         with pytest.raises(RuntimeError, match=r"quant.backend=cpu cannot run: the C\+\+ decode kernel .* did not "
                                                r"build here \(CalledProcessError: no compiler\)"):
             cache_layer_factory(OmegaConf.merge(cfg, {"backend": "cpu"}), 96, 16)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-        with pytest.warns(UserWarning, match=r"C\+\+ CPU decode kernel is unavailable .*no compiler.*PyTorch"):
+        with pytest.warns(UserWarning, match=r"the cpu decode kernel is unavailable .*no compiler.*PyTorch"):
             layer = cache_layer_factory(cfg, 96, 16)()
         assert type(layer) is LatentCacheLayer
     finally:
-        formats.cpu_kernel_usable.cache_clear()
+        backends._usable.cache_clear()
 
 
 @pytest.mark.parametrize("option", ["int4_joint", "int2_content_int4_rope", "bf16"])

@@ -249,7 +249,7 @@ def test_backend_auto_on_the_cpu_decodes_with_the_cpu_kernel(monkeypatch):
         if backend == "triton":
             with monkeypatch.context() as m:
                 m.setenv("TRITON_INTERPRET", "0")
-                with pytest.raises(ValueError, match="backend=triton runs on CUDA tensors; this layer's are on cpu"):
+                with pytest.raises(ValueError, match="backend=triton decodes cuda tensors; this layer's are on cpu"):
                     layer.attend(torch.randn(2, 4, 11, 96), torch.randn(2, 4, 11, 16), c[:, :11], r[:, :11], 0.1, None)
             if os.environ.get("TRITON_INTERPRET") != "1":
                 continue

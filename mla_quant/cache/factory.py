@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from mla_quant.kernels.backends import DECODE_BACKENDS, TORCH
 from mla_quant.cache.layer import LatentCacheLayer
 from mla_quant.quant.formats import CacheFormat, CacheSpec, cache_format
 from mla_quant.quant.peers import PeerFormat
@@ -33,18 +34,13 @@ def layer_factory(fmt: CacheFormat | CacheSpec | None
         from mla_quant.cache.peers import PeerLatentCacheLayer
 
         return functools.partial(PeerLatentCacheLayer, fmt)
-    if fmt.backend == "triton":
-        from mla_quant.kernels.latent_decode import require_triton
-
-        require_triton(hint="; or use quant.backend=torch (or auto)")
-    elif fmt.backend == "cpu":
-        from mla_quant.kernels.cpu_decode import require_cpu_kernel
-
-        require_cpu_kernel(hint="; or use quant.backend=torch (or auto)")
+    kernel = DECODE_BACKENDS.get(fmt.backend)
+    if kernel is not None:
+        kernel.require(f"quant.backend={fmt.backend}", "; or use quant.backend=torch (or auto)")
     # a visible GPU is asked first: where the Triton kernel reads the format the C++ kernel is not built for nothing
     # (it is built when a decode step on CPU tensors first asks for it)
     devices = (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]
-    if fmt.backend in ("triton", "cpu") or any(fmt.step_backends(d)["decode"] != "torch" for d in devices):
+    if kernel is not None or any(fmt.step_backends(d)["decode"] != TORCH for d in devices):
         from mla_quant.cache.kernel import KernelLatentCacheLayer
 
         return functools.partial(KernelLatentCacheLayer, fmt)

@@ -13,23 +13,14 @@ Tokens leaving the recent window are quantized and written into the pages by the
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from mla_quant.cache.contract import step_type
 from mla_quant.cache.layer import PATHS, LatentCacheLayer
+from mla_quant.kernels.backends import DECODE_BACKENDS
 from mla_quant.kernels.layout import WordLayout
 from mla_quant.quant.formats import check_finite
 from mla_quant.quant.quantizers import SCALE_DTYPES, ZERO_DTYPES
-
-
-def decode_kernel(backend: str):
-    """The decode kernel of a backend ("triton", "cpu") through its PyTorch operator (kernels/ops.py: traceable by
-    torch.compile and FakeTensorMode), imported on first use (Triton only where it runs)."""
-    from mla_quant.kernels.ops import decode_op
-
-    return decode_op(backend)
 
 
 def store_unsupported(fmt, d: int) -> str | None:
@@ -65,24 +56,22 @@ def store_quantized(store, rows, pos, table, path: str, fmt, d: int, x: torch.Te
 
 class KernelDecode:
     """Mixin for `LatentCacheLayer`: one-token decode steps attend through the kernel that the format's backend picks
-    for the device of the step's tensors (`CacheFormat.step_backends`: "triton" or "cpu"; "torch": the PyTorch
-    path)."""
+    for the device of the step's tensors (`CacheFormat.step_backends`: a registered kernel, kernels/backends.py, or
+    "torch": the PyTorch path)."""
 
     def attend(self, q_latent, q_rope, content, rope, scale, mask, valid=None, blocks=None, w_uk=None, w_uv=None,
                sinks=None):
-        chosen = self._step_backends(q_latent.device.type)[step_type(q_latent)]
-        if sinks is not None and chosen != "torch" and self.fmt.backend != "auto":
-            raise ValueError(f"{self.where}: quant.backend={self.fmt.backend}: the {chosen} decode kernel has no "
+        chosen = DECODE_BACKENDS.get(self._step_backends(q_latent.device.type)[step_type(q_latent)])
+        if sinks is not None and chosen is not None and not chosen.sinks and self.fmt.backend != "auto":
+            raise ValueError(f"{self.where}: quant.backend={self.fmt.backend}: the {chosen.name} decode kernel has no "
                              "attention sinks, which this model's attention has; use quant.backend=torch (or auto)")
-        if chosen == "torch" or sinks is not None or not self._reads_segments(q_latent, mask, valid):
+        if chosen is None or (sinks is not None and not chosen.sinks) or not self._reads_segments(q_latent, mask,
+                                                                                                   valid):
             return super().attend(q_latent, q_rope, content, rope, scale, mask, valid, blocks=blocks, w_uk=w_uk,
                                   w_uv=w_uv, sinks=sinks)
-        if chosen == "cpu" and q_latent.device.type != "cpu":
-            raise ValueError(f"{self.where}: quant.backend=cpu decodes CPU tensors; this step's are on "
-                             f"{q_latent.device} (use quant.backend=auto or triton on a GPU)")
-        kernel = decode_kernel(chosen)
+        kernel = chosen.op()
         self.append(content, rope, valid)
-        self.backend_steps["decode", chosen] += 1
+        self.backend_steps["decode", chosen.name] += 1
         return self._decode_segments(q_latent, q_rope, scale, w_uk, w_uv,
                                      lambda q, qr: kernel(q, qr, scale, self.segments()))
 
@@ -92,11 +81,11 @@ class KernelDecode:
         cache = self.__dict__.setdefault("_backends", {})
         if device_type not in cache:
             backends = self.fmt.step_backends(device_type)
-            if ("triton" in backends.values() and device_type != "cuda"
-                    and os.environ.get("TRITON_INTERPRET") != "1"):
-                raise ValueError(f"{self.where}: quant.backend=triton runs on CUDA tensors; this layer's are on "
-                                 f"{device_type} (use quant.backend=auto, or cpu for the C++ kernel; "
-                                 "TRITON_INTERPRET=1 before starting runs the Triton kernel in its CPU interpreter)")
+            for name in backends.values():
+                kernel = DECODE_BACKENDS.get(name)
+                if kernel is not None and not kernel.runs_on(device_type):
+                    raise ValueError(f"{self.where}: quant.backend={name} decodes {'/'.join(kernel.devices)} "
+                                     f"tensors; this layer's are on {device_type} ({kernel.device_hint})")
             cache[device_type] = backends
         return cache[device_type]
 
@@ -105,7 +94,8 @@ class KernelDecode:
         are quantized and written into the pool by the Triton store kernel (bit-exact with the PyTorch encoder),
         float paths copied; formats the store kernel does not encode (and every format on the torch path) go
         through the PyTorch encoder."""
-        if (not self.quantized or self._step_backends(self.device.type)["decode"] != "triton"
+        chosen = DECODE_BACKENDS.get(self._step_backends(self.device.type)["decode"])
+        if (not self.quantized or chosen is None or not chosen.stores
                 or any(self._store_unsupported(p) for p in PATHS)):
             return super()._write(rows, pos, tokens)
         table = self.store.block_table()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+from mla_quant.kernels.backends import DECODE_BACKENDS
 from mla_quant.calibration.fit import FitOptions
 from mla_quant.calibration.objectives import CONTENT_OBJECTIVES, ROPE_OBJECTIVES
 from mla_quant.models.build import _plain
@@ -108,11 +109,13 @@ def _recoded(fmt: CacheFormat, codec: str) -> CacheFormat:
         raise ValueError(f"transform.content.codec={codec} re-encodes an integer content path at its bit width; "
                          f"quant={fmt.name} stores content as {fmt.content.format} (use an int option, e.g. "
                          f"int4_joint)")
-    content = fmt.content.recoded(codec, fmt.d_c)
-    if fmt.backend == "triton":
-        raise ValueError(f"transform.content.codec={codec}: quant.backend=triton cannot read format={codec}; use "
-                         f"quant.backend=torch")
-    return dataclasses.replace(fmt, name=f"{fmt.name}_{codec}", content=content)
+    recoded = dataclasses.replace(fmt, name=f"{fmt.name}_{codec}", content=fmt.content.recoded(codec, fmt.d_c))
+    kernel = DECODE_BACKENDS.get(fmt.backend)
+    why = kernel and kernel.unsupported(recoded)
+    if why:
+        raise ValueError(f"transform.content.codec={codec}: quant.backend={fmt.backend} cannot read format={codec} "
+                         f"({why}); use quant.backend=torch")
+    return recoded
 
 
 def check_peer_transform(transform_cfg, fmt: PeerFormat, codec) -> None:

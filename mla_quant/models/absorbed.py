@@ -22,6 +22,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, prepare_padding_mask, sdpa_mask
 
+from mla_quant.kernels.backends import DECODE_BACKENDS
 from mla_quant.cache import LatentCache, layer_factory
 from mla_quant.kernels.attention import DEFAULT_BLOCKS, AttentionBlocks, CausalMask, key_validity, latent_attention
 from mla_quant.models import fp8
@@ -202,7 +203,8 @@ def model_layer_factory(model: nn.Module, quant_cfg):
     fmt = model_format(quant_cfg, latent_dims(model)["layer_dims"], context,
                        rope_layout=family.cached_rope_layout(model.config))
     backend = getattr(fmt, "backend", None)
-    if backend in ("triton", "cpu") and family.sinks(attention_modules(model)[0]) is not None:
+    if backend in DECODE_BACKENDS and not DECODE_BACKENDS[backend].sinks and family.sinks(
+            attention_modules(model)[0]) is not None:
         raise ValueError(f"quant.backend={backend}: the {backend} decode kernel has no attention sinks, which "
                          f"{family.name}'s attention has; use quant.backend=torch (or auto)")
     return layer_factory(fmt)

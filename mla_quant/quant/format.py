@@ -3,14 +3,13 @@ a cache in a format holds per token."""
 
 from __future__ import annotations
 
-import functools
-import warnings
 from dataclasses import dataclass
 
+from mla_quant.kernels.backends import DECODE_BACKENDS, TORCH, decode_backend
 from mla_quant.quant.path import PathFormat
 
 MODES = ("simulated", "serving")
-BACKENDS = ("auto", "torch", "triton", "cpu")  # auto: decode steps through the Triton kernel on a CUDA device and
+BACKENDS = ("auto", TORCH, *DECODE_BACKENDS)  # auto: decode steps through the Triton kernel on a CUDA device and
 # through the fused C++ kernel on the CPU where the kernel reads the format (and, on the CPU, builds here), PyTorch
 # otherwise; prefill and multi-token steps always in PyTorch
 PATHS = ("content", "rope")  # the latent cache's two paths: the content latent c and the decoupled RoPE key k
@@ -101,29 +100,8 @@ class CacheFormat:
         """Which backend runs each step type (STEP_TYPES) on a device of `device_type` ("cpu", "cuda"): prefill
         and multi-token steps always in PyTorch; decode steps through the Triton kernel with backend=triton, the C++
         kernel with backend=cpu, and with backend=auto the Triton kernel on a CUDA device and the C++ kernel on the
-        CPU where the kernel reads the format (and the C++ one builds here: `cpu_kernel_usable`)."""
-        if self.backend == "triton" or (self.backend == "auto" and device_type == "cuda"
-                                        and self.kernel_unsupported() is None):
-            decode = "triton"
-        elif self.backend == "cpu" or (self.backend == "auto" and device_type == "cpu"
-                                       and self.cpu_kernel_unsupported() is None and cpu_kernel_usable()):
-            decode = "cpu"
-        else:
-            decode = "torch"
-        return {"prefill": "torch", "decode": decode}
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_kernel_usable() -> bool:
-    """True when the C++ decode kernel builds and loads here (built on the first call); otherwise a warning says why
-    once, and backend=auto decodes in PyTorch on the CPU."""
-    from mla_quant.kernels.cpu_decode import cpu_kernel_unavailable
-
-    why = cpu_kernel_unavailable()
-    if why is not None:
-        warnings.warn(f"the C++ CPU decode kernel is unavailable ({why}); quant.backend=auto decodes CPU tensors in "
-                      f"PyTorch", stacklevel=2)
-    return why is None
+        CPU where the kernel reads the format (and the C++ one builds here): kernels/backends.py's registry."""
+        return {"prefill": TORCH, "decode": decode_backend(self, device_type)}
 
 
 TOP_KEYS = ("name", "mode", "backend", "protected", "content", "rope", "shared_scale", "block_size", "layers")

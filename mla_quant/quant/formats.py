@@ -61,7 +61,6 @@ from mla_quant.quant.format import (
     CacheSpec,
     as_spec,
     cache_bytes_per_token,
-    cpu_kernel_usable,
     layer_format,
     refuse_layered,
 )
@@ -81,6 +80,6 @@ __all__ = ["BACKENDS", "BASELINE", "CODEBOOK_LEVEL_BYTES", "CODECS", "COMMON", "
            "GRANULARITIES", "LAYER_KEYS", "MIXED_KEYS", "MODES", "PAIR_LAYOUTS", "PATHS", "SCALE_BYTES", "STEP_TYPES",
            "TENSOR_SCALE_BYTES", "TOP_KEYS", "TRITON_INT_BITS", "ZERO_BYTES", "CacheFormat", "Codec", "CacheSpec",
            "PathFormat", "_check_keys", "as_spec", "_plain", "cache_bytes_per_token", "cache_format", "check_finite",
-           "cpu_kernel_usable", "decode_path", "encode_path", "fake_quantizer", "layer_format", "layered_format", "model_format",
+           "decode_path", "encode_path", "fake_quantizer", "layer_format", "layered_format", "model_format",
            "pair_channels",
            "refuse_layered", "tensor_scale_for"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import warnings
 
+from mla_quant.kernels.backends import DECODE_BACKENDS
 from mla_quant.checks import int_setting
 from mla_quant.quant.codecs import PAIR_LAYOUTS
-from mla_quant.quant.codecs.base import TRITON_INT_BITS
 from mla_quant.quant.format import (BACKENDS, LAYER_KEYS, MIXED_KEYS, MODES, TOP_KEYS, CacheFormat, CacheSpec,
                                      as_spec)
 from mla_quant.quant.path import PathFormat, _check_keys, _plain
@@ -148,13 +148,9 @@ def cache_format(quant_cfg, d_c: int, d_r: int, context: int | None = None, num_
         raise ValueError(f"quant.content.token_block={content.blocked} and quant.rope.token_block={rope.blocked}: "
                          "both paths wait for the same blocks of tokens; allowed: the same token_block on both")
     fmt = CacheFormat(cfg.get("name", "?"), mode, backend, n_sink, recent, block_size, content, rope, shared, d_c, d_r)
-    reads = {"triton": (fmt.kernel_unsupported, f"bf16 paths, int with bits {list(TRITON_INT_BITS)}, or widths per "
-                                                "group of RoPE pairs"),
-             "cpu": (fmt.cpu_kernel_unsupported, f"bf16 paths or int with bits {list(TRITON_INT_BITS)}, one width "
-                                                 "per path")}
-    if backend in reads:
-        why = reads[backend][0]()
-        if why is not None:
-            raise ValueError(f"quant={fmt.name}: {why}: quant.backend={backend} cannot read it (it reads "
-                             f"{reads[backend][1]}); use quant.backend=torch for this format")
+    kernel = DECODE_BACKENDS.get(backend)
+    why = kernel and kernel.unsupported(fmt)
+    if why:
+        raise ValueError(f"quant={fmt.name}: {why}: quant.backend={backend} cannot read it (it reads {kernel.reads}); "
+                         f"use quant.backend=torch for this format")
     return fmt

@@ -42,7 +42,7 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from mla_quant.cache.paged import read_path
 from mla_quant.kernels.layout import PageLayout, Segment
-from mla_quant.kernels.ops import decode_op
+from mla_quant.kernels.backends import DECODE_BACKENDS
 from mla_quant.kernels.torch_decode import segment_attention
 from mla_quant.quant.format import MIXED_KEYS
 from mla_quant.quant.formats import PATHS, CacheFormat, CacheSpec, as_spec, cache_format, check_finite, model_format
@@ -311,6 +311,7 @@ class LatentMLAImpl(CPUMLAImpl):
         fresh = Segment.dense(self._fresh["content"][:b, None].to(q_latent.dtype),
                               self._fresh["rope"][:b, None].to(q_latent.dtype),
                               torch.ones(b, dtype=torch.int32))
-        kernel = decode_op("cpu") if self.decode_backend == "cpu" else segment_attention
+        chosen = DECODE_BACKENDS.get(self.decode_backend)
+        kernel = chosen.op() if chosen is not None else segment_attention
         out = kernel(q_latent.contiguous(), q_rope.contiguous(), self.scale, [stored, fresh])
         return out.to(q_latent.dtype), None
