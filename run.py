@@ -12,9 +12,9 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="mla_quant/conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from mla_quant.pipeline import main as run_pipeline  # imported late so --help stays fast
+    from mla_quant.runner import main as run_experiment  # imported late so --help stays fast
 
-    run_pipeline(cfg)
+    run_experiment(cfg)
 
 
 if __name__ == "__main__":

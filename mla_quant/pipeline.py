@@ -1,325 +1,302 @@
-"""The run: resolve the config, seed, run the experiment's stage, write record.json, mirror to the tracker.
+"""experiment=pipeline (the default run): the whole study on one model as a sequence of runs, each with its own run
+dir and record, then every table and figure from those records and a one-screen summary.
 
-`run.py` calls `main(cfg)`. The experiment (conf/experiment/*.yaml) names its stage in `task._target_`; a stage is
+    python run.py                                   # toy: sensitivity, calibration, evaluation, tables and figures
+    python run.py model=deepseek_v2_lite quant=int4_joint    # a real checkpoint: its eval=paper
 
-    def run(cfg: DictConfig, run_dir: Path) -> StageResult
-
-and reads its own options from `cfg.task`. Stages write their artifacts (tables, figures) into `run_dir` with the
-atomic writers of `mla_quant.record`, and return flat metrics. The record is written whatever happens: a failed or
-interrupted run leaves a record with `status` "failed"/"interrupted" and keeps every file written before.
-
-Fault tolerance (README "Interruption, resume and determinism"): SIGTERM (SLURM's time limit, preemption,
-`scancel`), SIGINT and submitit's timeout/preemption signal (SIGUSR2 by default) end the run through its
-finally-block, so the record says `interrupted` or `timeout` and keeps every metric finished so far. Stages keep
-their finished units in `<run_dir>/progress.json` (`mla_quant.record.progress()`); a rerun of the same identity
-(`mla_quant.record.run_identity`) under the same output root skips a complete run (`force=true` reruns it) and
-continues an unfinished one from its progress.
+Steps (conf/experiment/pipeline.yaml): sensitivity -> calibrate (method x format) -> evaluate (the reference, the
+peers, then method x format, then method x quant=mixed at each of task.mixed's budgets) -> analysis. A step is `mla_quant.runner.main` on the step's experiment composed with the run's
+overrides that the step reads, so a step that finished in an earlier pipeline run of the same configuration is reused
+(force=true reruns). A failed step is recorded and the others still run; the pipeline's record lists every step.
 """
 
 from __future__ import annotations
 
-import os
-import random
-import signal
-import threading
+import importlib
+import inspect
+import json
 import time
 import traceback
-import warnings
-from contextlib import contextmanager
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
-import torch
-from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_method, instantiate
-from omegaconf import DictConfig, OmegaConf
+import pandas as pd
+from hydra import compose
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from mla_quant.memory import LayerProfile, PeakMemory
-from mla_quant.models.build import resolve_device
-from mla_quant.record import (PROGRESS_NAME, RunProgress, active_progress, prior_runs, read_json, run_identity,
-                              write_record)
-from mla_quant.calibration import fitted_paths, needs_data
-from mla_quant.sensitivity.allocation import is_mixed
-from mla_quant.stages import (StageFailed, StageResult, nested_overrides, refuse_overrides, refuse_unused_groups,
+from mla_quant.metrics import parse_eval
+from mla_quant import runner
+from mla_quant.record import write_text_atomic
+from mla_quant.stages import (GROUPS, StageResult, nested_overrides, override_group, refuse_unused_groups,
                               user_overrides)
 
-__all__ = ["Interrupted", "StageFailed", "StageResult", "main"]
+# top-level settings every step takes as given (memory_plan: the steps whose stage has a plan, `reads`)
+ALWAYS = ("seed", "device", "logger", "force", "profile_layers", "memory_plan")
+SELECTS = ("quant", "transform")  # `quant=X` / `transform=Y` on the command line pick the pipeline's formats / methods
+STEP_LOG = "step.log"  # each step's own output (the console shows one line per step and the summary)
 
 
-class Interrupted(BaseException):
-    """A termination signal, raised where the run is so its finally-block writes the record (a BaseException, so
-    no stage's `except Exception` swallows it)."""
-
-    def __init__(self, signum: int, status: str):
-        super().__init__(f"{signal.Signals(signum).name}: run {status}")
-        self.signum, self.status = signum, status
-
-
-def timeout_signal() -> signal.Signals:
-    """submitit's time-limit / preemption signal (env SUBMITIT_PREEMPT_SIGNAL, USR2 unless set)."""
-    name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
-    return getattr(signal, f"SIG{name}", signal.SIGUSR2)
-
-
-class _Signals:
-    """SIGTERM -> Interrupted("interrupted"); the timeout signal -> submitit's own handler first (it checkpoints and
-    requeues the job, then exits), else Interrupted("timeout"). SIGINT stays Python's KeyboardInterrupt."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self.finishing = False  # while the record is written a second signal is noted, not raised
-        self.previous: dict[int, object] = {}
-
-    def status(self) -> str | None:
-        if self.signum is None:
-            return None
-        return "timeout" if self.signum == timeout_signal() else "interrupted"
-
-    def handle(self, signum, frame):
-        first = self.signum is None
-        self.signum = self.signum or signum
-        if self.finishing or not first:
-            return
-        previous = self.previous.get(signum)
-        if signum == timeout_signal() and callable(previous):
-            previous(signum, frame)  # submitit: checkpoint (DelayedSubmission of the same job) + requeue + exit
-        raise Interrupted(signum, self.status())
+def steps(methods: list[str], formats: list[str], t: DictConfig) -> list[tuple[str, list[str]]]:
+    """(step name, overrides) in order."""
+    out: list[tuple[str, list[str]]] = []
+    if t.sensitivity is not None:
+        out.append(("sensitivity", ["experiment=sensitivity", *t.sensitivity]))
+    if t.cache_bytes is not None:
+        options = list(dict.fromkeys([*([t.reference] if t.reference else []), *formats]))
+        out.append(("cache_bytes", ["experiment=cache_bytes", f"task.options=[{','.join(options)}]", *t.cache_bytes]))
+    if t.calibrate is not None:
+        out += [(f"calibrate-{m}-{f}", ["experiment=calibrate", f"transform={m}", f"quant={f}", *t.calibrate])
+                for m in methods for f in formats]
+    if t.evaluate is not None:
+        if t.reference:
+            out.append((f"evaluate-{t.reference}", ["experiment=evaluate", f"quant={t.reference}", *t.evaluate]))
+        out += [(f"evaluate-{p}", ["experiment=evaluate", f"quant={p}", *t.evaluate]) for p in t.peers]
+        out += [(f"evaluate-{m}-{f}", ["experiment=evaluate", f"transform={m}", f"quant={f}", *t.evaluate])
+                for m in methods for f in formats]
+        out += [(f"evaluate-{m}-mixed-{b}", ["experiment=evaluate", f"transform={m}", "quant=mixed",
+                                            f"quant.budget={b}", *t.evaluate]) for m in methods for b in t.mixed]
+    return out
 
 
-@contextmanager
-def signals_as_exceptions():
-    state = _Signals()
-    if threading.current_thread() is not threading.main_thread():
-        yield state  # handlers can only be installed from the main thread
-        return
-    for sig in (signal.SIGTERM, timeout_signal()):
-        state.previous[sig] = signal.signal(sig, state.handle)
+def reads(cfg: DictConfig, override: str) -> bool:
+    """Whether the step composed as `cfg` reads the command-line override (else it would do nothing there)."""
+    group = override_group(override)
+    if group == "memory_plan":
+        from mla_quant.plan import PLANNED
+
+        return cfg.task.name in PLANNED
+    if group in ALWAYS:
+        return True
+    if group == "quant" and cfg.task.name == "sensitivity" and cfg.task.get("noise") == "gaussian":
+        return False  # Gaussian injection reads no quant setting (the stage refuses them)
     try:
-        yield state
-    finally:
-        for sig, handler in state.previous.items():
-            signal.signal(sig, handler)
+        refuse_unused_groups(cfg.task, [override])
+        runner.refuse_idle_calibration(cfg, [override])
+    except ValueError:
+        return False
+    return True
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
+def step_config(overrides: list[str], passed: list[str], reference: bool,
+                per_eval: dict | None = None) -> tuple[DictConfig, dict, list[str]]:
+    """The step's config (composed as `python run.py <overrides>` would, with the command-line overrides it reads),
+    its chosen options, and those overrides. The reference run takes no quant/transform settings. per_eval: settings
+    per eval option (task.evaluate_per_eval), put before the step's own for the eval option it composes with."""
+    probe = compose("config", overrides=overrides)
+    mine = [o for o in passed if not (reference and override_group(o) in SELECTS) and reads(probe, o)]
     try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:  # pragma: no cover
-        pass
-
-
-def device_description(device: str) -> str:
-    if device.startswith("cuda"):
-        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
-    return "cpu"
-
-
-def run_dir_of(cfg: DictConfig) -> Path:
-    if HydraConfig.initialized():
-        return Path(HydraConfig.get().runtime.output_dir)
-    return Path(cfg.get("run_dir") or "outputs/adhoc")
+        cfg = compose("config", overrides=[*overrides, *mine], return_hydra_config=True)
+    except ConfigCompositionException:  # a setting of an option this step does not take (transform.fit.* on none)
+        mine = [o for o in mine if _composes([*overrides, o])]
+        cfg = compose("config", overrides=[*overrides, *mine], return_hydra_config=True)
+    suite = list((per_eval or {}).get(cfg.hydra.runtime.choices.get("eval")) or [])
+    if suite and "eval" in (cfg.task.get("uses") or []):
+        overrides = [*suite, *overrides]  # the step's own settings and the command line's come after, and win
+        cfg = compose("config", overrides=[*overrides, *mine], return_hydra_config=True)
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra") and v is not None}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, choices, [*mine, *[o for o in overrides if not o.startswith("experiment=")]]
 
 
-def output_root(run_dir: Path) -> Path:
-    """Where earlier runs of this configuration are looked for: the folder holding this run's dir (single runs,
-    outputs/<experiment>/) or this sweep's dir (multirun/<experiment>/), so a rerun of a sweep finds its first try."""
-    if HydraConfig.initialized():
-        hc = HydraConfig.get()
-        from hydra.types import RunMode
-
-        base = hc.sweep.dir if hc.mode == RunMode.MULTIRUN else hc.run.dir
-        return Path(base).parent
-    return run_dir
-
-
-def determinism() -> dict:
-    """What bit-reproducibility depends on: thread counts and the deterministic-algorithms setting."""
-    return {"torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS"),
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "cudnn_deterministic": torch.backends.cudnn.deterministic,
-            "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
-
-
-def run_name(cfg: DictConfig, choices: dict[str, str], run_dir: Path) -> str:
-    """<experiment>:<model>/<quant>/<transform> (the groups the experiment reads), e.g. evaluate:toy_mla/int4_joint/none."""
-    uses = set(cfg.task.get("uses") or [])
-    parts = [choices[g] for g in ("model", "quant", "transform") if g in uses and choices.get(g)]
-    return f"{cfg.task.name}:{'/'.join(parts)}" if parts else f"{cfg.task.name}-{run_dir.name}"
-
-
-def sweep_group() -> str | None:
-    """The sweep a multirun job belongs to (its sweep dir), the W&B group of its runs."""
-    if HydraConfig.initialized():
-        from hydra.types import RunMode
-
-        hc = HydraConfig.get()
-        if hc.mode == RunMode.MULTIRUN:
-            return str(hc.sweep.dir)
-    return None
-
-
-def config_choices() -> dict[str, str]:
-    """The option picked in each config group (model=tiny_kimi_k2, quant=int4_joint, ...), for analysis."""
-    if not HydraConfig.initialized():
-        return {}
-    choices = HydraConfig.get().runtime.choices
-    return {k: v for k, v in choices.items() if not k.startswith("hydra") and v is not None}
-
-
-def refuse_idle_calibration(cfg: DictConfig, overrides: list[str] | None = None) -> None:
-    """objective.* without a fitted transform, calib.* without a transform that reads data: refused by name."""
-    if "transform" not in (cfg.task.get("uses") or []) or cfg.task.name in ("calibrate", "pipeline"):
-        return  # calibrate reports every transform's objectives; pipeline passes each setting to the steps reading it
-    name = cfg.transform.get("name")
-    idle_fit = []  # transform.fit.* keys this transform does not read
-    if not fitted_paths(cfg.transform):
-        refuse_overrides(["objective"], f"transform={name} fits nothing, so objective settings would do nothing",
-                         overrides)
-        idle_fit += ["steps", "lr", "batch", "eval_every"]
-    mixed = "quant" in (cfg.task.get("uses") or []) and is_mixed(cfg.get("quant"))  # allocated on calib latents
-    if not needs_data(cfg.transform) and not mixed:
-        refuse_overrides(["calib"], f"transform={name} reads no calibration data, so calib settings would do nothing",
-                         overrides)
-        idle_fit += ["alpha", "format"]
-    given = user_overrides() if overrides is None else overrides
-    bad = [o for o in given if o.lstrip("+~").split("=", 1)[0] in {f"transform.fit.{k}" for k in idle_fit}]
-    if bad:
-        raise ValueError(f"{bad}: transform={name} does not read these transform.fit settings, so they would do "
-                         f"nothing; drop them")
-
-
-def refuse_idle_plan(cfg: DictConfig) -> None:
-    """memory_plan=... where the experiment has no memory plan (only quality, evaluate, sensitivity, calibrate and the
-    pipeline running them have one)."""
-    from mla_quant.plan import PLANNED
-
-    bad = [o for o in user_overrides() if o.lstrip("+~").split("=", 1)[0] == "memory_plan"]
-    if bad and cfg.task.name not in (*PLANNED, "pipeline"):
-        raise ValueError(f"{bad}: experiment={cfg.task.name} has no memory plan (the stages that have one: "
-                         f"{list(PLANNED)}), so it would do nothing; drop it")
-
-
-def refuse_idle_resources() -> None:
-    """model.resources.* only reaches a submitit launcher (hydra/launcher=slurm|local in a --multirun sweep)."""
-    bad = [o for o in user_overrides() if o.lstrip("+~").split("=", 1)[0].startswith("model.resources")]
-    if not bad or not HydraConfig.initialized():
-        return
-    from hydra.types import RunMode
-
-    hc = HydraConfig.get()
-    if hc.mode != RunMode.MULTIRUN or hc.runtime.choices.get("hydra/launcher") not in ("slurm", "local"):
-        raise ValueError(f"{bad}: model.resources is what a sweep job asks its launcher for; it takes effect only "
-                         f"with --multirun hydra/launcher=slurm or hydra/launcher=local, so drop it here")
-
-
-def _quietly(what: str, fn, *args, **kwargs):
-    """Call a tracker method; any error is a warning, never a failed run (the record is the source of truth)."""
+def _composes(overrides: list[str]) -> bool:
     try:
-        return fn(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - whatever the tracker raises
-        warnings.warn(f"tracker {what} failed, the run goes on ({type(exc).__name__}: {exc})", stacklevel=2)
-        return None
+        compose("config", overrides=overrides)
+    except ConfigCompositionException:
+        return False
+    return True
 
 
-def resume_state(cfg: DictConfig, run_dir: Path, identity: str) -> tuple[Path | None, RunProgress]:
-    """(a complete record of this identity unless force=true, the progress this run starts from)."""
-    force = cfg.get("force", False)
-    if not isinstance(force, bool):
-        raise ValueError(f"force={force!r}; allowed: true (rerun a configuration that has a complete record), false")
-    complete, partial = prior_runs(output_root(run_dir), identity, run_dir)
-    prog = RunProgress(run_dir / PROGRESS_NAME, identity)
-    if complete is not None and not force:
-        return complete, prog  # skipped: an unfinished attempt beside the complete one is not continued (nor written)
-    own = partial is not None and partial.parent.resolve() == run_dir.resolve()
-    if partial is not None and (own or not force):  # force recomputes, but a requeued job keeps its own progress
-        prog.restore(read_json(partial) or {}, partial.parent)
-        print(f"[mla-quant] {cfg.task.name}: continuing attempt {prog.attempt - 1} of this configuration from "
-              f"{partial} ({len(prog.units)} finished units)")
-    return (None if force else complete), prog
+def eval_options() -> list[str]:
+    """The options of the eval config group (conf/eval/*.yaml)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    return sorted(GlobalHydra.instance().config_loader().get_group_options("eval"))
 
 
-def main(cfg: DictConfig, run_dir: Path | None = None, choices: dict[str, str] | None = None,
-         overrides: list[str] | None = None) -> StageResult:
-    """Run `cfg`'s experiment. A run nested in another (experiment=pipeline's steps) passes its own run dir, the
-    options chosen for it and its overrides; a top-level run takes them from Hydra."""
-    with nested_overrides(overrides):  # user_overrides() is the nested run's own while it works
-        return _main(cfg, run_dir, choices)
-
-
-def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None) -> StageResult:
-    run_dir = Path(run_dir) if run_dir is not None else run_dir_of(cfg)
-    device = resolve_device(cfg.device)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    stage = get_method(cfg.task._target_)  # fails early, naming the target, if it does not exist
-    refuse_unused_groups(cfg.task)  # an override of a group this experiment does not read is refused by name
-    refuse_idle_calibration(cfg)
-    refuse_idle_resources()
-    refuse_idle_plan(cfg)
-    identity = run_identity(resolved)
-    complete, prog = resume_state(cfg, run_dir, identity)
-    if complete is not None and cfg.task.get("skip_complete", True):  # experiment=pipeline reruns (its steps skip)
-        print(f"[mla-quant] {cfg.task.name}: skipped, this configuration (identity {identity}) already has a "
-              f"complete record: {complete}; force=true reruns it")
-        return StageResult(metrics=dict((read_json(complete) or {}).get("metrics") or {}), reused=str(complete))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    seed_everything(cfg.seed)
-    choices = config_choices() if choices is None else dict(choices)
-    start = time.perf_counter()
-
-    def record(status: str, error: str | None, metrics: dict, signum: int | None = None) -> Path:
-        return write_record(run_dir, config=resolved, metrics=metrics, seed=cfg.seed,
-                            seconds=time.perf_counter() - start, device=device_description(device), status=status,
-                            error=error, choices=choices, identity=identity, resume=prog.summary(),
-                            determinism=determinism(), signal=signal.Signals(signum).name if signum else None,
-                            memory={**memory.summary(), **({"layers": layers.summary()} if layers.enabled else {})},
-                            **prog.fields)
-
-    memory = PeakMemory(device, interval=5e-3)  # the stage's peak memory, in its record (`memory`)
-    layers = LayerProfile(memory, enabled=bool(cfg.get("profile_layers", False)))  # and per decoder layer
-    record("running", None, prog.metrics)  # on disk before any tracker starts: a tracker never costs the record
-    tracker = instantiate(cfg.logger)
-    tags = [f"{g}:{choices[g]}" for g in ("model", "quant", "transform") if choices.get(g)]
-    _quietly("start", tracker.start, resolved, run_dir, name=run_name(cfg, choices, run_dir), group=sweep_group(),
-             tags=tags)
-    result, status, error = StageResult(), "failed", None
-    with signals_as_exceptions() as signals, active_progress(prog):
+def compose_steps(t: DictConfig, given: list[str]) -> list[tuple[str, str, DictConfig, dict, list[str]]]:
+    """Every step of the pipeline composed, none run: (folder, name, config, choices, overrides) in order. A step that
+    does not compose, or a command-line setting that no step reads, is refused here, before any step runs."""
+    methods, formats = selection(t, given)
+    per_eval = OmegaConf.to_container(t.get("evaluate_per_eval") or {}, resolve=True)
+    unknown = sorted(set(per_eval) - set(eval_options()))
+    if unknown:
+        raise ValueError(f"task.evaluate_per_eval has settings for {unknown}, which are not eval options; allowed: "
+                         f"{eval_options()}")
+    passed = [o for o in given if override_group(o) in (*GROUPS, *ALWAYS) and o.split("=", 1)[0] not in SELECTS]
+    configs, used = [], set()
+    for i, (name, overrides) in enumerate(steps(methods, formats, t), 1):
         try:
-            with memory, layers:
-                result = stage(cfg, run_dir)
-            status = "ok" if result.ok else "failed"
-            error = None if result.ok else result.message
-        except KeyboardInterrupt:
-            status, error = "interrupted", "KeyboardInterrupt"
-            raise
-        except BaseException as exc:  # Interrupted, or submitit's exit after it requeued the job on its signal
-            if isinstance(exc, Interrupted) and signals.signum is None:  # caught by a run nested in this one
-                signals.signum = exc.signum
-            status = signals.status() or "failed"
-            error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            if signals.signum is not None and not isinstance(exc, Interrupted):
-                error = f"{signal.Signals(signals.signum).name}: {error}"
-            raise
-        finally:
-            signals.finishing = True
-            try:  # a signal may have cut a unit's save short: progress.json then holds what the record counts
-                prog.save()
-            except OSError as exc:
-                warnings.warn(f"could not save {run_dir / PROGRESS_NAME} ({exc})", stacklevel=2)
-            metrics = {**prog.metrics, **result.metrics}  # every metric finished so far
-            path = record(status, error, metrics, signals.signum)
-            _quietly("log_metrics", tracker.log_metrics, metrics)
-            for name, table in result.tables.items():
-                _quietly("log_table", tracker.log_table, name, table)
-            for name, image in result.images.items():
-                _quietly("log_image", tracker.log_image, name, image)
-            _quietly("log_file", tracker.log_file, path)
-            _quietly("finish", tracker.finish, status)
-            reused = f", {len(prog.reused)} units reused" if prog.reused else ""
-            print(f"[mla-quant] {cfg.task.name}: {status}{reused}; record: {path}")
-    if not result.ok:
-        raise StageFailed(result.message)
+            fixed = name in [f"evaluate-{o}" for o in (t.reference, *t.peers) if o]  # no quant/transform settings
+            step_cfg, choices, step_overrides = step_config(overrides, passed, reference=fixed, per_eval=per_eval)
+        except Exception as exc:
+            raise ValueError(f"step {name} ({' '.join(overrides)}): {exc}") from exc
+        used.update(o for o in step_overrides if o in passed)
+        configs.append((f"{i:02d}_{name}", name, step_cfg, choices, step_overrides))
+    idle = [o for o in passed if o not in used]
+    if idle:
+        raise ValueError(f"{idle}: no step of this pipeline reads these settings, so they would do nothing; drop them")
+    return configs
+
+
+def selection(t: DictConfig, given: list[str]) -> tuple[list[str], list[str]]:
+    """The methods and formats to compare: task.methods / task.formats, or the one `transform=` / `quant=` names."""
+    picked = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in given if o.split("=", 1)[0] in SELECTS}
+    for group, key in (("quant", "task.formats"), ("transform", "task.methods")):
+        if group in picked and any(o.lstrip("+~").startswith(key) for o in given):
+            raise ValueError(f"both {group}={picked[group]} and {key} choose what the pipeline compares; give one")
+    methods = [picked["transform"]] if "transform" in picked else list(t.methods)
+    formats = [picked["quant"]] if "quant" in picked else list(t.formats)
+    if not methods or not formats:
+        raise ValueError(f"task.methods={methods} and task.formats={formats} must name at least one transform and "
+                         f"one quant option")
+    return methods, formats
+
+
+def headline(metrics: dict) -> float | None:
+    """Mean over tasks of each task's headline score (exact_match or pass@1) of an evaluate record."""
+    scores = {}
+    for key, value in metrics.items():
+        k = parse_eval(key)
+        if k is not None and k.headline and k.setting == "model":
+            scores.setdefault(k.task, value)
+    return sum(scores.values()) / len(scores) if scores else None
+
+
+def summary(t: DictConfig, methods: list[str], formats: list[str], results: dict, report,
+            seconds: float) -> tuple[str, dict]:
+    lines, metrics = [], {}
+    sens = results.get("sensitivity")
+    if sens and "sensitivity/amplification/logits" in sens:
+        a = sens["sensitivity/amplification/logits"]
+        metrics["pipeline/amplification/logits"] = a
+        lines.append(f"RoPE/content amplification at the logits (equal cache NMSE): {a:.2f}")
+    rows = []
+    for m in methods:
+        row = {"method": m}
+        for f in formats:
+            cal = results.get(f"calibrate-{m}-{f}") or {}
+            acc = headline(results.get(f"evaluate-{m}-{f}") or {})
+            err = cal.get("calib/content/error")
+            cell = f"{acc:.3f}" if acc is not None else "-"
+            if err is not None:
+                cell += f" (obj. {err:.2g}/{cal.get('calib/rope/error', float('nan')):.2g})"
+            row[f] = cell
+            if acc is not None:
+                metrics[f"pipeline/accuracy/{m}/{f}"] = acc
+        rows.append(row)
+    ref = headline(results.get(f"evaluate-{t.reference}") or {}) if t.reference else None
+    if ref is not None:
+        metrics[f"pipeline/accuracy/{t.reference}"] = ref
+    peer_acc = {p: headline(results.get(f"evaluate-{p}") or {}) for p in t.peers}
+    peer_acc = {p: a for p, a in peer_acc.items() if a is not None}
+    metrics.update({f"pipeline/accuracy/{p}": a for p, a in peer_acc.items()})
+    if any(len(r) > 1 for r in rows) and t.evaluate is not None:
+        lines.append("Accuracy, mean over tasks (objective error content/rope, mean over layers)"
+                     + (f"; {t.reference} reference {ref:.3f}" if ref is not None else "")
+                     + "".join(f"; {p} {a:.3f}" for p, a in peer_acc.items()) + ":")
+        lines.append(pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True))
+    paired = report.tables.get("paired") if report is not None else None
+    if paired is not None and not paired.empty:
+        p = paired.long
+        pooled = set(zip(p[p["task"] == "all tasks"]["method"], p[p["task"] == "all tasks"]["cache"]))
+        cells = [f"{r['method']} {r['cache']} {r['delta']:+.3f} ± {r['paired SE']:.3f}" for r in p.to_dict("records")
+                 if r["method"] in methods and r["cache"] in formats
+                 and (r["task"] == "all tasks" or (r["method"], r["cache"]) not in pooled)]
+        if cells:  # every task's examples together (or the one task a run evaluated)
+            lines.append("vs RTN on the same examples (difference ± paired standard error): " + "; ".join(cells))
+    for m in methods:
+        for b in t.mixed:
+            acc = headline(results.get(f"evaluate-{m}-mixed-{b}") or {})
+            if acc is not None:
+                metrics[f"pipeline/accuracy/{m}/mixed-{b}"] = acc
+    mixed = report.tables.get("mixed") if report is not None else None
+    if mixed is not None and not mixed.empty:
+        cells = [f"{r['method']} {r['cache']} {r['delta']:+.3f} ± {r['paired SE']:.3f}"
+                 for r in mixed.long.to_dict("records") if r["method"] in methods and r["task"] == "all tasks"]
+        if cells:
+            lines.append("mixed precision vs the uniform option at its bytes, same examples: " + "; ".join(cells))
+    against = report.tables.get("peers") if report is not None else None
+    if against is not None and not against.empty:
+        rows = [r for r in against.long.to_dict("records") if r["method"] in methods and r["cache"] in formats]
+        for task, head in (("all tasks", "vs transformers' QuantizedCache on the same examples"),
+                           ("needle tasks, needle quantized", "  the same, needles stored quantized by both")):
+            cells = [f"{r['method']} {r['cache']} {r['delta']:+.3f} ± {r['paired SE']:.3f} ({r['examples']}) "
+                     f"vs {r['peer']}" for r in rows if r["task"] == task]
+            if cells:
+                lines.append(f"{head}: " + "; ".join(cells))
+    if report is not None:
+        lines.append(f"Tables and figures ({len(report.tables)} tables, {len(report.figures)} figures): "
+                     f"{report.out}/index.md")
+    lines.append(f"{len(results)} steps in {seconds / 60:.1f} min")
+    return "\n".join(lines), metrics
+
+
+def check_steps(configs: list[tuple[str, str, DictConfig, dict, list[str]]]) -> None:
+    """Each step's own checks (its stage's `check(cfg)`: settings, model config, tokenizer files, datasets), every
+    step before the first runs: a setting one step refuses fails the pipeline in seconds, not after the steps before
+    it ran for hours. A dataset is loaded once for the steps that share it."""
+    loaded: set[str] = set()
+    for _, name, step_cfg, _, overrides in configs:
+        module = importlib.import_module(step_cfg.task._target_.rsplit(".", 1)[0])
+        check = getattr(module, "check", None)
+        if check is None:
+            continue
+        kwargs = {}
+        if "data" in inspect.signature(check).parameters:  # evaluate: its tasks' datasets, once per model and eval
+            plain = OmegaConf.to_container(step_cfg, resolve=True)
+            key = json.dumps([plain.get("model"), plain.get("eval")], sort_keys=True, default=str)
+            kwargs["data"] = key not in loaded
+            loaded.add(key)
+        try:
+            with nested_overrides(overrides):
+                check(step_cfg, **kwargs)
+        except Exception as exc:
+            raise ValueError(f"step {name} ({' '.join(overrides) or 'defaults'}), refused before any step ran: "
+                             f"{type(exc).__name__}: {exc}") from exc
+
+
+def run(cfg: DictConfig, run_dir: Path) -> StageResult:
+    t = cfg.task
+    methods, formats = selection(t, user_overrides())
+    configs = compose_steps(t, user_overrides())  # all compose first: bad options fail now
+    check_steps(configs)  # and every step's checks pass before the first one runs
+    start = time.perf_counter()
+    results: dict[str, dict] = {}
+    metrics: dict = {"pipeline/steps": len(configs)}
+    failed, roots = [], [run_dir]
+    for folder, name, step_cfg, choices, overrides in configs:
+        step_dir = run_dir / folder
+        step_dir.mkdir(parents=True, exist_ok=True)
+        print(f"[pipeline] {folder}: {' '.join(overrides) or '(defaults)'}", flush=True)
+        began = time.perf_counter()
+        try:
+            with open(step_dir / STEP_LOG, "a") as log, redirect_stdout(log), redirect_stderr(log):
+                res = runner.main(step_cfg, run_dir=step_dir, choices=choices, overrides=overrides)
+            results[name] = res.metrics
+            kind, detail = ("reused", f" ({res.reused})") if res.reused else ("ok", "")
+            if res.reused:  # finished in an earlier run of the same configuration: its record counts
+                roots.append(Path(res.reused).parent)
+        except Exception as exc:  # a failed step is in its own record; the others still run
+            failed.append(name)
+            kind, detail = "failed", f": {''.join(traceback.format_exception_only(type(exc), exc)).strip()}"
+        metrics[f"pipeline/{name}/status"] = kind
+        print(f"[pipeline] {folder}: {kind}{detail}, {time.perf_counter() - began:.0f} s "
+              f"(log: {step_dir / STEP_LOG})", flush=True)
+    report = None
+    result = StageResult()
+    if t.analysis:
+        from analysis.report import regenerate
+
+        report = regenerate(roots, run_dir / "analysis")
+        result.tables = {name: tab.rows for name, tab in report.tables.items()}
+        result.images = {name: paths[0] for name, paths in report.figures.items()}
+    text, extra = summary(t, methods, formats, results, report, time.perf_counter() - start)
+    metrics.update(extra)
+    print("\n" + text)
+    write_text_atomic(run_dir / "summary.md", text + "\n")
+    result.metrics = metrics
+    if failed:
+        result.ok, result.message = False, f"steps failed: {failed} (each has its record under {run_dir})"
     return result

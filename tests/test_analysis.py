@@ -10,15 +10,15 @@ from conftest import compose
 from analysis import figures, tables
 from analysis.__main__ import main as analysis_main
 from analysis.records import load_frame, newest_complete
-from mla_quant import pipeline, prepare
+from mla_quant import prepare, runner
 from mla_quant.models import build
 from mla_quant.stages import evaluate as evaluate_stage
 
 
 def _run(root, monkeypatch, name, overrides):
     run_dir = root / name
-    monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: run_dir)
-    pipeline.main(compose(["logger=none", *overrides]))
+    monkeypatch.setattr(runner, "run_dir_of", lambda cfg: run_dir)
+    runner.main(compose(["logger=none", *overrides]))
     return run_dir
 
 

@@ -213,7 +213,7 @@ def test_export_round_trip(tmp_path, model, transform):
 
 
 def test_idle_objective_and_calib_settings_are_refused():
-    from mla_quant.pipeline import refuse_idle_calibration
+    from mla_quant.runner import refuse_idle_calibration
 
     res = _run("experiment=evaluate", "transform=quarot", "objective=cache_mse", "eval.limit=1")  # as a user meets it
     assert res.returncode != 0 and "fits nothing, so objective settings would do nothing" in res.stderr

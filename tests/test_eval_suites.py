@@ -5,7 +5,7 @@ import huggingface_hub
 import pytest
 from conftest import REPO, compose
 
-from mla_quant import pipeline
+from mla_quant import runner
 from mla_quant.eval.suites import DatasetUnavailable, plan_tasks, registry
 from mla_quant.eval.task_files import TOY_TASKS
 from mla_quant.record import load_records
@@ -77,9 +77,9 @@ def test_ruler_lengths_beyond_the_model_are_refused_before_model_work(tmp_path, 
 def test_local_gsm8k_runs_through_the_stock_task_with_the_quantized_cache(tmp_path, monkeypatch):
     """lm-eval's own gsm8k YAML (prompt, filters, metric) over local JSONL files, the toy model, an INT4 cache."""
     run_dir = tmp_path / "run"
-    monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: run_dir)
+    monkeypatch.setattr(runner, "run_dir_of", lambda cfg: run_dir)
     files = f"eval.data_files={{gsm8k:{{train:{FIXTURE}/train.jsonl,test:{FIXTURE}/test.jsonl}}}}"
-    pipeline.main(compose(["experiment=evaluate", "logger=none", "eval=gsm8k", files, "eval.num_fewshot=1", "eval.limit=2",
+    runner.main(compose(["experiment=evaluate", "logger=none", "eval=gsm8k", files, "eval.num_fewshot=1", "eval.limit=2",
                            "eval.gen_kwargs={max_gen_toks:24}", "quant=int4_joint", "quant.protected.recent=0"]))
     (rec,) = load_records(run_dir)
     m = rec["metrics"]
@@ -93,8 +93,8 @@ def test_local_gsm8k_runs_through_the_stock_task_with_the_quantized_cache(tmp_pa
 
 def test_stock_ruler_task_runs_at_the_configured_length(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
-    monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: run_dir)
-    pipeline.main(compose(["experiment=evaluate", "logger=none", "eval=ruler", "eval.tasks=[niah_single_1]", "eval.ruler.lengths=[512]",
+    monkeypatch.setattr(runner, "run_dir_of", lambda cfg: run_dir)
+    runner.main(compose(["experiment=evaluate", "logger=none", "eval=ruler", "eval.tasks=[niah_single_1]", "eval.ruler.lengths=[512]",
                            "eval.limit=2", "eval.batch_size=2", "eval.gen_kwargs={max_gen_toks:12}",
                            "quant=int2_content_int4_rope"]))
     (rec,) = load_records(run_dir)

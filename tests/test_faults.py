@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import REPO, compose
 
-from mla_quant import pipeline
-from mla_quant.pipeline import Interrupted, StageResult
+from mla_quant import runner
+from mla_quant.runner import Interrupted, StageResult
 from mla_quant.record import RunProgress, active_progress, progress, run_identity
 
 SENSITIVITY = ["experiment=sensitivity", "model=tiny_deepseek_v2", "task.seeds=2", "task.sweep_nmse=[0.005,0.02]",
@@ -124,17 +124,17 @@ def test_evaluate_keeps_each_finished_task_and_resumes_from_it(tmp_path, monkeyp
 
     monkeypatch.setattr(evaluate, "evaluate_tasks", sigterm_at_third_task)
     dirs = iter(["a", "a", "b"])
-    monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: tmp_path / next(dirs))
+    monkeypatch.setattr(runner, "run_dir_of", lambda cfg: tmp_path / next(dirs))
     with pytest.raises(Interrupted):
-        pipeline.main(compose(EVALUATE))
+        runner.main(compose(EVALUATE))
     rec = json.loads((tmp_path / "a" / "record.json").read_text())
     finished = sorted({k.split("/")[1] for k in rec["metrics"] if k.startswith("eval/toy_")})
     assert rec["status"] == "interrupted" and finished == sorted(t for [t] in calls[:2]), (finished, calls)
 
-    pipeline.main(compose(EVALUATE))  # requeued into the same run dir: the first two tasks are not evaluated again
+    runner.main(compose(EVALUATE))  # requeued into the same run dir: the first two tasks are not evaluated again
     resumed = json.loads((tmp_path / "a" / "record.json").read_text())
     assert resumed["status"] == "ok" and resumed["resume"]["units_reused"] == 2 and len(calls) == 3 + 3
-    pipeline.main(compose([*EVALUATE, "force=true"]))  # uninterrupted, in a fresh dir
+    runner.main(compose([*EVALUATE, "force=true"]))  # uninterrupted, in a fresh dir
     fresh = json.loads((tmp_path / "b" / "record.json").read_text())
     scores = [{k: v for k, v in r["metrics"].items() if not k.endswith(("seconds", "cache_calls"))}
               for r in (resumed, fresh)]
@@ -161,7 +161,7 @@ def _demo_cfg(overrides=()):
 
 @pytest.fixture
 def in_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: tmp_path)
+    monkeypatch.setattr(runner, "run_dir_of", lambda cfg: tmp_path)
     return tmp_path
 
 
@@ -170,14 +170,14 @@ def test_signals_end_in_a_record_with_the_finished_metrics(in_dir, monkeypatch, 
     monkeypatch.setenv("STOP_SIGNAL", name)
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Interrupted):
-        pipeline.main(_demo_cfg())
+        runner.main(_demo_cfg())
     rec = json.loads((in_dir / "record.json").read_text())
     assert rec["status"] == status and rec["signal"] == name
     assert rec["metrics"] == {"demo/square/0": 0, "demo/square/1": 1, "demo/square/2": 4}
-    assert signal.getsignal(signal.SIGTERM) is before, "the pipeline left its handler installed"
+    assert signal.getsignal(signal.SIGTERM) is before, "the runner left its handler installed"
 
     monkeypatch.delenv("STOP_SIGNAL")
-    result = pipeline.main(_demo_cfg())  # requeued in the same run dir: continues at unit 3
+    result = runner.main(_demo_cfg())  # requeued in the same run dir: continues at unit 3
     rec = json.loads((in_dir / "record.json").read_text())
     assert rec["status"] == "ok" and result.metrics["demo/sum"] == 30
     assert rec["resume"]["units_reused"] == 3 and rec["resume"]["attempt"] == 2
@@ -197,7 +197,7 @@ def test_timeout_signal_runs_submitits_handler_first(in_dir, monkeypatch):
     monkeypatch.setenv("STOP_SIGNAL", "SIGUSR2")
     try:
         with pytest.raises(SystemExit):
-            pipeline.main(_demo_cfg())
+            runner.main(_demo_cfg())
         assert signal.getsignal(signal.SIGUSR2) is submitit_handler
     finally:
         signal.signal(signal.SIGUSR2, previous)
@@ -207,16 +207,16 @@ def test_timeout_signal_runs_submitits_handler_first(in_dir, monkeypatch):
 
 
 def test_complete_runs_are_skipped_and_force_reruns(in_dir, capsys):
-    pipeline.main(_demo_cfg())
+    runner.main(_demo_cfg())
     first = (in_dir / "record.json").read_text()
-    assert pipeline.main(_demo_cfg(["logger=wandb", "logger.mode=disabled"])).metrics["demo/sum"] == 30
+    assert runner.main(_demo_cfg(["logger=wandb", "logger.mode=disabled"])).metrics["demo/sum"] == 30
     assert "skipped, this configuration" in capsys.readouterr().out
     assert (in_dir / "record.json").read_text() == first
-    pipeline.main(_demo_cfg(["force=true"]))
+    runner.main(_demo_cfg(["force=true"]))
     assert json.loads((in_dir / "record.json").read_text())["status"] == "ok"
     assert "skipped, this configuration" not in capsys.readouterr().out
     with pytest.raises(ValueError, match="force='yes'; allowed: true"):
-        pipeline.main(_demo_cfg(["force=yes"]))
+        runner.main(_demo_cfg(["force=yes"]))
 
 
 def test_a_skipped_rerun_writes_nothing_even_beside_an_unfinished_attempt(tmp_path, monkeypatch):
@@ -224,15 +224,15 @@ def test_a_skipped_rerun_writes_nothing_even_beside_an_unfinished_attempt(tmp_pa
     skipped for the complete one and writes nothing (no progress.json continued into its own new folder)."""
     root = tmp_path / "outputs"
     dirs = iter([root / "done", root / "killed", root / "again"])
-    monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: next(dirs))
-    monkeypatch.setattr(pipeline, "output_root", lambda run_dir: root)
-    pipeline.main(_demo_cfg())
+    monkeypatch.setattr(runner, "run_dir_of", lambda cfg: next(dirs))
+    monkeypatch.setattr(runner, "output_root", lambda run_dir: root)
+    runner.main(_demo_cfg())
     monkeypatch.setenv("STOP_SIGNAL", "SIGTERM")
     with pytest.raises(Interrupted):
-        pipeline.main(_demo_cfg(["force=true"]))  # a forced rerun, killed after three units
+        runner.main(_demo_cfg(["force=true"]))  # a forced rerun, killed after three units
     monkeypatch.delenv("STOP_SIGNAL")
     assert (root / "killed" / "progress.json").is_file()
-    assert pipeline.main(_demo_cfg()).reused == str(root / "done" / "record.json")
+    assert runner.main(_demo_cfg()).reused == str(root / "done" / "record.json")
     assert not (root / "again").exists()
 
 
@@ -259,7 +259,7 @@ def test_a_failing_tracker_costs_neither_the_record_nor_the_run(in_dir):
     cfg = _demo_cfg()
     cfg.logger = {"_target_": f"{__name__}.BrokenLogger"}
     with pytest.warns(UserWarning, match="tracker start failed"):
-        pipeline.main(cfg)
+        runner.main(cfg)
     assert json.loads((in_dir / "record.json").read_text())["status"] == "ok"
 
 

@@ -322,10 +322,10 @@ def test_bench_kernel_stage_smoke(tmp_path, monkeypatch):
 
     from conftest import compose
 
-    from mla_quant import pipeline
+    from mla_quant import runner
 
-    monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: tmp_path)
-    pipeline.main(compose(["experiment=bench_kernel", "logger=none", "task.contexts=[200]", "task.iters=1",
+    monkeypatch.setattr(runner, "run_dir_of", lambda cfg: tmp_path)
+    runner.main(compose(["experiment=bench_kernel", "logger=none", "task.contexts=[200]", "task.iters=1",
                            "task.warmup=0", "task.throughput_tokens=400", "task.heads=[4]", "task.d_c=64",
                            "task.d_r=16", "task.formats=[bf16,int4_joint]", "task.tune=[]",
                            "+task.quant_overrides.content.group_size=32"]))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "mla_quant"
 LEVELS = {"kernels": 0, "artifacts": 0, "quant": 1, "cache": 2, "models": 3, "toy": 3, "transforms": 4, "sensitivity": 5,
-          "eval": 5, "calibration": 5, "serving": 5, "plan": 5, "prepare": 6, "stages": 7, "pipeline": 8, "workflow": 9}
+          "eval": 5, "calibration": 5, "serving": 5, "plan": 5, "prepare": 6, "stages": 7, "runner": 8, "pipeline": 9}
 SIDE = {"record", "tracking", "tasks", "stats", "memory", "checks", "audit", "metrics"}
 SAME_LEVEL_ALLOWED = {("toy", "models"), ("models", "toy")}  # the shipped toy is one of the models' sources
 

@@ -3,14 +3,14 @@
 import pytest
 from conftest import compose
 
-from mla_quant import pipeline
+from mla_quant import runner
 from mla_quant.record import load_records
 
 
 def _quality(tmp_path, monkeypatch, name, overrides):
     run_dir = tmp_path / name
-    monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: run_dir)
-    pipeline.main(compose(["experiment=quality", "logger=none", "task.data.samples=2", "task.data.seq_len=160",
+    monkeypatch.setattr(runner, "run_dir_of", lambda cfg: run_dir)
+    runner.main(compose(["experiment=quality", "logger=none", "task.data.samples=2", "task.data.seq_len=160",
                            "task.batch_size=2", *overrides]))
     (rec,) = load_records(run_dir)
     return rec["metrics"]

@@ -5,8 +5,8 @@ import json
 import pytest
 from conftest import compose
 
-from mla_quant import pipeline
-from mla_quant.pipeline import StageFailed, StageResult
+from mla_quant import runner
+from mla_quant.runner import StageFailed, StageResult
 from mla_quant.record import check_metrics, load_records, write_json_atomic
 
 REQUIRED = {"config", "metrics", "versions", "git_sha", "device", "seed", "seconds", "status", "config_hash"}
@@ -39,7 +39,7 @@ def interrupted_stage(cfg, run_dir):
 def run_in(tmp_path, monkeypatch):
     def run(target):
         cfg = _cfg(tmp_path, f"{__name__}.{target}")
-        monkeypatch.setattr(pipeline, "run_dir_of", lambda cfg: tmp_path)
+        monkeypatch.setattr(runner, "run_dir_of", lambda cfg: tmp_path)
         return cfg
 
     return run
@@ -50,7 +50,7 @@ def _record(tmp_path):
 
 
 def test_record_has_every_field(tmp_path, run_in):
-    pipeline.main(run_in("ok_stage"))
+    runner.main(run_in("ok_stage"))
     rec = _record(tmp_path)
     assert REQUIRED <= set(rec), REQUIRED - set(rec)
     assert rec["status"] == "ok" and rec["metrics"]["demo/nmse/content"] == 0.01
@@ -73,7 +73,7 @@ def test_record_has_every_field(tmp_path, run_in):
 ])
 def test_failed_runs_still_write_their_record(tmp_path, run_in, target, status, exc):
     with pytest.raises(exc):
-        pipeline.main(run_in(target))
+        runner.main(run_in(target))
     rec = _record(tmp_path)
     assert rec["status"] == status and rec["error"]
 
@@ -103,7 +103,7 @@ def test_load_records_finds_runs(tmp_path):
 def test_record_keeps_identity_determinism_and_resume(tmp_path, run_in):
     import torch
 
-    pipeline.main(run_in("ok_stage"))
+    runner.main(run_in("ok_stage"))
     rec = _record(tmp_path)
     assert len(rec["identity"]) == 16 and rec["identity"] != rec["config_hash"]  # logger settings left out
     det = rec["determinism"]

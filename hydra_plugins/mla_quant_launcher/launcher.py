@@ -10,7 +10,7 @@ run dirs). A `hydra.launcher.<key>=...` override on the command line wins over e
 
 A job killed by its time limit or preempted is checkpointed by submitit (the launcher's `checkpoint` resubmits the
 same job) and requeued up to `max_num_timeout` times; the requeued job finds its run dir's progress.json and
-continues from it (mla_quant.pipeline).
+continues from it (mla_quant.runner).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import sys
 import pytest
 from conftest import REPO, compose, options
 
-from mla_quant.workflow import selection
+from mla_quant.pipeline import selection
 
 SMALL = ["experiment=pipeline", "logger=none", "task.methods=[none,quarot]", "task.formats=[int4_joint]",
          "task.peers=[hf_hqq_int2]",
@@ -97,7 +97,7 @@ def test_wandb_offline_gets_one_run_per_step_and_the_pipeline_tables_and_figures
 def test_pipeline_mixed_steps_compose_per_method_and_budget():
     """task.mixed: one quant=mixed evaluation per method and budget, after the uniform formats, each composing as the
     evaluate experiment with that budget (the `mixed` table then pairs it with the uniform option of those bytes)."""
-    from mla_quant.workflow import step_config, steps
+    from mla_quant.pipeline import step_config, steps
 
     t = compose(["task.mixed=[int2_content_int4_rope,int2_joint]"]).task
     names = [name for name, _ in steps(["none", "quantmla"], ["int2_content_int4_rope"], t)]
@@ -119,7 +119,7 @@ def test_the_headline_command_composes_every_step_for_every_model(model):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from mla_quant.workflow import compose_steps
+    from mla_quant.pipeline import compose_steps
 
     given = [f"model={model}", "quant=int4_joint"]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -143,7 +143,7 @@ def test_settings_per_eval_option_are_checked_and_the_command_line_wins():
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from mla_quant.workflow import compose_steps
+    from mla_quant.pipeline import compose_steps
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         given = ["quant=int4_joint", "eval.data.niah_per_length=3"]
