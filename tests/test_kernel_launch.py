@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mla_quant.kernels.decode_plan import split_plan
-from mla_quant.kernels.latent_decode import MAX_SEGMENTS, Segment, latent_decode
+from mla_quant.kernels.latent_decode import Segment, latent_decode
 from mla_quant.kernels.torch_decode import latent_decode_reference
 from test_kernel import DEVICE, FORMATS, dense_attention, filled_layer
 
@@ -58,8 +58,8 @@ def test_sequences_and_segments_without_tokens():
     assert out[2].abs().max() == 0
 
 
-def test_more_segments_than_one_launch_reads():
-    segments = [_dense(2, 7 + 3 * i, [5 + i, 7 + 2 * i], seed=i) for i in range(MAX_SEGMENTS + 2)]
+def test_any_number_of_segments_in_one_launch():
+    segments = [_dense(2, 7 + 3 * i, [5 + i, 7 + 2 * i], seed=i) for i in range(5)]
     q_latent, q_rope = torch.randn(2, 3, 64, device=DEVICE), torch.randn(2, 3, 16, device=DEVICE)
     out = latent_decode(q_latent, q_rope, 0.3, segments)
     torch.testing.assert_close(out, latent_decode_reference(q_latent, q_rope, 0.3, segments), rtol=0, atol=1e-5)

@@ -13,8 +13,9 @@ buffer is the segment whose block b is row b (`Segment.dense`). The cache passes
 protected (sinks, recent) buffers as segments; one decode query attends to the union, so the order of segments does
 not matter (RoPE is already in the keys).
 
-Design (flash-decoding, split-KV, docs/kernel.md): two launches per call whatever the number of segments (up to
-`MAX_SEGMENTS` per stage-1 launch). Stage 1 is one grid (head blocks, sequences, splits of every segment): a program
+Design (flash-decoding, split-KV, docs/kernel.md): two launches per call whatever the number of segments. Stage 1
+is one grid (head blocks, sequences, splits of every segment) over one descriptor per segment (`_descriptor`: its
+tensors, strides, block table, lengths and splits; its formats compile-time, `_format_constexprs`): a program
 finds its segment from its split index, walks that split's tokens in BLOCK_N tiles through the segment's block
 table, dequantizes each tile once for its BLOCK_H heads (the MQA view of absorbed MLA, docs/method.md section 1),
 keeps an online softmax and writes a normalised partial output and its log-sum-exp. Each path's format is
@@ -49,7 +50,6 @@ from mla_quant.kernels.layout import (  # noqa: F401 (Segment, the checks: part 
     rows_contiguous,
 )
 
-MAX_SEGMENTS = 3  # segments one stage-1 launch reads (the paged store, the sinks, the recent window)
 DOTS = ("auto", "ieee", "bf16")
 _POW2 = tl.constexpr(POW2_CODE)  # the code of int8 (power-of-two exponent) scales, as the kernels read it
 COMPILE_ONLY: list[int] = []  # the target architecture while `kernels.aot.ahead_of_time` is active
@@ -229,16 +229,27 @@ def _dot(a, b, MODE: tl.constexpr):
 
 @triton.jit
 def _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot, local_split, scale,
-                   O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                   C, C_SC, C_Z, R, R_SC, R_Z, C_ST, C_SC_ST, C_Z_ST, R_ST, R_SC_ST, R_Z_ST, TABLE, TABLE_W, LENS,
-                   BS, TPS, C_LV, R_LV,
+                   O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, SEG,
                    DC: tl.constexpr, DR: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
-                   C_BITS: tl.constexpr, C_GROUP: tl.constexpr, C_SYM: tl.constexpr, C_POW2: tl.constexpr,
-                   R_BITS: tl.constexpr, R_GROUP: tl.constexpr, R_SYM: tl.constexpr, R_POW2: tl.constexpr,
-                   C_CB: tl.constexpr, R_CB: tl.constexpr, R_PAIRS: tl.constexpr):
-    """Attend the heads `h` of sequence b over one split of one segment; store its partial output and LSE. The
-    queries are read, and the output written, in the storage order of the segment's paths (`_layout`)."""
+                   BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, FMT: tl.constexpr):
+    """Attend the heads `h` of sequence b over one split of the segment SEG (its descriptor, `_descriptor`; FMT its
+    formats, `_format_constexprs`); store its partial output and LSE. The queries are read, and the output written,
+    in the storage order of the segment's paths (`_layout`)."""
+    C, C_SC, C_Z, R, R_SC, R_Z = SEG[0], SEG[1], SEG[2], SEG[3], SEG[4], SEG[5]
+    C_ST, C_SC_ST, C_Z_ST, R_ST, R_SC_ST, R_Z_ST = SEG[6], SEG[7], SEG[8], SEG[9], SEG[10], SEG[11]
+    TABLE, TABLE_W, LENS, BS, TPS = SEG[12], SEG[13], SEG[14], SEG[15], SEG[16]
+    C_LV, R_LV = SEG[19], SEG[20]
+    C_BITS: tl.constexpr = FMT[0]
+    C_GROUP: tl.constexpr = FMT[1]
+    C_SYM: tl.constexpr = FMT[2]
+    C_POW2: tl.constexpr = FMT[3]
+    R_BITS: tl.constexpr = FMT[4]
+    R_GROUP: tl.constexpr = FMT[5]
+    R_SYM: tl.constexpr = FMT[6]
+    R_POW2: tl.constexpr = FMT[7]
+    C_CB: tl.constexpr = FMT[8]
+    R_CB: tl.constexpr = FMT[9]
+    R_PAIRS: tl.constexpr = FMT[10]
     dc, dc_ok = _layout(DC, C_BITS, BLOCK_DC)
     dr, dr_ok = _layout(DR, R_BITS, BLOCK_DR)
     q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + dc[None, :],
@@ -282,60 +293,23 @@ def _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_
 @triton.jit
 def _stage1_kernel(
     Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh,
-    O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, split_base, scale, H,
-    # segment 0, 1, 2: tensors (content data, scales, zeros; rope ...), their block strides, table, its width,
-    # lengths, block size, tokens per split, splits
-    C0, C0_SC, C0_Z, R0, R0_SC, R0_Z, S0_0, S0_1, S0_2, S0_3, S0_4, S0_5, T0, T0_W, L0, BS0, TPS0, NS0,
-    C0_LV, R0_LV,
-    C1, C1_SC, C1_Z, R1, R1_SC, R1_Z, S1_0, S1_1, S1_2, S1_3, S1_4, S1_5, T1, T1_W, L1, BS1, TPS1, NS1,
-    C1_LV, R1_LV,
-    C2, C2_SC, C2_Z, R2, R2_SC, R2_Z, S2_0, S2_1, S2_2, S2_3, S2_4, S2_5, T2, T2_W, L2, BS2, TPS2, NS2,
-    C2_LV, R2_LV,
+    O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, scale, H,
+    SEGS,  # one descriptor per segment (`_descriptor`)
+    FMTS: tl.constexpr,  # per segment, its paths' formats (`_format_constexprs`)
     NSEG: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DC: tl.constexpr,
     BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr,
-    F0_CB: tl.constexpr, F0_CG: tl.constexpr, F0_CS: tl.constexpr, F0_CP: tl.constexpr,
-    F0_RB: tl.constexpr, F0_RG: tl.constexpr, F0_RS: tl.constexpr, F0_RP: tl.constexpr,
-    F0_CL: tl.constexpr, F0_RL: tl.constexpr, F0_RQ: tl.constexpr,
-    F1_CB: tl.constexpr, F1_CG: tl.constexpr, F1_CS: tl.constexpr, F1_CP: tl.constexpr,
-    F1_RB: tl.constexpr, F1_RG: tl.constexpr, F1_RS: tl.constexpr, F1_RP: tl.constexpr,
-    F1_CL: tl.constexpr, F1_RL: tl.constexpr, F1_RQ: tl.constexpr,
-    F2_CB: tl.constexpr, F2_CG: tl.constexpr, F2_CS: tl.constexpr, F2_CP: tl.constexpr,
-    F2_RB: tl.constexpr, F2_RG: tl.constexpr, F2_RS: tl.constexpr, F2_RP: tl.constexpr,
-    F2_CL: tl.constexpr, F2_RL: tl.constexpr, F2_RQ: tl.constexpr,
 ):
     hb = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
-    out_slot = split_base + split
-    if split < NS0:
-        _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot, split, scale,
-                       O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                       C0, C0_SC, C0_Z, R0, R0_SC, R0_Z, S0_0, S0_1, S0_2, S0_3, S0_4, S0_5, T0, T0_W, L0, BS0, TPS0,
-                       C0_LV, R0_LV, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
-                       DOT_MODE,
-                       F0_CB, F0_CG, F0_CS, F0_CP, F0_RB, F0_RG, F0_RS, F0_RP, F0_CL, F0_RL, F0_RQ)
-    if NSEG > 1:
-        if (split >= NS0) & (split < NS0 + NS1):
-            _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot, split - NS0,
-                           scale,
-                           O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                           C1, C1_SC, C1_Z, R1, R1_SC, R1_Z, S1_0, S1_1, S1_2, S1_3, S1_4, S1_5, T1, T1_W, L1, BS1,
-                           TPS1, C1_LV, R1_LV, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
-                           DOT_MODE,
-                           F1_CB, F1_CG, F1_CS, F1_CP, F1_RB, F1_RG, F1_RS, F1_RP, F1_CL, F1_RL,
-                           F1_RQ)
-    if NSEG > 2:
-        if split >= NS0 + NS1:
-            _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, out_slot,
-                           split - NS0 - NS1, scale,
-                           O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                           C2, C2_SC, C2_Z, R2, R2_SC, R2_Z, S2_0, S2_1, S2_2, S2_3, S2_4, S2_5, T2, T2_W, L2, BS2,
-                           TPS2, C2_LV, R2_LV, DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N,
-                           DOT_MODE,
-                           F2_CB, F2_CG, F2_CS, F2_CP, F2_RB, F2_RG, F2_RS, F2_RP, F2_CL, F2_RL,
-                           F2_RQ)
+    for i in tl.static_range(NSEG):  # the program's segment: the one whose splits hold its split index
+        first = SEGS[i][17]
+        if (split >= first) & (split < first + SEGS[i][18]):
+            _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_ok, split, split - first,
+                           scale, O_PART, LSE_PART, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, SEGS[i],
+                           DC, DR, BLOCK_DC, BLOCK_DR, BLOCK_N, DOT_MODE, FMTS[i])
 
 
 @triton.jit
@@ -360,27 +334,31 @@ def _merge_kernel(O_PART, LSE_PART, OUT, stride_ob, stride_os, stride_oh, stride
     tl.store(OUT + b * stride_outb + h * stride_outh + dc, acc, mask=dc < DC)
 
 
-def _format_constexprs(seg: Segment, i: int) -> dict:
-    out = {}
-    for tag, p in (("C", seg.content), ("R", seg.rope)):
-        out.update({f"F{i}_{tag}B": p.bits, f"F{i}_{tag}G": p.group if p.bits else 1,
-                    f"F{i}_{tag}S": bool(p.symmetric or p.bits == 0), f"F{i}_{tag}P": bool(p.pow2 and p.bits > 0),
-                    f"F{i}_{tag}L": p.levels is not None and p.bits > 0})
-    out[f"F{i}_RQ"] = flat_pairs(seg.rope.pairs) if seg.rope.pairs is not None else (0,)
-    return out
+def _format_constexprs(seg: Segment) -> tuple:
+    """A segment's formats, compile-time: per path bits, group, symmetric, pow2 scales (content, then rope), whether
+    each path reads a codebook, then the RoPE pairs descriptor ((0,): none)."""
+    out = []
+    for p in (seg.content, seg.rope):
+        out += [p.bits, p.group if p.bits else 1, bool(p.symmetric or p.bits == 0), bool(p.pow2 and p.bits > 0)]
+    out += [p.levels is not None and p.bits > 0 for p in (seg.content, seg.rope)]
+    out.append(flat_pairs(seg.rope.pairs) if seg.rope.pairs is not None else (0,))
+    return tuple(out)
 
 
-def _segment_args(seg: Segment | None, plan: tuple[int, int], dummy: torch.Tensor) -> list:
-    if seg is None:
-        return [dummy] * 6 + [0] * 6 + [dummy, 1, dummy, 1, 1, 0, dummy, dummy]
+def _descriptor(seg: Segment, first: int, plan: tuple[int, int], dummy: torch.Tensor) -> tuple:
+    """A segment as the kernel reads it: per path its data, scales and zeros (content, then rope), their block
+    strides (a page for views), the block table, its width, the lengths, the block size, tokens per split, the
+    segment's first split and its number of splits, then each path's codebook levels."""
     tensors = []
     for p in (seg.content, seg.rope):
         tensors += [p.data, None if p.bits == 0 else p.scales, None if p.bits == 0 or p.symmetric else p.zeros]
-    strides = [0 if t is None else t.stride(0) for t in tensors]  # each tensor's block stride (a page for views)
+    strides = [0 if t is None else t.stride(0) for t in tensors]
     lengths = seg.lengths if seg.lengths.dtype == torch.int32 else seg.lengths.to(torch.int32)
-    return ([dummy if t is None else t for t in tensors] + strides
-            + [seg.block_table, seg.block_table.shape[1], lengths, int(seg.content.data.shape[1]), *plan]
-            + [dummy if p.levels is None else p.levels for p in (seg.content, seg.rope)])
+    tokens_per_split, splits = plan
+    return tuple([dummy if t is None else t for t in tensors] + strides
+                 + [seg.block_table, seg.block_table.shape[1], lengths, int(seg.content.data.shape[1]),
+                    tokens_per_split, first, splits]
+                 + [dummy if p.levels is None else p.levels for p in (seg.content, seg.rope)])
 
 
 def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments, *,
@@ -411,25 +389,16 @@ def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, se
         return out
     dummy = torch.zeros(1, device=dev)
     extra = {} if num_stages is None else {"num_stages": num_stages}
-    base = 0
-    for first in range(0, len(segments), MAX_SEGMENTS):
-        group = list(segments[first:first + MAX_SEGMENTS])
-        plans = plan[first:first + MAX_SEGMENTS]
-        seg_args, constexprs = [], {}
-        for i in range(MAX_SEGMENTS):
-            seg = group[i] if i < len(group) else None
-            seg_args += _segment_args(seg, plans[i] if seg is not None else (1, 0), dummy)
-            constexprs.update(_format_constexprs(seg if seg is not None else group[0], i))
-        group_splits = sum(n for _, n in plans)
-        _stage1_kernel[(head_blocks, b, group_splits)](
-            q_latent, q_rope, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-            o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
-            lse_part.stride(1), base, float(scale), h, *seg_args,
-            NSEG=len(group), DC=d_c, DR=d_r, BLOCK_H=cfg["block_h"], BLOCK_DC=next_pow2(d_c),
-            BLOCK_DR=next_pow2(d_r), BLOCK_N=cfg["block_n"], DOT_MODE=dot_mode, num_warps=cfg["num_warps"],
-            **constexprs, **extra,
-        )
-        base += group_splits
+    firsts = [sum(n for _, n in plan[:i]) for i in range(len(segments))]
+    _stage1_kernel[(head_blocks, b, n_splits)](
+        q_latent, q_rope, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
+        lse_part.stride(1), float(scale), h,
+        tuple(_descriptor(seg, first, p, dummy) for seg, first, p in zip(segments, firsts, plan)),
+        tuple(_format_constexprs(seg) for seg in segments),
+        NSEG=len(segments), DC=d_c, DR=d_r, BLOCK_H=cfg["block_h"], BLOCK_DC=next_pow2(d_c),
+        BLOCK_DR=next_pow2(d_r), BLOCK_N=cfg["block_n"], DOT_MODE=dot_mode, num_warps=cfg["num_warps"], **extra,
+    )
     _merge_kernel[(b, h)](
         o_part, lse_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
         lse_part.stride(1), out.stride(0), out.stride(1), n_splits, DC=d_c, BLOCK_S=next_pow2(n_splits, 2),
