@@ -142,7 +142,7 @@ def _eval_base(r) -> dict:
         cache = f"mixed {alloc.get('by', 'sensitivity')} @{budget}"
         if (alloc.get("rope_groups") or 1) > 1:  # a width per group of RoPE pairs
             cache += f" rope/{alloc['rope_groups']}"
-        content, rope = (f"per layer{quantizer_label(quant.get(path) or {})}" for path in ("content", "rope"))
+        content, rope = (f"per layer{quantizer_label(quant.get(path) or {})}" for path in PATHS)
         shield = quant.get("protected") or {}
         protected = f"{shield.get('n_sink', 0)}+{shield.get('recent', 0)}"
         if quant.get("mode") == "serving":
@@ -515,7 +515,7 @@ def calibration(df: pd.DataFrame) -> Table:
     rows = []
     for _, r in newest_complete(df, "calibrate").iterrows():
         m = r.metrics
-        for path in ("content", "rope"):
+        for path in PATHS:
             if f"calib/{path}/error" in m:
                 rows.append({"model": r.model, "method": m.get("calib/transform", r["transform"]),
                              "format": m.get("calib/format", "?"), "path": path,

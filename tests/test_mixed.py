@@ -339,7 +339,7 @@ def test_pairs_store_each_group_of_pairs_at_its_width(layout):
     integer group at its own width; with one width everywhere it equals int at groups of those channels."""
     from mla_quant.quant.formats import PathFormat, pair_channels
     from mla_quant.quant.quantizers import fake_quantize
-    from mla_quant.models.families import rope_pair
+    from mla_quant.quant.rope import rope_pair
 
     x = torch.randn(7, 11, 64, generator=torch.Generator().manual_seed(0))
     fmt = cache_format(option("int4_joint", rope={"bits": [8, 4, 2, 16]}), D_C, 64, rope_layout=layout).rope

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mla_quant.models.absorbed import new_cache
-from mla_quant.models.families import rope_pair
+from mla_quant.quant.rope import rope_pair
 from mla_quant.sensitivity.injection import InjectionSpec, fixed_nmse_noise, injection_factory, nmse
 from mla_quant.sensitivity.study import RecordingLatentLayer, capture, output_errors, predicted_score_error
 from mla_quant.stages import sensitivity

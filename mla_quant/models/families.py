@@ -73,17 +73,6 @@ class MLAWeights:
         return w[:, self.d_nope : self.d_nope + self.d_r]
 
 
-def rope_pair(layout: str, d_r: int, i: int) -> tuple[int, int]:
-    """The two coordinates of RoPE frequency pair i in a d_r-dim key laid out as `layout`."""
-    if not 0 <= i < d_r // 2:
-        raise ValueError(f"RoPE pair {i} out of range: d_r={d_r} has pairs 0..{d_r // 2 - 1}")
-    if layout == "interleaved":
-        return 2 * i, 2 * i + 1
-    if layout == "half":
-        return i, i + d_r // 2
-    raise ValueError(f"unknown RoPE layout {layout!r}; allowed: interleaved, half")
-
-
 class MLAFamily:
     """DeepSeek-V3-style MLA (also the default behaviour the other families override)."""
 

@@ -19,7 +19,7 @@ import torch
 
 from mla_quant.cache import LatentCacheLayer
 from mla_quant.kernels.attention import latent_attention
-from mla_quant.models.families import rope_pair
+from mla_quant.quant.rope import rope_pair
 from mla_quant.quant.formats import PATHS
 
 SIDES = ("both", "score", "value")

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from mla_quant.models import fp8
-from mla_quant.models.families import MLAWeights, family_for_config, rope_pair
+from mla_quant.models.families import MLAWeights, family_for_config
+from mla_quant.quant.rope import rope_pair
 
 
 @dataclass

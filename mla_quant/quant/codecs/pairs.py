@@ -7,8 +7,8 @@ import torch
 from mla_quant.kernels.layout import DTYPE_CODES
 from mla_quant.quant import packing, quantizers
 from mla_quant.quant.codecs.base import SCALE_BYTES, ZERO_BYTES, Codec, register
+from mla_quant.quant.rope import PAIR_LAYOUTS, rope_pair
 
-PAIR_LAYOUTS = ("half", "interleaved")  # which channels of the RoPE key form a frequency pair (format=pairs)
 
 
 def pair_channels(layout: str, d: int, groups: int) -> list[list[int]]:
@@ -20,7 +20,7 @@ def pair_channels(layout: str, d: int, groups: int) -> list[list[int]]:
     out = []
     for g in range(groups):
         pairs = range(g * per, (g + 1) * per)
-        out.append([c for i in pairs for c in ((i, i + d // 2) if layout == "half" else (2 * i, 2 * i + 1))])
+        out.append([c for i in pairs for c in rope_pair(layout, d, i)])
     return out
 
 
