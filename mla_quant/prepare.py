@@ -210,8 +210,9 @@ class Prepared:
         dtype = str(param.dtype).replace("torch.", "")
         backends = {} if self.fmt is None else {f"cache/backend/{step}": backend for step, backend
                                                 in self.fmt.step_backends(param.device.type).items()}
-        layer_dims = self.dims.get("layer_dims") or [(self.dims["d_c"], self.dims["d_r"])]  # bytes per token per layer of the BF16 cache the
-        bf16 = sum(c + r for c, r in layer_dims) * 2 / len(layer_dims)  # analysis compares against: mean over layers
+        # bytes per token per layer of the BF16 cache the analysis compares against: mean over layers
+        layer_dims = self.dims.get("layer_dims") or [(self.dims["d_c"], self.dims["d_r"])]
+        bf16 = sum(c + r for c, r in layer_dims) * 2 / len(layer_dims)
         one = None if self.fmt is None else self.fmt.uniform
         if self.fmt is not None and self.fmt.peer:  # transformers' QuantizedCache: nominal bytes at 2 B scales, zeros
             return {"cache/content": one.describe(), "cache/rope": one.describe(),

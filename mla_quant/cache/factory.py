@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from mla_quant.kernels.backends import DECODE_BACKENDS, TORCH
 from mla_quant.cache.layer import LatentCacheLayer
+from mla_quant.kernels.backends import DECODE_BACKENDS, TORCH
 from mla_quant.quant.formats import CacheFormat, CacheSpec, cache_format
 from mla_quant.quant.peers import PeerFormat
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-from mla_quant.kernels.backends import DECODE_BACKENDS
 from mla_quant.calibration.fit import FitOptions
 from mla_quant.calibration.objectives import CONTENT_OBJECTIVES, ROPE_OBJECTIVES
+from mla_quant.kernels.backends import DECODE_BACKENDS
 from mla_quant.models.build import _plain
 from mla_quant.quant.codecs import CONTENT_CODECS
 from mla_quant.quant.formats import PATHS, CacheFormat, CacheSpec, as_spec, model_format

@@ -22,9 +22,9 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, prepare_padding_mask, sdpa_mask
 
-from mla_quant.kernels.backends import DECODE_BACKENDS
 from mla_quant.cache import LatentCache, layer_factory
 from mla_quant.kernels.attention import DEFAULT_BLOCKS, AttentionBlocks, CausalMask, key_validity, latent_attention
+from mla_quant.kernels.backends import DECODE_BACKENDS
 from mla_quant.models import fp8
 from mla_quant.models.families import MLAFamily, dims_of, family_for_config, mla_layer_count, text_config
 from mla_quant.quant.formats import model_format

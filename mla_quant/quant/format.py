@@ -3,6 +3,7 @@ a cache in a format holds per token."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from mla_quant.kernels.backends import DECODE_BACKENDS, TORCH, decode_backend
@@ -134,9 +135,10 @@ class CacheSpec:
     def __len__(self) -> int:
         return len(self.layers)
 
-    @property
+    @functools.cached_property
     def uniform(self):
-        """The one entry every layer has (a uniform option at one (d_c, d_r)), else None."""
+        """The one entry every layer has (a uniform option at one (d_c, d_r)), else None (worked out once: the spec is
+        frozen)."""
         return self.layers[0] if len(set(self.layers)) == 1 else None
 
     def one(self, what: str):

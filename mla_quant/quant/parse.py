@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import warnings
 
-from mla_quant.kernels.backends import DECODE_BACKENDS
 from mla_quant.checks import int_setting
+from mla_quant.kernels.backends import DECODE_BACKENDS
 from mla_quant.quant.codecs import PAIR_LAYOUTS
 from mla_quant.quant.format import (BACKENDS, LAYER_KEYS, MIXED_KEYS, MODES, TOP_KEYS, CacheFormat, CacheSpec,
                                      as_spec)

@@ -267,9 +267,9 @@ class LatentMLAImpl(CPUMLAImpl):
     def fmt(self) -> CacheFormat:
         """This layer's format: the served one, or its entry for this layer (the layer found by its name among the
         engine's MLA layers, in decoder order, on the first step)."""
+        if self.served.uniform is not None:
+            return self.served.uniform
         layers = self.served.layers
-        if len(layers) == 1:
-            return layers[0]
         from vllm.forward_context import get_forward_context
 
         ours = {name: layer for name, layer in get_forward_context().no_compile_layers.items()
