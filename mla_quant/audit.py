@@ -1,5 +1,5 @@
 """Host reads: device values read on the host while the model works (`.item()`, `int()`/`bool()` of a tensor,
-`nonzero`, a copy of a CUDA tensor to the CPU). On a GPU each is a stream synchronisation, and CUDA graph capture
+`nonzero`, `tolist()`, a copy of a CUDA tensor to the CPU). On a GPU each is a stream synchronisation, and CUDA graph capture
 refuses them; counted here on any device, with the project's function that made each read.
 
     with HostReads() as reads:
@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 READ_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero")
+HOST_METHODS = ("tolist", "numpy")
 
 
 class HostReads(TorchDispatchMode):
@@ -29,6 +30,24 @@ class HostReads(TorchDispatchMode):
     @property
     def count(self) -> int:
         return sum(self.sites.values())
+
+    def __enter__(self):
+        # tolist() and numpy() read a tensor's memory without dispatching an op: counted through the methods
+        self._methods = {name: getattr(torch.Tensor, name) for name in HOST_METHODS}
+        for name, method in self._methods.items():
+            setattr(torch.Tensor, name, self._counting(name, method))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self._methods.items():
+            setattr(torch.Tensor, name, method)
+        return super().__exit__(*exc)
+
+    def _counting(self, name, method):
+        def read(tensor, *args, **kwargs):
+            self.sites[name, _site()] += 1
+            return method(tensor, *args, **kwargs)
+        return read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -1,6 +1,7 @@
 """The steady-state decode append (the oldest window token leaves into the store, the new one takes its slot in the
 window's ring, the tokens about to leave quantized together ahead of time) stores and reads exactly what the general append stores
-and reads, for every kind of format, with padding and past the point where sinks and window fill."""
+and reads, for every kind of format, with padding (in the prefill, and as a decode step's new token) and past the
+point where sinks and window fill."""
 
 import pytest
 import torch
@@ -29,7 +30,11 @@ def test_fast_append_equals_the_general_append(option, monkeypatch):
     valid = torch.ones(2, 7, dtype=torch.bool)
     valid[1, :4] = False  # left padding in the prefill
     steps = [(torch.randn(2, 7, D_C, generator=g), torch.randn(2, 7, D_R, generator=g), valid)]
-    steps += [(torch.randn(2, 1, D_C, generator=g), torch.randn(2, 1, D_R, generator=g), None) for _ in range(45)]
+    # decode steps: all real (no validity given, or given), and padding tokens in one row or the other (a steady
+    # step leaves that row's regions as they were, decided on the device)
+    marks = {2: [True, False], 4: [False, True], 0: [True, True]}
+    steps += [(torch.randn(2, 1, D_C, generator=g), torch.randn(2, 1, D_R, generator=g),
+               None if i % 6 not in marks else torch.tensor(marks[i % 6])[:, None]) for i in range(60)]
     for i, (c, r, v) in enumerate(steps):
         if i in (25, 36):  # mid-stage: a crop, then a batch reorder, before more steady steps
             for layer in (fast, slow):

@@ -454,7 +454,8 @@ def test_decode_steps_over_segments_equal_the_stored_keys_path(name, mode, backe
     """A layer's decode step (one query, padding-only mask) reads the stored segments (backend=torch:
     `segment_attention`; auto: the C++ CPU kernel where it reads the format); it equals attention over the layer's
     slot-aligned stored keys (`StoredKeys`, what prefill and every other step read), with the absorbed projections,
-    left padding included. A mask that also hides a real token takes the StoredKeys path."""
+    left padding included. A 4-D mask that also hides a real token takes the StoredKeys path; a padding mask
+    (`CausalMask`) that differs from the cache's record is refused."""
     from mla_quant.cache.reads import StoredKeys
 
     spec = {**SEGMENT_FORMATS[name], "mode": mode, "backend": backend}
@@ -482,7 +483,13 @@ def test_decode_steps_over_segments_equal_the_stored_keys_path(name, mode, backe
     hidden = keys.clone()
     hidden[1, 100] = False  # a real token masked out: not what the segments hold
     q = torch.randn(3, h, 1, d_nope, generator=g)
-    assert not layer._reads_segments(q, CausalMask(hidden), None)
+    assert not layer._reads_segments(q, CausalMask(hidden).dense(1), None)  # a 4-D mask: compared on the host
+    c, r = torch.randn(3, 1, d_c, generator=g), torch.randn(3, 1, d_r, generator=g)
+    if fresh:  # the StoredKeys path honours any mask
+        return
+    with pytest.raises(RuntimeError, match="differs from the cache's record"):  # a 2-D mask: checked on the device
+        layer.attend(q, torch.randn(3, h, 1, d_r, generator=g), c, r, 0.1, CausalMask(hidden), None, w_uk=w_uk,
+                     w_uv=w_uv)
 
 
 def test_sinks_in_every_form_equal_transformers_softmax_with_a_sink_column():

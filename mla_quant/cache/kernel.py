@@ -89,7 +89,7 @@ class KernelDecode:
             cache[device_type] = backends
         return cache[device_type]
 
-    def _write(self, rows, pos, tokens):
+    def _write(self, rows, pos, tokens, on_device=False):
         """New tokens into their reserved places in the paged store: where decode steps run the Triton kernel, int paths
         are quantized and written into the pool by the Triton store kernel (bit-exact with the PyTorch encoder),
         float paths copied; formats the store kernel does not encode (and every format on the torch path) go
@@ -97,7 +97,7 @@ class KernelDecode:
         chosen = DECODE_BACKENDS.get(self._step_backends(self.device.type)["decode"])
         if (not self.quantized or chosen is None or not chosen.stores
                 or any(self._store_unsupported(p) for p in PATHS)):
-            return super()._write(rows, pos, tokens)
+            return super()._write(rows, pos, tokens, on_device)
         table = self.store.block_table()
         for p in PATHS:
             fmt = self.path_format(p)
@@ -106,7 +106,7 @@ class KernelDecode:
                 continue
             store_quantized(self.store, rows, pos, table, p, fmt, self._dim(p), tokens[p])
             written = self.store.gather(rows, pos, [f"{p}/scales"] + ([] if fmt.symmetric else [f"{p}/zeros"]))
-            check_finite(written, f"{self.where}, quant.{p} ({fmt.describe()})")
+            check_finite(written, f"{self.where}, quant.{p} ({fmt.describe()})", on_device)
 
     def _store_unsupported(self, path: str) -> str | None:
         return store_unsupported(self.path_format(path), self._dim(path))

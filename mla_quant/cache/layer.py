@@ -76,6 +76,7 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
         self._steady_state: bool | None = None  # `_steady`'s answer while the regions stay as they are
         self._stage: _Stage | None = None  # the steady state's ring head and tokens written ahead
         self.tensor_scales: dict[str, torch.Tensor | None] = {p: None for p in PATHS}  # (B,) float32 per sequence
+        self._scales_complete = False  # every sequence has its tensor scales (known on the host once it holds)
         # DeepSeek-V3.2's sparse-attention indexer keeps its own key cache next to the latent (B, S, d_index).
         self.indexer_keys: torch.Tensor | None = None
 
@@ -94,8 +95,8 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
     @property
     def n_quantized(self) -> int:
         """Tokens in the paged store of the longest sequence (per sequence: `store.lengths`); all real tokens
-        when nothing is quantized."""
-        return self.store.longest if self.store is not None else 0
+        when nothing is quantized. Read from the device (a report, not a step's bookkeeping)."""
+        return int(self.store.lengths.max()) if self.store is not None and self.store.batch else 0
 
     def stored_parts(self, path: str) -> dict[str, torch.Tensor]:
         """The stored tensors of `path` per sequence, left-aligned: {part: (B, L, *)} (L = n_quantized)."""
@@ -139,8 +140,8 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
             return
         self._set_tensor_scales(new, valid)
         window = self.recent["content"].shape[1]
-        if t == 1 and self._steady(window) and (all_real or bool(valid.all())):
-            self._steady_step(new, window)
+        if t == 1 and self._steady(window):
+            self._steady_step(new, window, None if all_real else valid[:, 0])
             return
         self._regions_change()
         # Each sequence's real tokens in order: [its recent window | its new tokens], then split into
@@ -191,39 +192,51 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
     def _window(self, path: str) -> torch.Tensor:
         """The recent window of `path` in order, oldest first (B, R, d) (a copy while the steady state's ring has
         moved)."""
-        if self._stage is None or not self._stage.head:
+        if self._stage is None:
             return self.recent[path]
-        return torch.roll(self.recent[path], -self._stage.head, dims=1)
+        return self._ring(path, self.recent[path].shape[1])
 
-    def _steady_step(self, new: dict[str, torch.Tensor], window: int) -> None:
+    def _ring(self, path: str, k: int) -> torch.Tensor:
+        """The k oldest tokens of each sequence's ring (B, k, d), read from its head on."""
+        x, window = self.recent[path], self.recent[path].shape[1]
+        slots = (self._stage.head[:, None] + torch.arange(k, device=self.device)[None, :]) % window  # (B, k)
+        return x.gather(1, slots[..., None].expand(-1, -1, x.shape[-1]))
+
+    def _steady_step(self, new: dict[str, torch.Tensor], window: int, real: torch.Tensor | None) -> None:
         """A decode step in the steady state (sinks and window full everywhere): the oldest window token of each
         sequence leaves into the store, the new token (B, 1, d) per path takes its slot; what the general path
         does then, without its per-token bookkeeping. The window is a ring (a decode step's attention over it does
         not depend on the order of its tokens, each key carrying its position): the new token is written in place
-        over the leaving one, and `_Stage.head` marks the oldest. Up to `stage_tokens` of the next tokens to leave
-        are quantized together and written into the pages ahead of time, not counted in
+        over the leaving one, and `_Stage.head` (B,) marks each sequence's oldest. Up to `stage_tokens` of the next
+        tokens to leave are quantized together and written into the pages ahead of time, not counted in
         (`PagedStore.reserve_ahead`), so a step counts one written token in (`advance`) and writes the new token:
         no window rebuilt and no encode per step. The same codes as one token at a time (each token's groups are
-        its own)."""
+        its own). `real` (B,) bool: which sequences' new token is real (None: all); a padding token leaves every
+        region of its sequence as it was, decided on the device (no host read)."""
         stage = self._stage
         if stage is None or stage.ahead == 0:
             stage = self._restage(window)
-        self.store.advance()
+        self.store.advance(real)
+        rows = torch.arange(stage.head.shape[0], device=self.device)
         for p in PATHS:
-            self.recent[p][:, stage.head] = new[p][:, 0]
-        stage.head = (stage.head + 1) % window
+            x = new[p][:, 0]
+            if real is not None:
+                x = torch.where(real[:, None], x, self.recent[p][rows, stage.head])
+            self.recent[p][rows, stage.head] = x
+        stage.head = (stage.head + (1 if real is None else real.long())) % window
         stage.ahead -= 1
 
     def _restage(self, window: int) -> "_Stage":
-        """Encode the window's oldest tokens (as many as `stage_tokens`, the window and every sequence's last
+        """Encode each window's oldest tokens (as many as `stage_tokens`, the window and every sequence's last
         block hold, so the store still holds at most one partly filled block per sequence) and write them past each
-        sequence's stored tokens."""
+        sequence's stored tokens. A sequence that took fewer steps than were staged (padding tokens) has its
+        staged tokens written again, with the same codes."""
         k = min(self.stage_tokens, window, self.store.room())
-        head = 0 if self._stage is None else self._stage.head
-        slots = torch.arange(head, head + k, device=self.device) % window
+        if self._stage is None:
+            self._stage = _Stage(head=torch.zeros(self.store.batch, dtype=torch.long, device=self.device), ahead=0)
         rows, pos = self.store.reserve_ahead(k)
-        self._write(rows, pos, {p: self.recent[p][:, slots].flatten(0, 1) for p in PATHS})
-        self._stage = _Stage(head=head, ahead=k)
+        self._write(rows, pos, {p: self._ring(p, k).flatten(0, 1) for p in PATHS}, on_device=True)
+        self._stage.ahead = k
         return self._stage
 
     def _steady(self, window: int) -> bool:
@@ -241,15 +254,17 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
         if rows.numel():
             self._write(rows, self.store.reserve(rows), tokens)
 
-    def _write(self, rows: torch.Tensor, pos: torch.Tensor, tokens: dict[str, torch.Tensor]) -> None:
-        """Encode tokens (N, d) per path and write token i at position pos[i] of sequence rows[i] (reserved)."""
+    def _write(self, rows: torch.Tensor, pos: torch.Tensor, tokens: dict[str, torch.Tensor],
+               on_device: bool = False) -> None:
+        """Encode tokens (N, d) per path and write token i at position pos[i] of sequence rows[i] (reserved).
+        `on_device`: their stored scales checked finite on the device (a decode step's writes: no host read)."""
         parts = {}
         for p in PATHS:
             fmt = self.path_format(p)
             scale = self.tensor_scales[p]
             encoded = fmt.encode(tokens[p], None if scale is None else scale[rows])
             if fmt.quantized:
-                check_finite(encoded, f"{self.where}, quant.{p} ({fmt.describe()})")
+                check_finite(encoded, f"{self.where}, quant.{p} ({fmt.describe()})", on_device)
             parts.update({f"{p}/{k}": v for k, v in encoded.items()})
         self.store.write(rows, pos, parts)
 
@@ -288,7 +303,7 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
     def _set_tensor_scales(self, new: dict[str, torch.Tensor], valid: torch.Tensor) -> None:
         """Per-sequence fp8 scales (granularity=tensor): amax/448 of the sequence's first append of real tokens."""
         paths = [p for p in PATHS if self.path_format(p).tensor_scaled]
-        if not paths:
+        if not paths or self._scales_complete:
             return
         b = valid.shape[0]
         for p in paths:
@@ -305,6 +320,7 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
             merged = torch.where(unset, scale, self.tensor_scales[group[0]])
             for p in group:  # one tensor for a shared scale (its bytes count once)
                 self.tensor_scales[p] = merged
+        self._scales_complete = bool((self.tensor_scales[paths[0]] != 0).all())
     # ------------------------------------------------------------------ transformers' CacheLayerMixin contract
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last -tokens_to_remove slots: per sequence its latest real tokens, recent window first, then
@@ -409,9 +425,9 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
 
 @dataclass
 class _Stage:
-    """The steady state's ring: the slot of the window's oldest token (`head`), and how many of the oldest tokens are
-    written into the pages ahead, not yet counted in (`ahead`)."""
+    """The steady state's ring: the slot of each sequence's oldest window token (`head`, (B,) long), and how many
+    steps the tokens written into the pages ahead (not yet counted in) cover (`ahead`)."""
 
-    head: int
+    head: torch.Tensor
     ahead: int
 

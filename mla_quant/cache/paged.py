@@ -51,7 +51,8 @@ class PagedStore:
         self.pages: dict[str, torch.Tensor] = {}  # path -> (num_blocks, page_bytes) uint8
         self.tables: list[list[int]] = [[] for _ in range(batch)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)  # (B,) tokens per sequence
-        self._host_lengths = [0] * batch  # the same on the host (no device sync to decide on allocation)
+        # the same on the host (no device sync to decide on allocation); after `advance(counted)` an upper bound
+        self._host_lengths = [0] * batch
         self._table: torch.Tensor | None = None
         self._table_long: torch.Tensor | None = None  # the block table as int64, for indexing
         self._declared: dict[str, Spec] = {}  # part -> its (shape, dtype), every declared part
@@ -119,11 +120,13 @@ class PagedStore:
         rows = torch.arange(self.batch, device=self.device).repeat_interleave(k)
         return rows, pos.reshape(-1)
 
-    def advance(self) -> None:
-        """Count in one more token of every sequence, already written past its last (`reserve_ahead`)."""
+    def advance(self, counted: torch.Tensor | None = None) -> None:
+        """Count in one more token of every sequence, already written past its last (`reserve_ahead`); `counted`
+        (B,) bool: only of these sequences, decided on the device (the host's lengths then bound the device's from
+        above until the next `reserve` or `truncate`)."""
         if any(len(table) * self.block_size < n + 1 for table, n in zip(self.tables, self._host_lengths)):
             raise RuntimeError("PagedStore.advance: a sequence has no token reserved past its last")
-        self.lengths = self.lengths + 1
+        self.lengths = self.lengths + (1 if counted is None else counted.long())
         self._host_lengths = [n + 1 for n in self._host_lengths]
 
     def reserve(self, rows: torch.Tensor) -> torch.Tensor:
@@ -173,7 +176,8 @@ class PagedStore:
     # ------------------------------------------------------------------ reading
     @property
     def longest(self) -> int:
-        """Tokens of the longest sequence, from the host-side lengths (no device sync)."""
+        """Tokens of the longest sequence, from the host-side lengths (no device sync; an upper bound after
+        `advance(counted)`)."""
         return max(self._host_lengths, default=0)
 
     def room(self) -> int:
@@ -184,9 +188,9 @@ class PagedStore:
         """(B, max_blocks) int32; unused entries point at block 0 (never read past a sequence's length)."""
         if self._table is None:
             width = max(1, max(len(t) for t in self.tables))
-            table = torch.zeros(self.batch, width, dtype=torch.int32)
+            table = torch.zeros(self.batch, width, dtype=torch.int32, device="cpu")  # built on the host, then moved
             for b, blocks in enumerate(self.tables):
-                table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+                table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32, device="cpu")
             self._table = table.to(self.device)
         return self._table
 

@@ -15,6 +15,11 @@ from mla_quant.kernels.torch_decode import segment_attention
 from mla_quant.quant.formats import PATHS
 
 
+_MASK_DIFFERS = ("a decode step's attention mask differs from the cache's record of which earlier slots hold real tokens: "
+                 "pass each step's mask with the earlier columns unchanged (as generate does), or run a multi-token "
+                 "step with the mask it needs")
+
+
 class LayerReads:
     """The reads of `LatentCacheLayer` (its regions, store and format are the layer's)."""
 
@@ -139,11 +144,21 @@ class LayerReads:
         return self._hides_only_padding(mask, valid)
 
     def _hides_only_padding(self, mask, valid) -> bool:
-        """True when the one query's mask hides padding slots and nothing else (segments hold no padding)."""
+        """True when the one query's mask hides padding slots and nothing else (segments hold no padding). A
+        `CausalMask` (the 2-D padding mask) must show the cached slots as the cache recorded them, real or padding,
+        as generate's mask does: checked on the device (`torch._assert_async`: no host read, a device-side error
+        if it fails); any other mask (a custom 4-D mask) is compared on the host, and one that hides a real token
+        takes the `StoredKeys` path."""
         if mask is None:
             return True
-        seen = mask.keys if isinstance(mask, CausalMask) else visible(mask[:, 0, -1, :])  # (B, S + 1)
-        slots = self.slot_valid if self.slot_valid is not None else seen.new_zeros(seen.shape[0], 0)
+        slots = self.slot_valid
+        if isinstance(mask, CausalMask):
+            seen = mask.keys
+            if seen.shape[1] == slots.shape[1] + 1:
+                torch._assert_async((seen[:, :-1] == slots).all(), _MASK_DIFFERS)
+                return True
+        else:
+            seen = visible(mask[:, 0, -1, :])  # (B, S + 1)
         new = torch.ones_like(seen[:, -1:]) if valid is None else valid.bool()
         expected = torch.cat([slots, new], dim=1)
         return expected.shape == seen.shape and bool((seen == expected).all())

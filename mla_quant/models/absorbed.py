@@ -36,9 +36,11 @@ ATTN_IMPLEMENTATION = "mla_absorbed"
 
 def latent_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
                 attention_mask=None, allow_is_causal_skip=True, device="cpu", **kwargs):
-    """transformers' mask hook for absorbed models: None (causal, no padding), or a `CausalMask` holding each
-    sequence's real slots; masks that are not plain causal (packed sequences, overlays) as transformers' own
-    boolean (B, 1, T, S) mask."""
+    """transformers' mask hook for absorbed models: None (causal, no attention mask given), or a `CausalMask` holding
+    each sequence's real slots; masks that are not plain causal (packed sequences, overlays) as transformers' own
+    boolean (B, 1, T, S) mask. A multi-token step whose mask hides nothing runs as if none were given (one host read
+    per forward buys the unmasked prefill: one fused causal call); a one-token step keeps its mask as given, padded
+    or not (the decode step reads nothing on the host, and its mask costs nothing there)."""
     q_offset = int(q_offset)
     if mask_function is not causal_mask_function or kv_offset != 0 or q_offset + q_length != kv_length:
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
@@ -49,7 +51,7 @@ def latent_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
         if allow_is_causal_skip:
             return None
         padding = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
-    elif allow_is_causal_skip and bool(padding.all()):
+    elif allow_is_causal_skip and q_length > 1 and bool(padding.all()):
         return None
     return CausalMask(padding.to(device=device, dtype=torch.bool))
 

@@ -118,14 +118,21 @@ class Codec:
     uses_tensor_scale = staticmethod(lambda fmt: False)
 
 
-def check_finite(parts: Mapping[str, torch.Tensor], where: str) -> None:
-    """Refuse stored scales/zeros/values that overflowed their dtype (inf or NaN would decode to inf silently)."""
+def check_finite(parts: Mapping[str, torch.Tensor], where: str, on_device: bool = False) -> None:
+    """Refuse stored scales/zeros/values that overflowed their dtype (inf or NaN would decode to inf silently).
+    `on_device`: checked without reading on the host (`torch._assert_async`: a device-side error on a GPU, raised
+    at once on the CPU), for the decode step's writes."""
     for name, t in parts.items():
-        if t.is_floating_point() and not quantizers.all_finite(t):
-            dtype = str(t.dtype).replace("torch.", "")
-            raise ValueError(f"{where}: the stored {name} ({dtype}) overflow to inf/NaN (the latent holds values "
-                             f"beyond the {dtype} range, or is itself not finite); use scale_dtype=fp32 for this "
-                             f"path, or find where the model overflows")
+        if not t.is_floating_point():
+            continue
+        dtype = str(t.dtype).replace("torch.", "")
+        why = (f"{where}: the stored {name} ({dtype}) overflow to inf/NaN (the latent holds values beyond the {dtype} "
+               f"range, or is itself not finite); use scale_dtype=fp32 for this path, or find where the model "
+               f"overflows")
+        if on_device:
+            torch._assert_async(torch.isfinite(t.sum(dtype=torch.float64)), why)
+        elif not quantizers.all_finite(t):
+            raise ValueError(why)
 
 
 @functools.lru_cache(maxsize=256)
