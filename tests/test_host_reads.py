@@ -1,6 +1,6 @@
 """Host reads (device values read on the host: a stream sync on a GPU, and what CUDA graph capture refuses) of a
 decode step, counted with `mla_quant.audit.HostReads` on a tiny two-layer DeepSeek-V3 with the int4_joint cache,
-through the PyTorch layer and through backend=auto (the C++ kernel here, the Triton kernel on a GPU). A steady
+through the PyTorch layer, backend=auto (the C++ kernel here, the Triton kernel on a GPU) and backend=triton. A steady
 decode step reads nothing, with or without an attention mask, padded batch or not."""
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def _steady_reads(model, backend: str, mask_kind: str) -> list[HostReads]:
     return reads[1:]
 
 
-@pytest.mark.parametrize("backend", ["torch", "auto"])
-@pytest.mark.parametrize("mask_kind", ["none", "ones", "padded"])
+@pytest.mark.parametrize(("backend", "mask_kind"), [(b, m) for b in ("torch", "auto") for m in ("none", "ones", "padded")]
+                         + [("triton", "padded")])  # the Triton kernel and its store kernel (interpreted here)
 def test_steady_decode_step_reads_nothing(model, backend, mask_kind):
     for step in _steady_reads(model, backend, mask_kind):
         assert dict(step.sites) == {}, (backend, mask_kind, dict(step.sites))

@@ -52,7 +52,7 @@ def smooth_scale(cap: LayerCapture, rotation: torch.Tensor | None, alpha: float)
 
 def pair_balance(cap: LayerCapture, alpha: float) -> torch.Tensor:
     """t_i per RoPE pair: the key is multiplied by t (k' = t k), the query divided, balancing pair magnitudes."""
-    a, b = pair_index(cap.cached_layout, cap.k_rope.shape[-1])
+    a, b = pair_index(cap.cached_layout, cap.k_rope.shape[-1], cap.k_rope.device)
     k_mag = torch.sqrt(cap.k_rope[..., a] ** 2 + cap.k_rope[..., b] ** 2).reshape(-1, len(a)).amax(0)
     q_mag = torch.sqrt(cap.q_rope[..., a] ** 2 + cap.q_rope[..., b] ** 2).reshape(-1, len(a)).amax(0)
     return 1.0 / balance(k_mag, q_mag, alpha)
@@ -70,7 +70,7 @@ def _adam(params, loss_fn, evaluate, opts: FitOptions, n_rows: int, desc: str, b
     opt = torch.optim.Adam(params, lr=opts.lr)
     g = torch.Generator().manual_seed(opts.seed)
     for step in tqdm(range(opts.steps), desc=desc, leave=False, unit="step"):
-        idx = torch.randperm(n_rows, generator=g)[: opts.batch]
+        idx = torch.randperm(n_rows, generator=g, device="cpu")[: opts.batch]  # the generator is the host's
         loss = loss_fn(idx)
         opt.zero_grad()
         loss.backward()

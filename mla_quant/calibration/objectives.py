@@ -100,7 +100,7 @@ def ste_quantizer(fmt: PathFormat, d: int) -> Callable[[torch.Tensor], torch.Ten
 def apply_pairs(k: torch.Tensor, angle: torch.Tensor | None, scale: torch.Tensor, layout: str) -> torch.Tensor:
     """k (..., d_r) -> T k with T = blockdiag(scale_i Rot(angle_i)) on the pairs of `layout` (differentiable);
     angle None: no rotation (each pair's two coordinates times its scale)."""
-    a, b = pair_index(layout, k.shape[-1])
+    a, b = pair_index(layout, k.shape[-1], k.device)
     if angle is None:
         per_channel = torch.empty(k.shape[-1], dtype=scale.dtype, device=scale.device)
         per_channel[a], per_channel[b] = scale, scale

@@ -133,7 +133,8 @@ def check_quantizer(quantizer: str, symmetric: bool = False, where: str = "quant
 
 def check_levels(levels, bits: int, where: str = "levels") -> torch.Tensor:
     """A lloyd codebook: 2^bits finite, strictly ascending levels in code units (float32 tensor)."""
-    t = torch.as_tensor(levels, dtype=torch.float32)
+    # checked where the levels are: a tuple (a format's codebook) on the host
+    t = torch.as_tensor(levels, dtype=torch.float32, device=levels.device if torch.is_tensor(levels) else "cpu")
     n = 2**bits
     if t.dim() != 1 or t.numel() != n:
         raise ValueError(f"{where}: a codebook of {t.numel() if t.dim() == 1 else tuple(t.shape)} levels for "

@@ -107,7 +107,8 @@ class InjectionSpec:
 
     def direction(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         if self.shape == "gaussian":
-            z = torch.randn(x.shape, generator=generator, dtype=torch.float64).to(x.device)
+            # drawn on the host (the generator is the CPU's: the same noise on every device), then moved
+            z = torch.randn(x.shape, generator=generator, dtype=torch.float64, device="cpu").to(x.device)
         else:
             z = self.quantizer(x).double() - x.double()
         if self.pair is not None:  # one frequency pair, or a group of them (those this layer's key has)

@@ -81,10 +81,11 @@ class TransformSet:
 
 
 @functools.cache
-def pair_index(layout: str, d_r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Coordinates (a_i), (b_i) of every RoPE frequency pair i in `layout` (one pair of tensors per layout and
-    width: read them, never write them)."""
-    idx = torch.tensor([rope_pair(layout, d_r, i) for i in range(d_r // 2)], dtype=torch.long).view(-1, 2)
+def pair_index(layout: str, d_r: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Coordinates (a_i), (b_i) of every RoPE frequency pair i in `layout`, on `device` (one pair of tensors per
+    layout, width and device: read them, never write them)."""
+    idx = torch.tensor([rope_pair(layout, d_r, i) for i in range(d_r // 2)], dtype=torch.long, device="cpu")
+    idx = idx.view(-1, 2).to(device)
     return idx[:, 0], idx[:, 1]
 
 
@@ -96,7 +97,7 @@ def pair_matrix(angle: torch.Tensor, scale: torch.Tensor, layout: str, d_r: int)
                          f"({n},) for d_r={d_r}")
     m = torch.zeros(d_r, d_r, dtype=angle.dtype, device=angle.device)
     c, s = scale * torch.cos(angle), scale * torch.sin(angle)
-    a, b = (i.to(angle.device) for i in pair_index(layout, d_r))
+    a, b = pair_index(layout, d_r, angle.device)
     m[a, a], m[a, b], m[b, a], m[b, b] = c, -s, s, c
     return m
 

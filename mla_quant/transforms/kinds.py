@@ -162,5 +162,5 @@ class Pairwise(PairKind):
         return [(ctx.zeros, ctx.ones), (ctx.zeros, ctx.balanced())]
 
     def sample_pairs(self, n, generator, log_normal):
-        angle = (torch.rand(n, generator=generator, dtype=torch.float64) * 2 - 1) * torch.pi
+        angle = (torch.rand(n, generator=generator, dtype=torch.float64, device="cpu") * 2 - 1) * torch.pi
         return angle, log_normal(n)

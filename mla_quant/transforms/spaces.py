@@ -15,7 +15,7 @@ def sample_layer_transform(content: str, rope: str, d_c: int, d_r: int, generato
     content_kind, rope_kind = kind("content", content), kind("rope", rope)
 
     def log_normal(n):
-        return torch.exp(spread * torch.randn(n, generator=generator, dtype=torch.float64))
+        return torch.exp(spread * torch.randn(n, generator=generator, dtype=torch.float64, device="cpu"))
 
     rotation, scale = content_kind.sample(d_c, generator, log_normal)
     angle, pair_scale = rope_kind.sample(d_r, generator, log_normal)
