@@ -3,6 +3,9 @@ cache/peers.py), and the small helpers the layers share: the latents' shape chec
 
 from __future__ import annotations
 
+import weakref
+
+import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -25,6 +28,43 @@ def scatter_rows(dest: torch.Tensor, index: torch.Tensor, ok: torch.Tensor, src:
     """dest[b, index[b, j]] = src[b, j] where ok[b, j]. dest (B, L, d), index/ok (B, J), src (B, J, d)."""
     b, j = ok.nonzero(as_tuple=True)
     dest[b, index[b, j]] = src[b, j].to(dest.dtype)
+
+
+def scatter_host(dest: torch.Tensor, index: np.ndarray, ok: np.ndarray, src: torch.Tensor) -> None:
+    """`scatter_rows` with index and ok (B, J) on the host (numpy): the places are worked out there and copied to
+    the device (no device value read)."""
+    b, j = ok.nonzero()
+    if b.size:
+        bji = to_device(np.stack([b, j, index[b, j]]), dest.device)
+        dest[bji[0], bji[2]] = src[bji[0], bji[1]].to(dest.dtype)
+
+
+def to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array (bookkeeping worked out on the host) as a tensor on `device`: on a GPU copied from pinned memory
+    without waiting for the device's stream."""
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+_last_host: tuple | None = None  # (weak reference to a device tensor, its version, its host copy)
+
+
+def host_copy(x: torch.Tensor) -> np.ndarray:
+    """`x` (a step's key validity) on the host: read once while the same tensor, unchanged, is asked for again
+    (every layer of a forward asks for the same one: `CausalMask.validity`), or given by `remember_host`."""
+    if _last_host is not None and _last_host[0]() is x and _last_host[1] == x._version:
+        return _last_host[2]
+    host = x.cpu().numpy()
+    remember_host(x, host)
+    return host
+
+
+def remember_host(x: torch.Tensor, host: np.ndarray) -> None:
+    """Record `host` as the host copy of `x` as it is now (read already by the caller)."""
+    global _last_host
+    _last_host = (weakref.ref(x), x._version, host)
 
 
 class LatentLayerContract(CacheLayerMixin):

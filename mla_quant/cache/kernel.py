@@ -19,7 +19,6 @@ from mla_quant.cache.contract import step_type
 from mla_quant.cache.layer import PATHS, LatentCacheLayer
 from mla_quant.kernels.backends import DECODE_BACKENDS
 from mla_quant.kernels.layout import WordLayout
-from mla_quant.quant.formats import check_finite
 from mla_quant.quant.quantizers import SCALE_DTYPES, ZERO_DTYPES
 
 
@@ -106,7 +105,7 @@ class KernelDecode:
                 continue
             store_quantized(self.store, rows, pos, table, p, fmt, self._dim(p), tokens[p])
             written = self.store.gather(rows, pos, [f"{p}/scales"] + ([] if fmt.symmetric else [f"{p}/zeros"]))
-            check_finite(written, f"{self.where}, quant.{p} ({fmt.describe()})", on_device)
+            self._check_stored(written, f"{self.where}, quant.{p} ({fmt.describe()})", on_device)
 
     def _store_unsupported(self, path: str) -> str | None:
         return store_unsupported(self.path_format(path), self._dim(path))

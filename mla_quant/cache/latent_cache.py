@@ -10,6 +10,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from mla_quant.cache.layer import LatentCacheLayer
+from mla_quant.quant.formats import raise_unless_finite
 
 
 class LatentCache(Cache):
@@ -36,10 +37,30 @@ class LatentCache(Cache):
         layers = [other_layers[i] if i in other_layers else next(free) for i in range(slots)]
         self.latent_layers = latent
         super().__init__(layers=layers)
+        # The stored parts' finite checks of a forward, read on the host once, after its last latent layer.
+        self._checks: list = []
+        for layer in latent:
+            layer.deferred_checks = self._checks
+        self._last_slot = layers.index(latent[-1]) if latent else -1
 
     def attend(self, layer_idx: int, q_latent, q_rope, content, rope, scale, mask, valid=None, **absorbed):
         """The attention of the MLA module in cache slot `layer_idx` (its decoder layer)."""
-        return self.layers[layer_idx].attend(q_latent, q_rope, content, rope, scale, mask, valid, **absorbed)
+        out = self.layers[layer_idx].attend(q_latent, q_rope, content, rope, scale, mask, valid, **absorbed)
+        if layer_idx == self._last_slot:
+            self.check_stored()
+        return out
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == self._last_slot:
+            self.check_stored()
+        return out
+
+    def check_stored(self) -> None:
+        """Refuse, naming the layer and path, any stored scale, zero or value of this forward that overflowed its
+        dtype: every layer's checks in one host read."""
+        checks, self._checks[:] = list(self._checks), []
+        raise_unless_finite(checks)
 
     def nbytes(self) -> int:
         """Bytes used by all latent layers (valid tokens only), measured from the stored tensors."""

@@ -33,13 +33,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mla_quant.cache.accounting import LayerBytes
-from mla_quant.cache.contract import LatentLayerContract, scatter_rows
+from mla_quant.cache.contract import LatentLayerContract, host_copy, scatter_host, to_device
 from mla_quant.cache.paged import PagedStore
 from mla_quant.cache.reads import LayerReads
-from mla_quant.quant.formats import PATHS, PathFormat, check_finite
+from mla_quant.quant.formats import PATHS, PathFormat, check_finite, finite_checks
 from mla_quant.quant.quantizers import FP8_MAX
 
 
@@ -57,6 +58,7 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
         self.block_size = 64 if fmt is None else fmt.block_size
         self.token_block = None if fmt is None else fmt.token_block
         self.backend_steps: Counter = Counter()  # (step type, backend) -> attention steps run, over resets
+        self.deferred_checks: list | None = None  # a model's cache: where the stored parts' finite checks wait
         if fmt is not None:
             for p in PATHS:  # a lloyd path needs its fitted codebook before any token is stored
                 try:
@@ -76,7 +78,9 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
         self._steady_state: bool | None = None  # `_steady`'s answer while the regions stay as they are
         self._stage: _Stage | None = None  # the steady state's ring head and tokens written ahead
         self.tensor_scales: dict[str, torch.Tensor | None] = {p: None for p in PATHS}  # (B,) float32 per sequence
-        self._scales_complete = False  # every sequence has its tensor scales (known on the host once it holds)
+        self._scaled: np.ndarray | None = None  # (B,) bool on the host: which sequences have their tensor scales
+        # the regions' sizes per sequence on the host (B,) int64: "sinks", "recent", "pending" (as n_sinks, ...)
+        self._host: dict[str, np.ndarray] = {}
         # DeepSeek-V3.2's sparse-attention indexer keeps its own key cache next to the latent (B, S, d_index).
         self.indexer_keys: torch.Tensor | None = None
 
@@ -114,9 +118,8 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
         b = key_states.shape[0]
         self.slot_valid = torch.zeros(b, 0, dtype=torch.bool, device=self.device)
         self.store = PagedStore(b, self.block_size, self.device)
-        self.n_sinks = torch.zeros(b, dtype=torch.long, device=self.device)
-        self.n_recent = torch.zeros(b, dtype=torch.long, device=self.device)
-        self.n_pending = torch.zeros(b, dtype=torch.long, device=self.device)
+        for name in ("sinks", "recent", "pending"):
+            self._set_host(name, np.zeros(b, dtype=np.int64))
         if self.quantized:
             for path, x in (("content", key_states), ("rope", value_states)):
                 self.sinks[path] = x.new_zeros(b, 0, x.shape[-1])  # grows to n_sink as sinks arrive
@@ -127,55 +130,84 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
     @torch.compiler.disable  # under torch.compile the cache's bookkeeping runs eagerly (its pages are written in place
     # through views of other dtypes, which AOT autograd does not trace); the model's math and the kernel compile
     def append(self, content: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Store new tokens. content (B, T, d_c), rope (B, T, d_r), valid (B, T) bool: False marks padding."""
+        """Store new tokens. content (B, T, d_c), rope (B, T, d_r), valid (B, T) bool: False marks padding.
+        The regions' bookkeeping is worked out on the host from host copies of their sizes and of `valid` (read once
+        per forward: every layer asks for the same tensor), the places copied to the device: the steady decode
+        step reads nothing, any other append one host copy of `valid` per forward."""
         all_real = valid is None
         valid = self._count_slots(content, rope, valid)
         b, t = valid.shape
         if t == 0:
             return
         new = {"content": content.to(self.dtype), "rope": rope.to(self.dtype)}
-        if not self.quantized:
-            rows = valid.nonzero(as_tuple=True)[0]
-            self._store(rows, {p: x[valid] for p, x in new.items()})
+        if not self.quantized and t == 1:  # a decode step: every row's token written past its last, the real counted
+            rows, pos = self.store.reserve_ahead(1)
+            self._write(rows, pos, {p: x[:, 0] for p, x in new.items()}, on_device=True)
+            self.store.advance(None if all_real else valid[:, 0])
             return
-        self._set_tensor_scales(new, valid)
+        if not self.quantized:
+            sb, sj = self._host_valid(valid, all_real).nonzero()
+            at = to_device(np.stack([sb, sj]), self.device)
+            self._store(sb, {p: x[at[0], at[1]] for p, x in new.items()}, at[0])
+            return
+        self._set_tensor_scales(new, valid, all_real)
         window = self.recent["content"].shape[1]
         if t == 1 and self._steady(window):
             self._steady_step(new, window, None if all_real else valid[:, 0])
             return
         self._regions_change()
+        host = self._host
         # Each sequence's real tokens in order: [its recent window | its new tokens], then split into
-        # [to sinks | leaving the window (quantized now) | the new recent window].
-        held = torch.arange(window, device=self.device)[None, :] < self.n_recent[:, None]
-        ok = torch.cat([held, valid], dim=1)  # (B, R + T)
+        # [to sinks | leaving the window (quantized now) | the new recent window]; sizes and places on the host.
+        held = np.arange(window)[None, :] < host["recent"][:, None]
+        ok = np.concatenate([held, self._host_valid(valid, all_real)], axis=1)  # (B, R + T)
         seq = {p: torch.cat([self.recent[p], new[p]], dim=1) for p in PATHS}  # (B, R + T, d)
-        rank = ok.long().cumsum(1) - 1  # (B, R + T) index among the sequence's real tokens here
+        rank = ok.cumsum(1) - 1  # (B, R + T) index among the sequence's real tokens here
         total = ok.sum(1)
-        to_sink = torch.clamp(self.fmt.n_sink - self.n_sinks, min=0).minimum(total)  # (B,)
-        leave = torch.clamp(total - to_sink - self.fmt.recent, min=0)
+        to_sink = np.minimum(np.clip(self.fmt.n_sink - host["sinks"], 0, None), total)  # (B,)
+        leave = np.clip(total - to_sink - self.fmt.recent, 0, None)
         keep = total - to_sink - leave
         sink_ok = ok & (rank < to_sink[:, None])
         store_ok = ok & (rank >= to_sink[:, None]) & (rank < (to_sink + leave)[:, None])
         recent_ok = ok & (rank >= (to_sink + leave)[:, None])
-        grow = int((self.n_sinks + to_sink).max()) - self.sinks["content"].shape[1]
+        grow = int((host["sinks"] + to_sink).max()) - self.sinks["content"].shape[1]
         for p in PATHS:
             if grow > 0:
                 pad = self.sinks[p].new_zeros(b, grow, self.sinks[p].shape[-1])
                 self.sinks[p] = torch.cat([self.sinks[p], pad], dim=1)
-            scatter_rows(self.sinks[p], rank + self.n_sinks[:, None], sink_ok, seq[p])
-        self.n_sinks = self.n_sinks + to_sink
-        rows = store_ok.nonzero(as_tuple=True)[0]
-        tokens = {p: seq[p][store_ok] for p in PATHS}
+            scatter_host(self.sinks[p], rank + host["sinks"][:, None], sink_ok, seq[p])
+        self._set_host("sinks", host["sinks"] + to_sink)
+        sb, sj = store_ok.nonzero()
+        at = to_device(np.stack([sb, sj]), self.device)
+        tokens = {p: seq[p][at[0], at[1]] for p in PATHS}
         if self.token_block:
-            self._store_blocks(rows, tokens)
+            self._store_blocks(sb, at[0], tokens)
         else:
-            self._store(rows, tokens)
+            self._store(sb, tokens, at[0])
         width = max(window, int(keep.max()))
         for p in PATHS:
             fresh = seq[p].new_zeros(b, width, seq[p].shape[-1])
-            scatter_rows(fresh, rank - (to_sink + leave)[:, None], recent_ok, seq[p])
+            scatter_host(fresh, rank - (to_sink + leave)[:, None], recent_ok, seq[p])
             self.recent[p] = fresh
-        self.n_recent = keep
+        self._set_host("recent", keep)
+
+    def _host_valid(self, valid: torch.Tensor, all_real: bool) -> np.ndarray:
+        """`valid` (B, T) on the host: all True when no validity was given (nothing read), else its host copy (read
+        once per forward)."""
+        return np.ones(tuple(valid.shape), dtype=bool) if all_real else host_copy(valid)
+
+    def _set_host(self, name: str, counts: np.ndarray) -> None:
+        """A region's per-sequence size (B,) worked out on the host: kept there and copied to the device
+        (`n_sinks`, `n_recent`, `n_pending`)."""
+        self._host[name] = counts
+        setattr(self, f"n_{name}", to_device(counts, self.device))
+
+    def _sync_host(self) -> None:
+        """The regions' sizes read back from the device, after an edit that worked them out there (crop, batch
+        edits: outside a forward)."""
+        self._host = {name: getattr(self, f"n_{name}").cpu().numpy() for name in ("sinks", "recent", "pending")}
+        scales = [s for s in self.tensor_scales.values() if s is not None]
+        self._scaled = (scales[0] != 0).cpu().numpy() if scales else None
 
     fast_append = True  # the steady-state decode step below (False: always the general path; tests compare both)
     stage_tokens = 16  # steady state: at most this many window tokens quantized together before they leave it
@@ -246,13 +278,15 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
         if not (self.fast_append and self.token_block is None and window == self.fmt.recent > 0):
             return False
         if self._steady_state is None:
-            self._steady_state = bool((self.n_recent == window).all()) and bool((self.n_sinks == self.fmt.n_sink).all())
+            host = self._host
+            self._steady_state = bool((host["recent"] == window).all() and (host["sinks"] == self.fmt.n_sink).all())
         return self._steady_state
 
-    def _store(self, rows: torch.Tensor, tokens: dict[str, torch.Tensor]) -> None:
-        """Append tokens (N, d) per path, belonging to sequences `rows` (N,) ascending, to the paged store."""
-        if rows.numel():
-            self._write(rows, self.store.reserve(rows), tokens)
+    def _store(self, rows: np.ndarray, tokens: dict[str, torch.Tensor], on_device: torch.Tensor) -> None:
+        """Append tokens (N, d) per path, belonging to sequences `rows` (N,) ascending (on the host, and
+        `on_device`), to the paged store."""
+        if rows.size:
+            self._write(on_device, self.store.reserve(on_device, rows), tokens)
 
     def _write(self, rows: torch.Tensor, pos: torch.Tensor, tokens: dict[str, torch.Tensor],
                on_device: bool = False) -> None:
@@ -264,54 +298,70 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
             scale = self.tensor_scales[p]
             encoded = fmt.encode(tokens[p], None if scale is None else scale[rows])
             if fmt.quantized:
-                check_finite(encoded, f"{self.where}, quant.{p} ({fmt.describe()})", on_device)
+                self._check_stored(encoded, f"{self.where}, quant.{p} ({fmt.describe()})", on_device)
             parts.update({f"{p}/{k}": v for k, v in encoded.items()})
         self.store.write(rows, pos, parts)
 
-    def _store_blocks(self, rows: torch.Tensor, tokens: dict[str, torch.Tensor]) -> None:
-        """Tokens (N, d) leaving the window of sequences `rows` (N,) ascending join their sequence's pending tokens;
-        every whole block of `token_block` tokens is encoded and stored, the rest stays pending (exact)."""
-        if rows.numel() == 0:
+    def _check_stored(self, parts: dict[str, torch.Tensor], where: str, on_device: bool) -> None:
+        """Refuse stored scales, zeros or values that overflowed their dtype: at once (a host read), on the device
+        (`on_device`: the decode step's writes), or, in a model's cache (`deferred_checks` set), with every layer's
+        checks of the forward in one host read after its last layer (`LatentCache.check_stored`)."""
+        if on_device or self.deferred_checks is None:
+            check_finite(parts, where, on_device)
+        else:
+            self.deferred_checks.extend(finite_checks(parts, where))
+
+    def _store_blocks(self, rows: np.ndarray, on_device: torch.Tensor, tokens: dict[str, torch.Tensor]) -> None:
+        """Tokens (N, d) leaving the window of sequences `rows` (N,) ascending (on the host, and `on_device`) join
+        their sequence's pending tokens; every whole block of `token_block` tokens is encoded and stored, the rest
+        stays pending (exact). Sizes and places worked out on the host."""
+        if rows.size == 0:
             return
-        b, t = self.n_pending.shape[0], self.token_block
-        counts = torch.bincount(rows, minlength=b)  # (B,)
-        total = self.n_pending + counts
+        pending, t = self._host["pending"], self.token_block
+        b = pending.shape[0]
+        counts = np.bincount(rows, minlength=b)  # (B,)
+        total = pending + counts
         full = total - total % t  # (B,) tokens that now make whole blocks
         width = int(total.max())
-        j = torch.arange(width, device=self.device)[None, :]  # (1, width)
-        starts = torch.cumsum(counts, 0) - counts
-        pos = self.n_pending[rows] + torch.arange(rows.numel(), device=self.device) - starts[rows]  # (N,)
+        j = np.arange(width)[None, :]  # (1, width)
+        starts = np.cumsum(counts) - counts
+        pos = to_device(pending[rows] + np.arange(rows.size) - starts[rows], self.device)  # (N,)
         seq = {}
         for p in PATHS:  # each sequence's [pending | leaving] tokens, in order: (B, width, d)
             x = self.pending[p].new_zeros(b, width, self.pending[p].shape[-1])
             held = self.pending[p][:, : min(width, self.pending[p].shape[1])]
-            scatter_rows(x, j[:, : held.shape[1]].expand(b, -1), j[:, : held.shape[1]] < self.n_pending[:, None],
-                          held)
-            x[rows, pos] = tokens[p].to(x.dtype)
+            cols = j[:, : held.shape[1]]
+            scatter_host(x, np.repeat(cols, b, axis=0), cols < pending[:, None], held)
+            x[on_device, pos] = tokens[p].to(x.dtype)
             seq[p] = x
-        whole = j < full[:, None]  # (B, width)
-        self._store(whole.nonzero(as_tuple=True)[0], {p: seq[p][whole] for p in PATHS})
+        wb, wj = (j < full[:, None]).nonzero()  # (B, width): the whole blocks
+        at = to_device(np.stack([wb, wj]), self.device)
+        self._store(wb, {p: seq[p][at[0], at[1]] for p in PATHS}, at[0])
         keep = total - full  # (B,) < token_block
         capacity = max(self.pending["content"].shape[1], int(keep.max()))
         left = full[:, None] + j[:, :capacity]  # (B, capacity) where each new pending token sits in seq
-        ok = j[:, :capacity] < keep[:, None]
+        ok = to_device(j[:, :capacity] < keep[:, None], self.device)
+        index = to_device(np.minimum(left, width - 1), self.device)
         for p in PATHS:
-            index = left.clamp(max=width - 1)[..., None].expand(-1, -1, seq[p].shape[-1])
-            self.pending[p] = torch.where(ok[..., None], seq[p].gather(1, index), 0)
-        self.n_pending = keep
+            gathered = seq[p].gather(1, index[..., None].expand(-1, -1, seq[p].shape[-1]))
+            self.pending[p] = torch.where(ok[..., None], gathered, 0)
+        self._set_host("pending", keep)
 
-    def _set_tensor_scales(self, new: dict[str, torch.Tensor], valid: torch.Tensor) -> None:
-        """Per-sequence fp8 scales (granularity=tensor): amax/448 of the sequence's first append of real tokens."""
+    def _set_tensor_scales(self, new: dict[str, torch.Tensor], valid: torch.Tensor, all_real: bool) -> None:
+        """Per-sequence fp8 scales (granularity=tensor): amax/448 of the sequence's first append of real tokens.
+        Which sequences have theirs is known on the host (`_scaled`): once all do, nothing is read."""
         paths = [p for p in PATHS if self.path_format(p).tensor_scaled]
-        if not paths or self._scales_complete:
+        if not paths or (self._scaled is not None and self._scaled.all()):
             return
         b = valid.shape[0]
         for p in paths:
             if self.tensor_scales[p] is None:
                 self.tensor_scales[p] = torch.zeros(b, dtype=torch.float32, device=self.device)
-        unset = (self.tensor_scales[paths[0]] == 0) & valid.any(1)  # (B,)
-        if not bool(unset.any()):
+        scaled = np.zeros(b, dtype=bool) if self._scaled is None else self._scaled
+        unset_host = ~scaled & self._host_valid(valid, all_real).any(1)  # (B,)
+        if not unset_host.any():
             return
+        unset = to_device(unset_host, self.device)
         groups = [paths] if self.fmt.shared_scale else [[p] for p in paths]
         for group in groups:
             amax = torch.stack([(new[p].float().abs() * valid[..., None]).amax(dim=(1, 2)) for p in group]).amax(0)
@@ -320,7 +370,8 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
             merged = torch.where(unset, scale, self.tensor_scales[group[0]])
             for p in group:  # one tensor for a shared scale (its bytes count once)
                 self.tensor_scales[p] = merged
-        self._scales_complete = bool((self.tensor_scales[paths[0]] != 0).all())
+        self._scaled = scaled | unset_host
+
     # ------------------------------------------------------------------ transformers' CacheLayerMixin contract
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last -tokens_to_remove slots: per sequence its latest real tokens, recent window first, then
@@ -352,6 +403,7 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
         self.length -= k
         if self.indexer_keys is not None:
             self.indexer_keys = self.indexer_keys[:, : self.length]
+        self._sync_host()
 
     def _unblock(self, kept: torch.Tensor) -> torch.Tensor:
         """Crop inside stored blocks: of `kept` (B,) stored tokens per sequence, those past the last whole block
@@ -386,6 +438,7 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
         self.tensor_scales = self._shared_map(fn)
         if self.indexer_keys is not None:
             self.indexer_keys = fn(self.indexer_keys)
+        self._sync_host()
 
     def _shared_map(self, fn) -> dict:
         """Apply fn to the tensor scales, keeping one tensor where both paths share it."""

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
+from mla_quant.cache.contract import to_device
 from mla_quant.kernels.layout import PagedPath, PageLayout
 
 Spec = tuple[tuple[int, ...], torch.dtype]  # a part's shape per token and dtype
@@ -51,7 +53,8 @@ class PagedStore:
         self.pages: dict[str, torch.Tensor] = {}  # path -> (num_blocks, page_bytes) uint8
         self.tables: list[list[int]] = [[] for _ in range(batch)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)  # (B,) tokens per sequence
-        # the same on the host (no device sync to decide on allocation); after `advance(counted)` an upper bound
+        # the same on the host (no device sync to decide on allocation); after `advance(counted)` an upper bound (and
+        # so after later `reserve`s, which add their counts), exact again after `truncate`
         self._host_lengths = [0] * batch
         self._table: torch.Tensor | None = None
         self._table_long: torch.Tensor | None = None  # the block table as int64, for indexing
@@ -129,16 +132,19 @@ class PagedStore:
         self.lengths = self.lengths + (1 if counted is None else counted.long())
         self._host_lengths = [n + 1 for n in self._host_lengths]
 
-    def reserve(self, rows: torch.Tensor) -> torch.Tensor:
+    def reserve(self, rows: torch.Tensor, host: np.ndarray | None = None) -> torch.Tensor:
         """Make room for N new tokens of sequences rows (N,) ascending and count them in; their positions (N,) in
-        their sequences. The caller writes them (`write`, or a kernel through `block_table()`)."""
+        their sequences. `host`: the same rows on the host, where the caller has them (else read from `rows`). The
+        caller writes them (`write`, or a kernel through `block_table()`)."""
         n = rows.numel()
-        counts = torch.bincount(rows, minlength=self.batch)  # (B,)
-        new_lengths = self.lengths + counts
-        self._allocate(new_lengths)
+        host = rows.cpu().numpy() if host is None else host
+        counts = np.bincount(host, minlength=self.batch)  # (B,) on the host
+        self._host_lengths = [a + int(c) for a, c in zip(self._host_lengths, counts)]
+        self._ensure_blocks(self._host_lengths)
+        counts = to_device(counts, self.device)
         starts = torch.cumsum(counts, 0) - counts  # (B,) first flat index of each row
         pos = self.lengths[rows] + torch.arange(n, device=rows.device) - starts[rows]  # (N,) position in its row
-        self.lengths = new_lengths
+        self.lengths = self.lengths + counts
         return pos
 
     def write(self, rows: torch.Tensor | None, pos: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
@@ -148,10 +154,6 @@ class PagedStore:
         blocks, offsets = self._locate(rows, pos)
         for name, x in parts.items():
             self.part(name)[blocks, offsets] = x
-
-    def _allocate(self, new_lengths: torch.Tensor) -> None:
-        self._host_lengths = new_lengths.tolist()
-        self._ensure_blocks(self._host_lengths)
 
     def _ensure_blocks(self, tokens: list[int]) -> None:
         """Enough blocks in each sequence's table for tokens[b] tokens."""

@@ -199,7 +199,7 @@ class StoredKeys:
         self.index = (layer.slot_valid.long().cumsum(1) - 1).clamp(min=0)  # (B, S): the real token each slot shows
         store = layer.store
         self.n_store = store.lengths
-        self.stored = bool(store.num_blocks) and int(self.n_store.max()) > 0
+        self.stored = bool(store.num_blocks) and store.longest > 0  # the host's bound: nothing read
         first = layer.n_sinks if layer.quantized else torch.zeros_like(self.n_store)
         self.store_start = first  # (B,) index of each sequence's first stored token among its real tokens
         dense = []  # (buffers, first index, count) of the unquantized regions
@@ -212,17 +212,16 @@ class StoredKeys:
 
     def __call__(self, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.index[:, k0:k1]  # (B, Kb) each slot's real-token index
-        regions = []  # the slots (b, j) of the block each unquantized region shows, and their index there
+        regions = []  # per unquantized region: which slots of the block it shows (B, Kb), and their index there
         for buf, start, n in self.dense:
             q = p - start[:, None]
-            b, j = ((q >= 0) & (q < n[:, None])).nonzero(as_tuple=True)
-            if b.numel():
-                regions.append((buf, b, j, q[b, j]))
+            regions.append((buf, (q >= 0) & (q < n[:, None]), q.clamp(0, buf["content"].shape[1] - 1)))
         out = []
         for i, (path, d) in enumerate(zip(PATHS, self.dims)):
             x = self._stored(path, p - self.store_start[:, None], d)
-            for buf, b, j, q in regions:  # a few tokens per sequence (sinks, pending, recent): written over
-                x[b, j] = buf[path][b, q].to(x.dtype)
+            for buf, shows, q in regions:  # sinks, pending, recent: their tokens over the stored ones, where shown
+                held = buf[path].gather(1, q[..., None].expand(-1, -1, d)).to(x.dtype)
+                x = torch.where(shows[..., None], held, x)
             if self.fresh is not None:  # serving: the step's own tokens at the last t slots
                 new = self.fresh[i]
                 t = new.shape[1]

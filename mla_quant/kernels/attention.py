@@ -34,7 +34,7 @@ A decode step (one query per sequence) over a cache's stored tensors runs `segme
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -88,6 +88,14 @@ class CausalMask:
     slots at or before it that hold real tokens. keys (B, S) bool, True = a real token."""
 
     keys: torch.Tensor
+    _validity: dict = field(default_factory=dict, repr=False, compare=False)  # t -> validity(t), made once
+
+    def validity(self, t: int) -> torch.Tensor:
+        """(B, t) which of the last t slots hold real tokens: one tensor per mask and t, so every layer of a forward
+        asks for the same one (its host copy is then read once)."""
+        if t not in self._validity:
+            self._validity[t] = self.keys[:, self.keys.shape[1] - t:]
+        return self._validity[t]
 
     def block(self, q_slots: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
         """(B, 1, len(q_slots), k1 - k0) bool, True = attend: the queries at absolute slots `q_slots` over keys k0:k1."""
@@ -147,7 +155,7 @@ def key_validity(mask, t: int) -> torch.Tensor | None:
     if mask is None:
         return None
     if isinstance(mask, CausalMask):
-        return mask.keys[:, mask.keys.shape[1] - t:]
+        return mask.validity(t)
     if mask.dim() == 2:
         return mask[:, mask.shape[1] - t:].bool()
     return visible(mask[:, 0, -t:, mask.shape[-1] - t:]).any(dim=1)

@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, prepare_padding_mask, sdpa_mask
 
 from mla_quant.cache import LatentCache, layer_factory
+from mla_quant.cache.contract import remember_host
 from mla_quant.kernels.attention import DEFAULT_BLOCKS, AttentionBlocks, CausalMask, key_validity, latent_attention
 from mla_quant.kernels.backends import DECODE_BACKENDS
 from mla_quant.models import fp8
@@ -51,8 +52,13 @@ def latent_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
         if allow_is_causal_skip:
             return None
         padding = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
-    elif allow_is_causal_skip and q_length > 1 and bool(padding.all()):
-        return None
+    elif q_length > 1:  # read once per forward: whether anything is padded, and the layers' bookkeeping
+        host = padding.cpu().numpy().astype(bool)
+        if allow_is_causal_skip and host.all():
+            return None
+        mask = CausalMask(padding.to(device=device, dtype=torch.bool))
+        remember_host(mask.validity(q_length), host[:, host.shape[1] - q_length:])
+        return mask
     return CausalMask(padding.to(device=device, dtype=torch.bool))
 
 

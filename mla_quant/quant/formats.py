@@ -38,7 +38,8 @@ Codecs (`format`), see docs/cache.md "Formats":
 A `layers` list gives each cache layer its own paths (`CacheSpec`).
 """
 
-from mla_quant.quant.codecs import CODECS, FORMATS, PAIR_LAYOUTS, Codec, check_finite, pair_channels
+from mla_quant.quant.codecs import (CODECS, FORMATS, PAIR_LAYOUTS, Codec, check_finite, finite_checks, pair_channels,
+                                    raise_unless_finite)
 from mla_quant.quant.codecs.base import (
     CODEBOOK_LEVEL_BYTES,
     GRANULARITIES,
@@ -80,6 +81,5 @@ __all__ = ["BACKENDS", "BASELINE", "CODEBOOK_LEVEL_BYTES", "CODECS", "COMMON", "
            "GRANULARITIES", "LAYER_KEYS", "MIXED_KEYS", "MODES", "PAIR_LAYOUTS", "PATHS", "SCALE_BYTES", "STEP_TYPES",
            "TENSOR_SCALE_BYTES", "TOP_KEYS", "TRITON_INT_BITS", "ZERO_BYTES", "CacheFormat", "Codec", "CacheSpec",
            "PathFormat", "_check_keys", "as_spec", "_plain", "cache_bytes_per_token", "cache_format", "check_finite",
-           "decode_path", "encode_path", "fake_quantizer", "layer_format", "layered_format", "model_format",
-           "pair_channels",
-           "refuse_layered", "tensor_scale_for"]
+           "decode_path", "encode_path", "fake_quantizer", "finite_checks", "layer_format", "layered_format",
+           "model_format", "pair_channels", "raise_unless_finite", "refuse_layered", "tensor_scale_for"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from mla_quant.quant.codecs.base import CODECS, Codec, check_finite, register
+from mla_quant.quant.codecs.base import CODECS, Codec, check_finite, finite_checks, raise_unless_finite, register
 from mla_quant.quant.codecs.pairs import PAIR_LAYOUTS, pair_channels
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
@@ -16,4 +16,5 @@ for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
 FORMATS = tuple(CODECS)
 CONTENT_CODECS = (None, *(n for n, c in CODECS.items() if c.recodes_content))  # transform.content.codec
 
-__all__ = ["CODECS", "CONTENT_CODECS", "FORMATS", "PAIR_LAYOUTS", "Codec", "check_finite", "pair_channels", "register"]
+__all__ = ["CODECS", "CONTENT_CODECS", "FORMATS", "PAIR_LAYOUTS", "Codec", "check_finite", "finite_checks",
+           "pair_channels", "raise_unless_finite", "register"]

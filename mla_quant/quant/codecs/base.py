@@ -118,21 +118,36 @@ class Codec:
     uses_tensor_scale = staticmethod(lambda fmt: False)
 
 
+def finite_checks(parts: Mapping[str, torch.Tensor], where: str) -> list[tuple[torch.Tensor, str]]:
+    """Per floating part: (a device bool, True when it holds no inf or NaN; the error if not). One sum in float64
+    (a NaN or inf anywhere makes it non-finite, and no sum of finite float32/16 values overflows it)."""
+    checks = []
+    for name, t in parts.items():
+        if t.is_floating_point():
+            dtype = str(t.dtype).replace("torch.", "")
+            checks.append((torch.isfinite(t.sum(dtype=torch.float64)),
+                           f"{where}: the stored {name} ({dtype}) overflow to inf/NaN (the latent holds values beyond "
+                           f"the {dtype} range, or is itself not finite); use scale_dtype=fp32 for this path, or find "
+                           f"where the model overflows"))
+    return checks
+
+
+def raise_unless_finite(checks: list[tuple[torch.Tensor, str]]) -> None:
+    """Refuse, with the first failed check's error, unless every check of `finite_checks` holds: one host read."""
+    if checks and not bool(torch.stack([flag for flag, _ in checks]).all()):
+        raise ValueError(next(why for flag, why in checks if not bool(flag)))
+
+
 def check_finite(parts: Mapping[str, torch.Tensor], where: str, on_device: bool = False) -> None:
     """Refuse stored scales/zeros/values that overflowed their dtype (inf or NaN would decode to inf silently).
     `on_device`: checked without reading on the host (`torch._assert_async`: a device-side error on a GPU, raised
     at once on the CPU), for the decode step's writes."""
-    for name, t in parts.items():
-        if not t.is_floating_point():
-            continue
-        dtype = str(t.dtype).replace("torch.", "")
-        why = (f"{where}: the stored {name} ({dtype}) overflow to inf/NaN (the latent holds values beyond the {dtype} "
-               f"range, or is itself not finite); use scale_dtype=fp32 for this path, or find where the model "
-               f"overflows")
-        if on_device:
-            torch._assert_async(torch.isfinite(t.sum(dtype=torch.float64)), why)
-        elif not quantizers.all_finite(t):
-            raise ValueError(why)
+    checks = finite_checks(parts, where)
+    if on_device:
+        for flag, why in checks:
+            torch._assert_async(flag, why)
+    else:
+        raise_unless_finite(checks)
 
 
 @functools.lru_cache(maxsize=256)
