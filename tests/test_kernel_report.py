@@ -35,3 +35,4 @@ def test_kernels_compile_for_ampere_and_hopper(tmp_path):
     assert (df.regs <= 255).all() and (df.regs > 0).all()
     assert df.shared_ok.all() and (df.blocks_per_sm >= 1).all()
     assert (df[df.kernel != "decode_stage1"].stack_B == 0).all()  # the merge and the store keep to registers
+    assert (stage1.mma_ops > 0).all()  # bfloat16 activations: the products a GPU launch runs on tensor cores

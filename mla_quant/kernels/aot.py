@@ -105,7 +105,8 @@ def kernel_row(kernel, arch: int) -> dict:
     """A compiled kernel's warps, stages, shared memory, the cubin's resources (`resources`) and its blocks per SM."""
     meta = kernel.metadata
     row = {"warps": meta.num_warps, "stages": meta.num_stages, "shared_B": meta.shared,
-           **resources(kernel.asm["cubin"])}
+           **resources(kernel.asm["cubin"]),
+           "mma_ops": len(re.findall(r"\b(?:wgmma|mma)\.", kernel.asm["ptx"]))}  # tensor-core instructions
     row["blocks_per_sm"] = occupancy(row, arch)
     row["shared_ok"] = meta.shared <= SHARED_LIMIT[arch]
     return row

@@ -215,6 +215,20 @@ def _pairs_group(page, slot, ok_t, m, j, PER: tl.constexpr, SYM: tl.constexpr, B
 
 
 @triton.jit
+def _operand(x, MODE: tl.constexpr):
+    """x as `_dot` multiplies it: bfloat16 (MODE=1), bfloat16-rounded float32 (2), float32 (0). Applying it once to a
+    tile that several products read (or to the queries, once before the loop) keeps the tile at half the registers
+    in bfloat16 and the numbers as they were (`_dot` applying it again changes nothing)."""
+    if MODE == 1:
+        out = x.to(tl.bfloat16)
+    elif MODE == 2:
+        out = x.to(tl.bfloat16).to(tl.float32)
+    else:
+        out = x
+    return out
+
+
+@triton.jit
 def _dot(a, b, MODE: tl.constexpr):
     """a @ b in float32: exact float32 products (MODE=0), bfloat16 operands on tensor cores (1), or bfloat16-rounded
     operands multiplied in float32 (2: the same numbers, for Triton's CPU interpreter, whose bfloat16 dot is wrong)."""
@@ -256,12 +270,13 @@ def _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_
                 mask=h_ok[:, None] & dc_ok[None, :], other=0.0).to(tl.float32)
     qr = tl.load(QR + b.to(tl.int64) * stride_qrb + h[:, None] * stride_qrh + dr[None, :],
                  mask=h_ok[:, None] & dr_ok[None, :], other=0.0).to(tl.float32)
+    q, qr = _operand(q, DOT_MODE), _operand(qr, DOT_MODE)  # once, not per tile
     n_tokens = tl.load(LENS + b).to(tl.int32)
     start = local_split * TPS
     end = tl.minimum(start + TPS, n_tokens)
     m_i = tl.zeros_like(h).to(tl.float32) + float("-inf")
     l_i = tl.zeros_like(m_i)
-    acc = tl.zeros_like(q)
+    acc = tl.zeros(q.shape, tl.float32)
     for t0 in range(start, end, BLOCK_N):
         tok = t0 + tl.arange(0, BLOCK_N)
         tok_ok = tok < end
@@ -274,6 +289,7 @@ def _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_
         else:
             r = _dequant_tile(R, R_SC, R_Z, R_LV, blk, slot, tok_ok, R_ST, R_SC_ST, R_Z_ST, DR, BLOCK_DR, R_BITS,
                               R_GROUP, R_SYM, R_POW2, R_CB)
+        c, r = _operand(c, DOT_MODE), _operand(r, DOT_MODE)  # the tile both products read, in their dtype once
         s = (_dot(q, tl.trans(c), DOT_MODE) + _dot(qr, tl.trans(r), DOT_MODE)) * scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -377,7 +393,9 @@ def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, se
     dev = q_latent.device
     cfg = launch_config(h, d_c, block_h, block_n, num_warps)
     head_blocks = math.ceil(h / cfg["block_h"])
-    dot_bf16 = dot == "bf16" or (dot == "auto" and dev.type == "cuda" and q_latent.dtype == torch.bfloat16)
+    # compiled ahead of time for a GPU (`kernels.aot`): the specialization a GPU launch builds
+    on_gpu = dev.type == "cuda" or bool(COMPILE_ONLY)
+    dot_bf16 = dot == "bf16" or (dot == "auto" and on_gpu and q_latent.dtype == torch.bfloat16)
     dot_mode = (2 if os.environ.get("TRITON_INTERPRET") == "1" else 1) if dot_bf16 else 0
     plan = split_plan(b, head_blocks, [seg.longest() for seg in segments], cfg["block_n"], num_sms(dev),
                       split_tokens)

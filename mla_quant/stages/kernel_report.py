@@ -158,7 +158,8 @@ def _report(df: pd.DataFrame, failures: list[str], run_dir: Path) -> StageResult
     write_text_atomic(run_dir / "kernel_report.md", f"# Triton {triton.__version__} kernels compiled ahead of time"
                       "\n\nstack_B: the "
                       "stack frame per thread (register spills land there); blocks_per_sm: by registers and shared "
-                      f"memory\n\n{table}\n{note}\n")
+                      "memory; mma_ops: tensor-core instructions in the PTX (0: the products on FMA units)"
+                      f"\n\n{table}\n{note}\n")
     print(table + note)
     return StageResult(metrics=metrics, ok=not failures,
                        message=f"{len(failures)} specialization(s) failed to compile" if failures else "")
