@@ -81,7 +81,8 @@ def model():
 @pytest.mark.parametrize(("fmt", "backend"), [(f, "torch") for f in FORMATS]
                          + [(f, "cpu") for f in KERNEL_FORMATS] + [("int2_content_int4_rope", "triton")])
 def test_prefill_decode_and_cache_edits_make_no_stray_tensor(model, fmt, backend):
-    want, got = _generate(model, fmt, backend, False), _generate(model, fmt, backend, True)
+    steps = 20 if backend != "triton" else 4  # the interpreter is slow: the cache edits are the other backends'
+    want, got = _generate(model, fmt, backend, False, steps), _generate(model, fmt, backend, True, steps)
     assert len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got))
 
 
