@@ -110,7 +110,10 @@ class LatentLayerContract(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(content, rope)
         b, t = content.shape[:2]
-        valid = torch.ones(b, t, dtype=torch.bool, device=content.device) if valid is None else valid.bool()
+        if valid is None:
+            valid = torch.ones(b, t, dtype=torch.bool, device=content.device)
+        elif valid.dtype != torch.bool:  # a bool mask kept as the same tensor: its host copy is read once per forward
+            valid = valid.bool()
         if valid.shape != (b, t):
             raise ValueError(f"valid must be (B, T) = {(b, t)}, got {tuple(valid.shape)}")
         self.slot_valid = torch.cat([self.slot_valid, valid], dim=1)
