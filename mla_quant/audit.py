@@ -11,8 +11,8 @@ capture refuses them; counted here on any device, with the project's function th
 Stray tensors: a tensor made without naming its device lands on the default device, the CPU, which on a GPU run is
 not the model's. Under `stray_device()` such a tensor lands on the meta device instead, so the first operation that
 mixes it with the model's tensors fails here as it would on a GPU ("Tensor on device meta is not on the expected
-device cpu!"), and copying data out of it fails too. `audited(fn)` runs a function so; `audit_forwards(model)` every
-forward of a model (the model's work only: data made outside it keeps the CPU).
+device cpu!"), and copying data out of it fails too. `audited(fn)` runs a function so (wrap a model's `forward` to
+audit the model's work only: data made outside it keeps the CPU).
 
     with stray_device():
         model(input_ids=tok, attention_mask=mask, past_key_values=cache)
@@ -110,10 +110,3 @@ def audited(fn):
         with stray_device():
             return fn(*args, **kwargs)
     return run
-
-
-def audit_forwards(model):
-    """Every forward of `model` (a call through it, generate's steps included) runs under `stray_device()`; returns
-    the model."""
-    model.forward = audited(model.forward)
-    return model

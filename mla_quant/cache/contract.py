@@ -30,6 +30,13 @@ def scatter_rows(dest: torch.Tensor, index: torch.Tensor, ok: torch.Tensor, src:
     dest[b, index[b, j]] = src[b, j].to(dest.dtype)
 
 
+def host_places(ok: np.ndarray, device: torch.device) -> tuple[np.ndarray, torch.Tensor]:
+    """The (b, j) where ok (B, J) holds, found on the host: (the rows b on the host, (2, N) long [b; j] on `device`),
+    so `x[at[0], at[1]]` takes them from a device tensor (no device value read)."""
+    b, j = ok.nonzero()
+    return b, to_device(np.stack([b, j]), device)
+
+
 def scatter_host(dest: torch.Tensor, index: np.ndarray, ok: np.ndarray, src: torch.Tensor) -> None:
     """`scatter_rows` with index and ok (B, J) on the host (numpy): the places are worked out there and copied to
     the device (no device value read)."""

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from mla_quant.cache.accounting import LayerBytes
-from mla_quant.cache.contract import LatentLayerContract, host_copy, scatter_host, to_device
+from mla_quant.cache.contract import LatentLayerContract, host_copy, host_places, scatter_host, to_device
 from mla_quant.cache.paged import PagedStore
 from mla_quant.cache.reads import LayerReads
 from mla_quant.quant.formats import PATHS, PathFormat, check_finite, finite_checks
@@ -146,8 +146,7 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
             self.store.advance(None if all_real else valid[:, 0])
             return
         if not self.quantized:
-            sb, sj = self._host_valid(valid, all_real).nonzero()
-            at = to_device(np.stack([sb, sj]), self.device)
+            sb, at = host_places(self._host_valid(valid, all_real), self.device)
             self._store(sb, {p: x[at[0], at[1]] for p, x in new.items()}, at[0])
             return
         self._set_tensor_scales(new, valid, all_real)
@@ -177,8 +176,7 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
                 self.sinks[p] = torch.cat([self.sinks[p], pad], dim=1)
             scatter_host(self.sinks[p], rank + host["sinks"][:, None], sink_ok, seq[p])
         self._set_host("sinks", host["sinks"] + to_sink)
-        sb, sj = store_ok.nonzero()
-        at = to_device(np.stack([sb, sj]), self.device)
+        sb, at = host_places(store_ok, self.device)
         tokens = {p: seq[p][at[0], at[1]] for p in PATHS}
         if self.token_block:
             self._store_blocks(sb, at[0], tokens)
@@ -334,8 +332,7 @@ class LatentCacheLayer(LayerReads, LayerBytes, LatentLayerContract):
             scatter_host(x, np.repeat(cols, b, axis=0), cols < pending[:, None], held)
             x[on_device, pos] = tokens[p].to(x.dtype)
             seq[p] = x
-        wb, wj = (j < full[:, None]).nonzero()  # (B, width): the whole blocks
-        at = to_device(np.stack([wb, wj]), self.device)
+        wb, at = host_places(j < full[:, None], self.device)  # (B, width): the whole blocks
         self._store(wb, {p: seq[p][at[0], at[1]] for p in PATHS}, at[0])
         keep = total - full  # (B,) < token_block
         capacity = max(self.pending["content"].shape[1], int(keep.max()))

@@ -232,10 +232,9 @@ def _operand(x, MODE: tl.constexpr):
 def _dot(a, b, MODE: tl.constexpr):
     """a @ b in float32: exact float32 products (MODE=0), bfloat16 operands on tensor cores (1), or bfloat16-rounded
     operands multiplied in float32 (2: the same numbers, for Triton's CPU interpreter, whose bfloat16 dot is wrong)."""
+    a, b = _operand(a, MODE), _operand(b, MODE)  # (a no-op on an operand converted already)
     if MODE == 1:
-        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    elif MODE == 2:
-        out = tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+        out = tl.dot(a, b)
     else:
         out = tl.dot(a, b, input_precision="ieee")
     return out

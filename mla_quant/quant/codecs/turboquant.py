@@ -66,21 +66,21 @@ def engine_levels(d: int, bits: int, iters: int = 200, tol: float = 1e-10) -> tu
 
 
 @functools.lru_cache(maxsize=64)
-def _tables(d: int, bits: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(levels float32, their midpoints float32, levels in bfloat16 as float32, H float32) on `device`."""
+def _tables(d: int, bits: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the float32 levels' midpoints, the levels in bfloat16 as float32, H float32) on `device`."""
     levels = torch.tensor(engine_levels(d, bits), dtype=torch.float32, device="cpu")
     mids = (levels[:-1] + levels[1:]) / 2
     h = torch.ones(1, 1, dtype=torch.float32, device="cpu")  # built and scaled in float32, as the engine's
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     h = h / math.sqrt(d)
-    return tuple(t.to(device) for t in (levels, mids, levels.to(torch.bfloat16).float(), h))
+    return tuple(t.to(device) for t in (mids, levels.to(torch.bfloat16).float(), h))
 
 
 def tq_encode(x: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
     """x (..., d) -> {"codes": (..., ceil(d bits / 8)) uint8, "scales": (..., 1) float16} (module docstring)."""
     d = x.shape[-1]
-    levels, mids, levels_bf16, h = _tables(d, bits, str(x.device))
+    mids, levels_bf16, h = _tables(d, bits, str(x.device))
     xf = x.float()
     n = xf.norm(dim=-1, keepdim=True)
     y = (xf / n.clamp(min=MIN_NORM)) @ h
@@ -91,7 +91,7 @@ def tq_encode(x: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
 
 def tq_decode(parts, d: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
     """The stored codes and scale -> x_hat (..., d) in `dtype`: the codes' levels times the scale, rotated back."""
-    _, _, levels_bf16, h = _tables(d, bits, str(parts["codes"].device))
+    _, levels_bf16, h = _tables(d, bits, str(parts["codes"].device))
     codes = packing.unpack(parts["codes"], bits, d).long()
     return ((levels_bf16[codes] * parts["scales"].float()) @ h).to(dtype)
 
