@@ -83,13 +83,26 @@ def step_config(overrides: list[str], passed: list[str], reference: bool,
     """The step's config (composed as `python run.py <overrides>` would, with the command-line overrides it reads),
     its chosen options, and those overrides. The reference run takes no quant/transform settings. per_eval: settings
     per eval option (task.evaluate_per_eval), put before the step's own for the eval option it composes with."""
-    probe = compose("config", overrides=overrides)
-    mine = [o for o in passed if not (reference and override_group(o) in SELECTS) and reads(probe, o)]
-    try:
-        cfg = compose("config", overrides=[*overrides, *mine], return_hydra_config=True)
-    except ConfigCompositionException:  # a setting of an option this step does not take (transform.fit.* on none)
-        mine = [o for o in mine if _composes([*overrides, o])]
-        cfg = compose("config", overrides=[*overrides, *mine], return_hydra_config=True)
+    candidates = [o for o in passed if not (reference and override_group(o) in SELECTS)]
+    cfg = None
+    if all("." not in o.split("=", 1)[0] for o in candidates):
+        # option choices alone (model=, eval=, logger=): they leave the step's task as it is, so whether the step
+        # reads them is seen on the config they compose, and when it reads them all that config is the step's
+        try:
+            cfg = compose("config", overrides=[*overrides, *candidates], return_hydra_config=True)
+        except ConfigCompositionException:
+            pass
+        if cfg is not None and not all(reads(cfg, o) for o in candidates):
+            cfg = None
+        mine = candidates
+    if cfg is None:
+        probe = compose("config", overrides=overrides)
+        mine = [o for o in candidates if reads(probe, o)]
+        try:
+            cfg = compose("config", overrides=[*overrides, *mine], return_hydra_config=True)
+        except ConfigCompositionException:  # a setting of an option this step does not take (transform.fit.* on none)
+            mine = [o for o in mine if _composes([*overrides, o])]
+            cfg = compose("config", overrides=[*overrides, *mine], return_hydra_config=True)
     suite = list((per_eval or {}).get(cfg.hydra.runtime.choices.get("eval")) or [])
     if suite and "eval" in (cfg.task.get("uses") or []):
         overrides = [*suite, *overrides]  # the step's own settings and the command line's come after, and win

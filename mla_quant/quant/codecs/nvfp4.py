@@ -57,13 +57,17 @@ def nvfp4_encode(x: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"codes": codes[..., 0::2] | (codes[..., 1::2] << 4), "scales": scales}
 
 
-def nvfp4_decode(parts, d: int, dtype: torch.dtype) -> torch.Tensor:
-    """The stored codes (..., d/2) and scales (..., d/16) -> x_hat (..., d) in `dtype`."""
-    packed = parts["codes"]
+def e2m1_scaled(packed: torch.Tensor, scales: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """Packed e2m1 codes (..., d/2), even element low, and each block of 16's float32 scale (..., d/16) -> the values
+    (..., d) in `dtype`."""
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*packed.shape[:-1], d)
     values = e2m1_values(codes).reshape(*packed.shape[:-1], d // BLOCK, BLOCK)
-    scales = parts["scales"].view(quantizers.FP8_DTYPE).float()
     return (values * scales[..., None]).reshape(*packed.shape[:-1], d).to(dtype)
+
+
+def nvfp4_decode(parts, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """The stored codes (..., d/2) and scales (..., d/16) -> x_hat (..., d) in `dtype`."""
+    return e2m1_scaled(parts["codes"], parts["scales"].view(quantizers.FP8_DTYPE).float(), d, dtype)
 
 
 @register
