@@ -623,8 +623,8 @@ def _kl_shown(long_out: pd.DataFrame, kls) -> pd.DataFrame:
 
 
 def mixed(df: pd.DataFrame) -> Table:
-    """Each quant=mixed run against the uniform option named by its quant.budget (same model, method and protected
-    region): accuracy example by example (per task and all tasks together, with the share of the uniform -> BF16 gap
+    """Each quant=mixed run against the uniform option named by its quant.budget (same model and protected region; the
+    same method, or none where the option has no run with it, `_uniform`): accuracy example by example (per task and all tasks together, with the share of the uniform -> BF16 gap
     closed) and next-token KL sequence by sequence."""
     rows = []
     long = accuracy_long(df)
@@ -642,7 +642,7 @@ def mixed(df: pd.DataFrame) -> Table:
                 ref_s = ref["samples"].iloc[-1] if not ref.empty else None
                 base = {**dict(zip(group, key)), "B quantized": g.loc[t.Index, "B quantized"],
                         "B held": g.loc[t.Index, "B held"], "uniform": str(t.budget),
-                        "uniform B quantized": u["B quantized"].iloc[-1], "uniform B held": u["B held"].iloc[-1]}
+                        "uniform method": u["method"].iloc[-1], "uniform B quantized": u["B quantized"].iloc[-1], "uniform B held": u["B held"].iloc[-1]}
                 row = _paired_row({**base, "sources": [t.source, u["source"].iloc[-1]]}, t.task, t.samples,
                                   u["samples"].iloc[-1], ref_s)
                 if row is not None:
@@ -661,7 +661,7 @@ def mixed(df: pd.DataFrame) -> Table:
             if row is not None:
                 rows.append({"model": r["model"], "method": r["method"], "cache": r["cache"],
                              "protected": r["protected"], **_held(r, u.iloc[-1], "uniform"),
-                             "uniform": str(r["budget"]), "task": f"next-token KL ({r['data']})", "sources": [r["source"], u.iloc[-1]["source"]],
+                             "uniform": str(r["budget"]), "uniform method": u.iloc[-1]["method"], "task": f"next-token KL ({r['data']})", "sources": [r["source"], u.iloc[-1]["source"]],
                              **row})
     out = pd.DataFrame(rows)
     if out.empty:
@@ -679,12 +679,16 @@ def mixed(df: pd.DataFrame) -> Table:
 
 def _uniform(frame: pd.DataFrame, r, same) -> pd.DataFrame:
     """The runs of `frame` (rows where `same`) of the uniform option a mixed run `r` was given the bytes of: its
-    name, the same model, method and protected region, and its bytes per quantized token equal to the budget (so a
-    run of that option with other settings, e.g. another grouping, is not taken for it)."""
+    name, the same model and protected region, its bytes per quantized token equal to the budget (so a run of that
+    option with other settings, e.g. another grouping, is not taken for it), and the same method; where that option
+    has no run with the method, its run without a transform (an engine's format, which no transform is fitted for:
+    then the pair is the calibrated allocation against the format as the engine ships it)."""
     u = frame[same & (frame["cache"] == str(r["budget"])) & (frame["model"] == r["model"])
-              & (frame["method"] == r["method"]) & (frame["protected"] == r["protected"])]
+              & (frame["protected"] == r["protected"])]
     budget = r.get("budget B")
-    return u if budget is None or pd.isna(budget) else u[u["B quantized"] == budget]
+    u = u if budget is None or pd.isna(budget) else u[u["B quantized"] == budget]
+    mine = u[u["method"] == r["method"]]
+    return mine if not mine.empty else u[u["method"] == "none"]
 
 
 def equivalence(df: pd.DataFrame) -> Table:

@@ -129,6 +129,24 @@ def test_mixed_runs_pair_with_the_uniform_option_on_the_same_examples(runs):
     assert set(t.sources) == {str(runs / n / "record.json") for n in ("eval_mixed", "eval")}
 
 
+def test_a_mixed_run_pairs_with_its_methods_run_else_the_untransformed_one():
+    """An engine format (no transform is fitted for it) is taken as the engine ships it, method none; an option with a
+    run of the mixed run's own method is taken with that method; another option's bytes never match."""
+    def row(cache, method, nbytes, **extra):
+        return {"cache": cache, "model": "toy_mla", "method": method, "protected": "0+0", "B quantized": nbytes,
+                **extra}
+
+    frame = pd.DataFrame([row("int4_joint", "none", 72), row("int4_joint", "quantmla", 72),
+                          row("nvfp4_ds_mla", "none", 70), row("nvfp4_ds_mla", "none", 80)])
+    everything = pd.Series(True, index=frame.index)
+    for budget, nbytes, method, want in (("int4_joint", 72, "quantmla", 1), ("int4_joint", 72, "quarot", 0),
+                                         ("nvfp4_ds_mla", 70, "quantmla", 2)):
+        mixed = row("mixed", method, nbytes, budget=budget, **{"budget B": nbytes})
+        assert list(tables._uniform(frame, mixed, everything).index) == [want], (budget, method)
+    assert tables._uniform(frame, row("mixed", "none", 70, budget="int4_joint", **{"budget B": 72}),
+                           everything & (frame["protected"] == "4+128")).empty
+
+
 def test_newest_complete_record_wins_by_time_and_bad_records_are_skipped(runs, tmp_path):
     root = tmp_path / "root"
     shutil.copytree(runs / "eval", root / "b_old")
