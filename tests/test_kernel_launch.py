@@ -16,8 +16,11 @@ SHAPES = {1: (96, 16), 16: (96, 16), 128: (32, 8)}  # heads -> (d_c, d_r); 128 h
 PROTECTED = {"none": {"n_sink": 0, "recent": 0}, "sinks+recent": {"n_sink": 3, "recent": 20}}
 
 
-@pytest.mark.parametrize("protected", list(PROTECTED))
-@pytest.mark.parametrize("heads", list(SHAPES))
+# 128 heads tile the heads the same way with or without protected segments: its launch is checked over three segments
+LAUNCHES = [(heads, protected) for heads in SHAPES for protected in PROTECTED if (heads, protected) != (128, "none")]
+
+
+@pytest.mark.parametrize(("heads", "protected"), LAUNCHES)
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_one_launch_matches_reference(name, heads, protected):
     d_c, d_r = SHAPES[heads]
@@ -27,7 +30,7 @@ def test_one_launch_matches_reference(name, heads, protected):
         quant["protected"] = PROTECTED[protected]
         if d_c % quant["content"].get("group_size", 1):
             quant["content"] = {**quant["content"], "group_size": 16}
-    elif protected != "none":
+    elif protected != "none" and heads != 128:  # at 128 heads its one launch is checked here (LAUNCHES)
         pytest.skip("a bf16 cache protects nothing")
     layer = filled_layer(quant, d_c=d_c, d_r=d_r, batch=3, tokens=147, pads=(0, 13, 70), seed=heads)
     segments = layer.segments()
