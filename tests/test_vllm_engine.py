@@ -89,12 +89,12 @@ def test_serve_the_toy_in_vllm(tmp_path):
     INT2 RoPE in layer 3 (each engine layer finds its own format), in vLLM's engine gives the framework's greedy
     tokens on all 16 prompts (as does the unquantized cache); at one KV memory budget vLLM holds 448 / 72 = 6.2x the
     blocks (its page bytes are the largest layer's), so the trace that preempts the unquantized cache
-    runs without preemption, as the scheduler simulation predicts (also at every level of the concurrency sweep); a
+    runs without preemption, as the scheduler simulation predicts (also at both levels of a concurrency sweep); a
     toy suite scored through the engine (lm-eval's
     vLLM model) scores as through the framework."""
     done = subprocess.run([sys.executable, "run.py", "experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}",
                            "+quant.layers=[null,{content:{bits:2}},null,{rope:{bits:2}}]",  # a format per layer
-                           "eval=toy", "eval.tasks=[toy_gsm8k]", "eval.limit=8"],
+                           "eval=toy", "eval.tasks=[toy_gsm8k]", "eval.limit=8", "task.concurrency=[4,32]"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((tmp_path / "record.json").read_text())["metrics"]
@@ -108,7 +108,7 @@ def test_serve_the_toy_in_vllm(tmp_path):
     assert metrics["serve/unquantized/preemptions"] > 0 and metrics["serve/int4_joint/preemptions"] == 0
     for cache in ("unquantized", "int4_joint"):
         assert metrics[f"serve/{cache}/simulated_preemptions"] == metrics[f"serve/{cache}/preemptions"]
-        for n in (4, 8, 16, 32):  # the concurrency sweep, engine against simulation
+        for n in (4, 32):  # the concurrency sweep, engine against simulation
             assert (metrics[f"serve/{cache}/sweep/{n}/simulated_preemptions"]
                     == metrics[f"serve/{cache}/sweep/{n}/preemptions"]), (cache, n)
     assert metrics["serve/unquantized/sweep/32/preemptions"] > 0 == metrics["serve/int4_joint/sweep/32/preemptions"]
