@@ -624,8 +624,8 @@ def _kl_shown(long_out: pd.DataFrame, kls) -> pd.DataFrame:
 
 def mixed(df: pd.DataFrame) -> Table:
     """Each quant=mixed run against the uniform option named by its quant.budget (same model and protected region; the
-    same method, or none where the option has no run with it, `_uniform`): accuracy example by example (per task and all tasks together, with the share of the uniform -> BF16 gap
-    closed) and next-token KL sequence by sequence."""
+    same method, or none where the option has no run with it, `_uniform`): accuracy example by example (per task and
+    all tasks together, with the share of the uniform -> BF16 gap closed) and next-token KL sequence by sequence."""
     rows = []
     long = accuracy_long(df)
     if not long.empty and long["budget"].notna().any():
@@ -642,7 +642,8 @@ def mixed(df: pd.DataFrame) -> Table:
                 ref_s = ref["samples"].iloc[-1] if not ref.empty else None
                 base = {**dict(zip(group, key)), "B quantized": g.loc[t.Index, "B quantized"],
                         "B held": g.loc[t.Index, "B held"], "uniform": str(t.budget),
-                        "uniform method": u["method"].iloc[-1], "uniform B quantized": u["B quantized"].iloc[-1], "uniform B held": u["B held"].iloc[-1]}
+                        "uniform method": u["method"].iloc[-1], "uniform B quantized": u["B quantized"].iloc[-1],
+                        "uniform B held": u["B held"].iloc[-1]}
                 row = _paired_row({**base, "sources": [t.source, u["source"].iloc[-1]]}, t.task, t.samples,
                                   u["samples"].iloc[-1], ref_s)
                 if row is not None:
@@ -661,7 +662,8 @@ def mixed(df: pd.DataFrame) -> Table:
             if row is not None:
                 rows.append({"model": r["model"], "method": r["method"], "cache": r["cache"],
                              "protected": r["protected"], **_held(r, u.iloc[-1], "uniform"),
-                             "uniform": str(r["budget"]), "uniform method": u.iloc[-1]["method"], "task": f"next-token KL ({r['data']})", "sources": [r["source"], u.iloc[-1]["source"]],
+                             "uniform": str(r["budget"]), "uniform method": u.iloc[-1]["method"],
+                             "task": f"next-token KL ({r['data']})", "sources": [r["source"], u.iloc[-1]["source"]],
                              **row})
     out = pd.DataFrame(rows)
     if out.empty:

@@ -31,7 +31,8 @@ def _wide(n: int, d: int, seed: int = 0) -> torch.Tensor:
     x = torch.randn(n, d, generator=g) * torch.exp2(torch.randint(-20, 20, (n, d // 16, 1), generator=g).float()
                                                     ).repeat_interleave(16, -1).reshape(n, d)
     x[0, :16] = 0.0
-    x[1, 16:32] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0, -0.1, 0.1, -0.0, 4.9, 5.1, 1.0])
+    x[1, 16:32] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0,
+                                -0.25, -5.0, -0.1, 0.1, -0.0, 4.9, 5.1, 1.0])
     return x
 
 

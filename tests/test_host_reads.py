@@ -43,7 +43,8 @@ def _steady_reads(model, backend: str, mask_kind: str) -> list[HostReads]:
     return reads[1:]
 
 
-@pytest.mark.parametrize(("backend", "mask_kind"), [(b, m) for b in ("torch", "auto") for m in ("none", "ones", "padded")])
+@pytest.mark.parametrize(("backend", "mask_kind"),
+                         [(b, m) for b in ("torch", "auto") for m in ("none", "ones", "padded")])
 def test_steady_decode_step_reads_nothing(model, backend, mask_kind):
     for step in _steady_reads(model, backend, mask_kind):
         assert dict(step.sites) == {}, (backend, mask_kind, dict(step.sites))

@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 
 from mla_quant.quant.codecs.base import Codec, register
-from mla_quant.quant.codecs.nvfp4 import BLOCK, E2M1_MAX, e2m1_scaled
+from mla_quant.quant.codecs.mxfp8 import E8M0_BIAS
+from mla_quant.quant.codecs.nvfp4 import BLOCK, E2M1_MAX, e2m1_pack, e2m1_scaled
 
 AMAX_FLOOR = 1e-10  # the floor on amax / 6 before the log
-E8M0_BIAS = 127
 BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # a magnitude at or above the k-th takes level k + 1
 
 
@@ -34,7 +34,7 @@ def fp4_e2m1_encode(x: torch.Tensor) -> dict[str, torch.Tensor]:
     bounds = torch.tensor(BOUNDS, dtype=torch.float32, device=x.device)
     magnitude = (y.abs().unsqueeze(-1) >= bounds).sum(-1)
     codes = (((y < 0).long() << 3) + magnitude).to(torch.uint8).reshape(*lead, d)
-    return {"codes": codes[..., 0::2] | (codes[..., 1::2] << 4), "scales": (e + E8M0_BIAS).squeeze(-1).to(torch.uint8)}
+    return {"codes": e2m1_pack(codes), "scales": (e + E8M0_BIAS).squeeze(-1).to(torch.uint8)}
 
 
 def fp4_e2m1_decode(parts, d: int, dtype: torch.dtype) -> torch.Tensor:

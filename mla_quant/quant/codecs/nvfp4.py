@@ -54,11 +54,16 @@ def nvfp4_encode(x: torch.Tensor) -> dict[str, torch.Tensor]:
     scales = e4m3_scales(blocks.abs().amax(-1))
     inv = 1.0 / scales.view(quantizers.FP8_DTYPE).float()
     codes = e2m1_codes(blocks * inv[..., None]).reshape(*lead, d)
-    return {"codes": codes[..., 0::2] | (codes[..., 1::2] << 4), "scales": scales}
+    return {"codes": e2m1_pack(codes), "scales": scales}
+
+
+def e2m1_pack(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (..., d) uint8 -> two per byte (..., d/2), the even element in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def e2m1_scaled(packed: torch.Tensor, scales: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
-    """Packed e2m1 codes (..., d/2), even element low, and each block of 16's float32 scale (..., d/16) -> the values
+    """Packed e2m1 codes (..., d/2) (`e2m1_pack`), and each block of 16's float32 scale (..., d/16) -> the values
     (..., d) in `dtype`."""
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*packed.shape[:-1], d)
     values = e2m1_values(codes).reshape(*packed.shape[:-1], d // BLOCK, BLOCK)
