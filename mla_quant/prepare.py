@@ -33,6 +33,7 @@ from mla_quant.models.build import (_plain, check_tokenizer_files, load_tokenize
                                     tiny_config)
 from mla_quant.models.families import dims_of, family_for_config, text_config
 from mla_quant.models.fp8 import check_fp8_config
+from mla_quant.models.streaming import check_streaming
 from mla_quant.plan import MemoryPlan, memory_plan
 from mla_quant.plan import mode_of as plan_mode
 from mla_quant.quant.formats import PATHS, CacheSpec, as_spec, model_format
@@ -244,6 +245,7 @@ def preflight(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, ca
     the quant/transform/objective/calib settings against them, the tokenizer's files (before loading it), and the
     calibration data (a text dataset loaded, so an offline machine is told now, naming the setting), the memory plan.
     -> (dims, the validated format, the plan or None). Pipelines call it for every step before the first one runs."""
+    check_streaming(cfg.model, (cfg.get("task") or {}).get("name"))
     dims = model_dims(cfg.model)
     fmt = validate(cfg, dims, quant=quant, calib_report=calib_report)
     if tokenizer or needs_tokenizer(cfg, calib_report):
@@ -264,7 +266,7 @@ def plan_memory(cfg: DictConfig, fmt, host: dict[str, float] | None = None) -> M
     from mla_quant.models.build import resolve_device
 
     mode = plan_mode(cfg)
-    if mode is None:
+    if mode is None or cfg.model.get("streaming"):  # a streamed stage holds one layer: its record has the figures
         return None
     fmt = getattr(fmt, "budget_format", fmt)  # quant=mixed: the named option of its budget's bytes
     plan = memory_plan(cfg, model_config(cfg.model), fmt, resolve_device(str(cfg.get("device", "auto"))),

@@ -305,6 +305,8 @@ def pretrained_model(
     device_map: str | None = None,
     trust_remote_code: bool = False,
     sha256: Mapping[str, str] | None = None,
+    streaming: bool = False,
+    streaming_host_gb: float = 8,
 ) -> nn.Module:
     """A real checkpoint, loaded with the family's own transformers classes (no remote code needed).
 

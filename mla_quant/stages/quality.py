@@ -86,10 +86,37 @@ def per_sequence_sums(stats: dict[str, torch.Tensor]) -> pd.DataFrame:
     return pd.DataFrame({k: (v.tolist() if torch.is_tensor(v) else v) for k, v in out.items()}).astype({"tokens": int})
 
 
+def check_streamed(cfg: DictConfig) -> None:
+    """What a streamed quality run refuses (model.streaming=true), before the data or any weight is read."""
+    from mla_quant.calibration import fitted_paths
+    from mla_quant.prepare import quant_uses_lloyd
+    from mla_quant.sensitivity.allocation import is_mixed
+
+    t = cfg.task
+    if t.get("chunk") is not None:
+        raise ValueError(f"model.streaming=true: task.chunk={t.chunk} is not streamed (a later chunk's layer arguments "
+                         "depend on the cache the earlier chunks filled); set task.chunk=null")
+    transform = (cfg.get("transform") or {}).get("name", "none")
+    if transform != "none" or fitted_paths(cfg.get("transform")):
+        raise ValueError(f"model.streaming=true: transform={transform} is not streamed yet (its calibration and fold "
+                         "run on the whole model); use transform=none, or run without streaming")
+    if is_mixed(cfg.get("quant")):
+        raise ValueError("model.streaming=true: quant=mixed allocates bits on a calibration pass over the whole "
+                         "model, not streamed yet; give a named quant option")
+    if quant_uses_lloyd(cfg.get("quant")):
+        raise ValueError("model.streaming=true: lloyd codebooks are fitted on the whole model, not streamed yet; "
+                         "use quant.*.quantizer=rtn (or clip, hqq)")
+
+
 def check(cfg: DictConfig) -> str:
     """Everything this stage refuses, before any weight is read: its options, the held-out text (loaded, or refused
     naming task.data and the local-file alternative), the model's settings (`preflight`). -> the data source."""
     t = cfg.task
+    if cfg.model.get("streaming"):
+        from mla_quant.models.streaming import check_streaming
+
+        check_streaming(cfg.model, t.name)
+        check_streamed(cfg)
     chunk = t.get("chunk")
     if chunk is not None and int(chunk) < 1:
         raise ValueError(f"task.chunk={chunk}: give a positive number of tokens per forward, or null")
@@ -106,10 +133,20 @@ def check(cfg: DictConfig) -> str:
     return source
 
 
+def _add_stats(parts: dict, ref, quant, x, keep, start: int) -> None:
+    """One batch's per-token statistics (ref/quant logits (B, T, V) of ids x, scored positions keep) into `parts`."""
+    for k, v in token_stats(ref, quant, x[:, 1:]).items():
+        parts.setdefault(k, []).append(v[keep].cpu())
+    rows = torch.arange(start, start + x.shape[0], device=keep.device)[:, None].expand_as(keep)
+    parts.setdefault("sequence", []).append(rows[keep].cpu())
+
+
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     t = cfg.task
     torch.set_num_threads(int(t.threads))
     source = check(cfg)  # before any weight is read
+    if cfg.model.get("streaming"):
+        return streamed(cfg, run_dir, source)
     chunk = t.get("chunk")
     prep = prepare_model(cfg, tokenizer=source in ("toy", "text"))
     model = prep.model
@@ -123,16 +160,17 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         x = ids[s:s + batch].to(device)
         ref = logits_over_cache(model, x, None, chunk)[:, :-1]
         quant = logits_over_cache(model, x, factory, chunk, held)[:, :-1]
-        keep = scored[s:s + batch, 1:].to(device)
-        for k, v in token_stats(ref, quant, x[:, 1:]).items():
-            parts.setdefault(k, []).append(v[keep].cpu())
-        rows = torch.arange(s, s + x.shape[0], device=device)[:, None].expand_as(keep)
-        parts.setdefault("sequence", []).append(rows[keep].cpu())
+        _add_stats(parts, ref, quant, x, scored[s:s + batch, 1:].to(device), s)
+    return _result(cfg, run_dir, source, parts, held, prep.metrics())
+
+
+def _result(cfg: DictConfig, run_dir: Path, source: str, parts: dict, held: HeldBytes, prep_metrics: dict
+            ) -> StageResult:
     stats = {k: torch.cat(v).double() for k, v in parts.items()}
     per_sequence = per_sequence_sums(stats)  # also the clusters of the KL's standard error
     write_text_atomic(run_dir / "per_sequence.csv", per_sequence.to_csv(index=False))
     ppl, ppl_ref = stats["nll"].mean().exp().item(), stats["nll_ref"].mean().exp().item()
-    metrics = {**prep.metrics(), "quality/source": source, "quality/tokens": int(stats["kl"].numel()),
+    metrics = {**prep_metrics, "quality/source": source, "quality/tokens": int(stats["kl"].numel()),
                "quality/ppl": ppl, "quality/ppl_unquantized": ppl_ref, "quality/ppl_ratio": ppl / ppl_ref,
                "quality/kl": stats["kl"].mean().item(), "quality/kl_p99": stats["kl"].quantile(0.99).item(),
                "quality/kl_stderr": clustered_stderr(per_sequence["kl_sum"], per_sequence["tokens"]),
@@ -146,3 +184,62 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     write_text_atomic(run_dir / "quality.md", text + "\n")
     print(text)
     return StageResult(metrics=metrics)
+
+
+def streamed(cfg: DictConfig, run_dir: Path, source: str) -> StageResult:
+    """The quality stage with the model streamed layer by layer (model.streaming=true, mla_quant.models.streaming):
+    both caches' hidden states go through each decoder layer while it is resident; the same metrics as in memory,
+    plus the stream's figures (streaming/...)."""
+    from mla_quant.models.absorbed import attention_blocks
+    from mla_quant.models.build import load_tokenizer, resolve_device
+    from mla_quant.models.streaming import HostStore, StreamedModel, head_logits, layer_arguments, run_layer
+    from mla_quant.quant.formats import as_spec
+    from mla_quant.cache import layer_factory
+
+    t = cfg.task
+    dims, fmt, _ = preflight(cfg, tokenizer=source in ("toy", "text"))
+    device = torch.device(resolve_device(str(cfg.get("device", "auto"))))
+    tokenizer = load_tokenizer(cfg.model) if source in ("toy", "text") else None
+    stream = StreamedModel.from_config(cfg.model, str(device), attention_blocks(cfg.get("attention")))
+    model = stream.model
+    ids, scored = held_out_ids(t.data, source, tokenizer, int(text_config(model.config).vocab_size))
+    factory = layer_factory(as_spec(fmt, int(dims["layers"]))) if fmt is not None else None
+    store = HostStore(float(cfg.model.streaming_host_gb) * 1e9, pin=device.type == "cuda", scratch=run_dir)
+    batch = int(t.batch_size)
+    starts = list(range(0, len(ids), batch))
+    streams = {"ref": None, "quant": factory}
+    arguments, carried, caches = {}, {}, {}
+    try:
+        stream.load_outer()
+        for s in starts:
+            x = ids[s:s + batch].to(device)
+            for name, fac in streams.items():
+                caches[name, s] = new_cache(model, fac)
+                hidden, arguments[name, s] = layer_arguments(model, x, caches[name, s])
+                store.put((name, s), hidden)
+                carried[name, s] = {}
+        stream.release_outer()
+        for j, layer in tqdm(stream.layers(), total=stream.num_layers, desc="quality (streamed)", unit="layer"):
+            for key in arguments:
+                h, carried[key] = run_layer(layer, stream.family, store.pop(key).to(device), arguments[key][j],
+                                            carried[key])
+                store.put(key, h)
+        stream.load_outer()
+        parts: dict[str, list[torch.Tensor]] = {}
+        held = HeldBytes()
+        for s in starts:
+            x = ids[s:s + batch].to(device)
+            ref = head_logits(model, x, store.pop(("ref", s)))[:, :-1]
+            quant = head_logits(model, x, store.pop(("quant", s)))[:, :-1]
+            held.add(caches["quant", s])
+            _add_stats(parts, ref, quant, x, scored[s:s + batch, 1:].to(device), s)
+    finally:
+        store.close()
+        stream.close()
+    figures = {**stream.figures(), "streaming/host_peak_hidden_gb": store.peak_bytes_in_memory / 1e9,
+               "streaming/spilled_gb": store.bytes_spilled / 1e9}
+    print(" ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in figures.items()), flush=True)
+    from mla_quant.prepare import Prepared
+
+    prep = Prepared(model, tokenizer, dims, fmt)
+    return _result(cfg, run_dir, source, parts, held, {**prep.metrics(), **figures})

@@ -1,0 +1,427 @@
+"""Models larger than memory: a checkpoint run layer by layer from its safetensors shards (`model.streaming=true`).
+
+The model's skeleton is built on the meta device (buffers such as RoPE frequencies are real: they come from the
+config, not the checkpoint). Each decoder layer's tensors, and only those, are read from the shards through their
+index, converted by transformers' own loading code (renamings, per-expert tensors fused, as from_pretrained does),
+placed on the compute device, run over every sequence of the stage, then returned to the meta device; the next
+layer's tensors are read by a background thread meanwhile. The hidden states of every sequence wait on the host
+between layers (pinned on a GPU box), spilled to a scratch folder beyond `model.streaming_host_gb`.
+
+    stream = StreamedModel.from_config(cfg.model, device="cpu")
+    hidden = {key: stream.embed(ids) for key, ids in batches.items()}   # plus each batch's layer arguments
+    for j, layer in stream.layers():                                     # resident one at a time
+        ...
+    logits = stream.head(hidden)
+    stream.figures()   # bytes read against the checkpoint, seconds per layer, the share of reading hidden
+
+A decoder layer's arguments (masks, RoPE tables, positions) are recorded by one forward of the text model whose
+decoder layers are stand-ins that record what they are given and return their input (`layer_arguments`): what the
+family's own model loop passes each layer, hybrid stacks included, without running a layer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mla_quant.models.absorbed import CACHE_KEYWORD, absorb, decoder_layers
+from mla_quant.models.families import MLAFamily, family_for_config
+
+# The stages that run a streamed model; the others load the whole model (model.device_map spreads it over GPUs).
+STREAMED_STAGES = ("quality",)
+
+
+def streaming_refusal(stage: str) -> str:
+    return (f"model.streaming=true: experiment={stage} loads the whole model (generation and the stages that are not "
+            f"layer-separable do not stream); streamed stages: {', '.join(STREAMED_STAGES)}. Without streaming, "
+            f"model.device_map=auto spreads a large model over the GPUs (and the CPU) this machine has")
+
+
+class Shards:
+    """A checkpoint folder's safetensors tensors: where each lives and its size (from the headers alone), read on
+    demand, the bytes read counted."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.folder.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise ValueError(f"model.streaming=true reads safetensors shards, and {str(self.folder)!r} has none "
+                             "(model.path must be a folder with *.safetensors, as save_pretrained writes)")
+        self.where: dict[str, str] = {}
+        self.nbytes: dict[str, int] = {}
+        for name in files:
+            for key, size in _header_sizes(self.folder / name).items():
+                self.where[key], self.nbytes[key] = name, size
+        if weight_map is not None:
+            missing = sorted(set(weight_map) - set(self.where))
+            if missing:
+                raise ValueError(f"{index}: {len(missing)} tensor(s) the index names are in no shard, e.g. "
+                                 f"{missing[:3]}; the folder is incomplete")
+        self.bytes_read = 0
+        self.read_seconds = 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.nbytes.values())
+
+    def read(self, names) -> dict[str, torch.Tensor]:
+        """The named tensors, as stored (each shard opened once)."""
+        from safetensors import safe_open
+
+        t0 = time.perf_counter()
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.where[name], []).append(name)
+        out = {}
+        for file, keys in by_file.items():
+            with safe_open(self.folder / file, framework="pt") as f:
+                for key in keys:
+                    out[key] = f.get_tensor(key)
+                    self.bytes_read += self.nbytes[key]
+        self.read_seconds += time.perf_counter() - t0
+        return out
+
+
+def _header_sizes(path: Path) -> dict[str, int]:
+    import struct
+
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
+def _to_meta(module: nn.Module, recurse: bool = True) -> None:
+    """Return a module's parameters and persistent buffers (its submodules' too where `recurse`) to the meta device
+    (what a checkpoint holds); non-persistent buffers (computed from the config) stay."""
+    for sub in (module.modules() if recurse else [module]):
+        for name, p in list(sub._parameters.items()):
+            if p is not None and p.device.type != "meta":
+                sub._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+        for name, b in list(sub._buffers.items()):
+            if b is not None and name not in sub._non_persistent_buffers_set and b.device.type != "meta":
+                sub._buffers[name] = torch.empty_like(b, device="meta")
+
+
+class HostStore:
+    """Tensors waiting on the host between layers, by key: in memory up to `limit_bytes`, beyond it written to a
+    scratch folder (removed on close) and read back when asked. Pinned when the compute device is a GPU."""
+
+    def __init__(self, limit_bytes: float, pin: bool = False, scratch: str | Path | None = None):
+        self.limit = float(limit_bytes)
+        self.pin = pin
+        self._held: dict = {}
+        self._spilled: dict = {}
+        self._dir = Path(tempfile.mkdtemp(prefix="mla_quant_stream_", dir=scratch))
+        self.bytes_in_memory = self.peak_bytes_in_memory = 0
+        self.bytes_spilled = 0
+
+    def put(self, key, value: torch.Tensor) -> None:
+        self.pop(key, missing_ok=True)
+        value = value.detach().to("cpu")
+        size = value.numel() * value.element_size()
+        if self.bytes_in_memory + size > self.limit:
+            path = self._dir / f"{len(self._spilled) + len(self._held)}_{abs(hash(key))}.pt"
+            torch.save(value.contiguous(), path)
+            self._spilled[key] = path
+            self.bytes_spilled += size
+            return
+        self._held[key] = value.pin_memory() if self.pin else value
+        self.bytes_in_memory += size
+        self.peak_bytes_in_memory = max(self.peak_bytes_in_memory, self.bytes_in_memory)
+
+    def pop(self, key, missing_ok: bool = False) -> torch.Tensor | None:
+        if key in self._held:
+            value = self._held.pop(key)
+            self.bytes_in_memory -= value.numel() * value.element_size()
+            return value
+        if key in self._spilled:
+            path = self._spilled.pop(key)
+            value = torch.load(path, weights_only=True)
+            path.unlink()
+            return value
+        if missing_ok:
+            return None
+        raise KeyError(key)
+
+    def close(self) -> None:
+        self._held.clear()
+        self._spilled.clear()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _stand_in(hidden_states, family: MLAFamily):
+    """What a decoder layer stand-in returns: its input, shaped as the family's model loop unpacks a layer's output
+    (a family whose layers hand the next one something returns (hidden, None))."""
+    carries = type(family).carried is not MLAFamily.carried
+    return (hidden_states, None) if carries else hidden_states
+
+
+@torch.no_grad()
+def layer_arguments(model: nn.Module, ids: torch.Tensor, cache, attention_mask=None
+                    ) -> tuple[torch.Tensor, list[dict]]:
+    """(the embedded input of decoder layer 0, each decoder layer's keyword arguments) for `ids` over `cache`: one
+    forward of the text model with every decoder layer replaced by a stand-in that records its arguments and returns
+    its input. Only the embedding (and whatever runs before the layers) must be resident."""
+    family = family_for_config(model.config)
+    text = family.text_model(model)
+    layers = decoder_layers(model)
+    first: list[torch.Tensor] = []
+    arguments: list[dict] = []
+
+    def recorder(j: int):
+        def forward(hidden_states, *args, **kwargs):
+            if args:
+                raise RuntimeError(f"{family.name}: decoder layer {j} was called with {len(args)} positional "
+                                   "argument(s) beside its hidden states; streaming records keyword arguments only")
+            if j == 0:
+                first.append(hidden_states)
+            arguments.append(kwargs)
+            return _stand_in(hidden_states, family)
+        return forward
+
+    for j, layer in enumerate(layers):
+        layer.forward = recorder(j)
+    try:
+        text(input_ids=ids, attention_mask=attention_mask, use_cache=True, **{CACHE_KEYWORD: cache})
+    finally:
+        for layer in layers:
+            del layer.forward
+    if len(arguments) != len(layers):
+        raise RuntimeError(f"{family.name}: the model loop called {len(arguments)} decoder layers of {len(layers)}")
+    return first[0], arguments
+
+
+def run_layer(layer: nn.Module, family: MLAFamily, hidden: torch.Tensor, arguments: dict, carried: dict
+              ) -> tuple[torch.Tensor, dict]:
+    """One decoder layer over one batch: (its output hidden states, what it hands the next layer)."""
+    out = layer(hidden, **{**arguments, **carried})
+    carried = family.carried(out)
+    return (out[0] if isinstance(out, tuple) else out), carried
+
+
+class StreamedModel:
+    """A checkpoint's model with one decoder layer resident at a time (module docstring)."""
+
+    def __init__(self, model_class, config, folder: str | Path, dtype: torch.dtype, device: str | torch.device,
+                 blocks=None, prefetch: bool = True):
+        from accelerate import init_empty_weights
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import rename_source_key
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.shards = Shards(folder)
+        quant = getattr(config, "quantization_config", None)
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, Mapping) else getattr(quant, "quant_method", quant)
+            raise ValueError(f"model.streaming=true: the checkpoint at {str(folder)!r} is quantized "
+                             f"(quantization_config quant_method {method!r}); streaming reads full-precision "
+                             "shards only for now: run it without streaming (model.device_map=auto)")
+        config._attn_implementation = config._attn_implementation or "eager"
+        with init_empty_weights():
+            model = model_class(config)
+        model.eval()
+        self.model = absorb(model, blocks)
+        self.family = family_for_config(model.config)
+        self._layers = decoder_layers(model)
+        mapping = get_model_conversion_mapping(model, None, None)
+        self._load_config = LoadStateDictConfig(dtype=dtype, device_map={"": str(self.device)}, weight_mapping=mapping)
+        # Which decoder layer each checkpoint tensor belongs to, by its name in the model (after transformers'
+        # renamings); None: outside the decoder layers (embedding, final norm, LM head, a wrapper's other towers).
+        meta = model.state_dict()
+        renamings = [m for m in mapping if type(m).__name__ != "WeightConverter"]
+        converters = [m for m in mapping if type(m).__name__ == "WeightConverter"]
+        prefix = {id(layer): name for name, layer in model.named_modules()}
+        pattern = re.compile("|".join(rf"^{re.escape(prefix[id(layer)])}\.(?P<l{j}>)" for j, layer
+                                      in enumerate(self._layers)))
+        self.groups: dict[int | None, list[str]] = {}
+        embedding = prefix[id(model.get_input_embeddings())] + "."
+        self._embedding_keys: set[str] = set()  # kept resident: the first pass and the last (logits) both embed
+        for key in self.shards.where:
+            renamed, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+            match = pattern.match(renamed)
+            j = int(match.lastgroup[1:]) if match else None
+            self.groups.setdefault(j, []).append(key)
+            if renamed.startswith(embedding):
+                self._embedding_keys.add(key)
+        empty = [j for j in range(len(self._layers)) if not self.groups.get(j)]
+        if empty:
+            raise ValueError(f"model.streaming=true: the checkpoint at {str(folder)!r} holds no tensor of decoder "
+                             f"layer(s) {empty[:5]} (the model has {len(self._layers)}); the folder is incomplete")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layer-read") if prefetch else None
+        self.seconds_per_layer: list[float] = []
+        self.wait_seconds = 0.0
+        self.outer_loaded = False
+
+    @classmethod
+    def from_config(cls, model_cfg, device: str, blocks=None) -> "StreamedModel":
+        """From a checkpoint model YAML (`pretrained_model`'s settings, model.path a local folder)."""
+        from mla_quant.models.build import pretrained_config, torch_dtype
+        from mla_quant.models.families import get_family
+
+        check_streaming(model_cfg)
+        config = pretrained_config(model_cfg.family, model_cfg.hf_id, model_cfg.get("revision"), model_cfg.path,
+                                   model_cfg.get("config"))
+        config._attn_implementation = model_cfg.get("attn_implementation") or "eager"
+        return cls(get_family(model_cfg.family).model_class, config, model_cfg.path, torch_dtype(model_cfg.dtype),
+                   device, blocks)
+
+    # -- loading ---------------------------------------------------------------------------------------------------
+    def _load(self, tensors: dict[str, torch.Tensor], what: str) -> None:
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+
+        with _quiet_loading():
+            info, _ = convert_and_load_state_dict_in_model(self.model, tensors, self._load_config)
+        if info.mismatched_keys or info.conversion_errors:
+            raise ValueError(f"model.streaming=true: {what} does not fit the model: mismatched "
+                             f"{sorted(info.mismatched_keys)[:3]}, conversion errors "
+                             f"{list(info.conversion_errors.items())[:2]}")
+        bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            raise ValueError(f"checkpoint {str(self.shards.folder)!r}: {what} holds NaN or inf in {bad[:3]}; "
+                             "refusing to run with them")
+
+    def load_outer(self) -> None:
+        """The tensors outside the decoder layers (embedding, final norm, LM head), kept until `release_outer`; the
+        embedding is read once (it stays resident)."""
+        if not self.outer_loaded:
+            names = [k for k in self.groups.get(None, []) if not (self._embedded and k in self._embedding_keys)]
+            self._load(self.shards.read(names), "the embedding, final norm and LM head")
+            self.model.tie_weights()
+            self.outer_loaded = self._embedded = True
+
+    _embedded = False
+
+    def release_outer(self) -> None:
+        """Everything outside the decoder layers back to the meta device, but the input embedding (and what is tied
+        to it)."""
+        inside = {id(m) for layer in self._layers for m in layer.modules()}
+        keep = self.model.get_input_embeddings()
+        for module in self.model.modules():
+            if id(module) not in inside and module is not keep:
+                _to_meta(module, recurse=False)
+        self.model.tie_weights()
+        self.outer_loaded = False
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    def layers(self) -> Iterator[tuple[int, nn.Module]]:
+        """Each decoder layer, resident while the caller's loop body runs, released after; the next one's tensors
+        read meanwhile (prefetch)."""
+        n = len(self._layers)
+        submit = (lambda j: self._pool.submit(self.shards.read, self.groups[j])) if self._pool else None
+        pending = submit(0) if submit else None
+        for j in range(n):
+            t0 = time.perf_counter()
+            tensors = pending.result() if pending is not None else self.shards.read(self.groups[j])
+            self.wait_seconds += time.perf_counter() - t0
+            pending = submit(j + 1) if submit and j + 1 < n else None
+            self._load(tensors, f"decoder layer {j}")
+            del tensors
+            start = time.perf_counter()
+            try:
+                yield j, self._layers[j]
+            finally:
+                _to_meta(self._layers[j])
+            self.seconds_per_layer.append(time.perf_counter() - start)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def figures(self, prefix: str = "streaming") -> dict:
+        """For the run record: bytes read against the checkpoint, seconds per layer, the share of reading hidden
+        behind compute (1 - time waited for a layer's tensors / time spent reading them)."""
+        read = self.shards.read_seconds
+        return {f"{prefix}/checkpoint_gb": self.shards.total_bytes / 1e9,
+                f"{prefix}/read_gb": self.shards.bytes_read / 1e9,
+                f"{prefix}/read_ratio": self.shards.bytes_read / max(1, self.shards.total_bytes),
+                f"{prefix}/layers": len(self._layers),
+                f"{prefix}/seconds_per_layer": (sum(self.seconds_per_layer) / len(self.seconds_per_layer)
+                                                if self.seconds_per_layer else 0.0),
+                f"{prefix}/read_seconds": read, f"{prefix}/wait_seconds": self.wait_seconds,
+                f"{prefix}/read_hidden_share": max(0.0, 1 - self.wait_seconds / read) if read > 0 else 1.0}
+
+
+class _quiet_loading:
+    """transformers' per-call loading bar off while a layer loads (one bar per layer would flood the log)."""
+
+    def __enter__(self):
+        from transformers.utils import logging
+
+        self._was = logging.is_progress_bar_enabled()
+        logging.disable_progress_bar()
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging
+
+        if self._was:
+            logging.enable_progress_bar()
+
+
+def check_streaming(model_cfg, stage: str | None = None) -> None:
+    """model.streaming=true is taken by checkpoint models with a local folder, in the streamed stages; refused by
+    name elsewhere, before any weight is read."""
+    if not model_cfg.get("streaming"):
+        return
+    if stage is not None and stage not in STREAMED_STAGES:
+        raise ValueError(streaming_refusal(stage))
+    if model_cfg.get("_target_") != "mla_quant.models.build.pretrained_model":
+        raise ValueError(f"model.streaming=true streams a checkpoint's safetensors shards; model._target_="
+                         f"{model_cfg.get('_target_')!r} builds its model in memory. Write a checkpoint folder "
+                         "(experiment=write_checkpoint, or save_pretrained) and run it as a checkpoint model with "
+                         "model.path=<folder>")
+    if not model_cfg.get("path"):
+        raise ValueError("model.streaming=true reads the checkpoint's shards from a local folder: set model.path "
+                         "(download the checkpoint first, e.g. huggingface-cli download <id> --local-dir <folder>)")
+    if not Path(str(model_cfg.path)).is_dir():
+        raise ValueError(f"model.streaming=true: model.path={model_cfg.path!r} is not a folder")
+    host = model_cfg.get("streaming_host_gb")
+    if isinstance(host, bool) or not isinstance(host, (int, float)) or host < 0:
+        raise ValueError(f"model.streaming_host_gb={host!r}: the host memory (GB) the hidden states may take before "
+                         "they spill to disk, a number >= 0")
+    if model_cfg.get("device_map") not in (None, "auto"):
+        raise ValueError(f"model.streaming=true places each layer on `device`; model.device_map="
+                         f"{model_cfg.device_map!r} would place the whole model: set model.device_map=null (or auto)")
+
+
+@torch.no_grad()
+def head_logits(model: nn.Module, ids: torch.Tensor, final_hidden: torch.Tensor) -> torch.Tensor:
+    """float32 logits of the last decoder layer's output `final_hidden` for `ids`: the model's own forward with its
+    decoder layers replaced by stand-ins, the first returning `final_hidden` (so the final norm, LM head and any
+    family's logit scaling run as the family writes them). Only the outer tensors must be resident."""
+    family = family_for_config(model.config)
+    layers = decoder_layers(model)
+
+    def first(hidden_states, *args, **kwargs):
+        return _stand_in(final_hidden.to(hidden_states.device), family)
+
+    def rest(hidden_states, *args, **kwargs):
+        return _stand_in(hidden_states, family)
+
+    for j, layer in enumerate(layers):
+        layer.forward = first if j == 0 else rest
+    try:
+        return model(input_ids=ids, use_cache=False).logits.float()
+    finally:
+        for layer in layers:
+            del layer.forward
