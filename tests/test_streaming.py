@@ -10,7 +10,7 @@ from conftest import compose, options
 from mla_quant.models.streaming import StreamedModel, layer_arguments
 from mla_quant.models.absorbed import decoder_layers, new_cache
 from mla_quant.prepare import build_model, preflight
-from mla_quant.stages import quality
+from mla_quant.stages import quality, sensitivity
 
 # What differs between families for a stream: fused experts converted on load (V3), a top-k handed from layer to
 # layer (GLM-5), a hybrid stack's per-type masks and recurrent states (Kimi-Linear), two MLA blocks per decoder layer
@@ -63,6 +63,27 @@ def test_streamed_quality_equals_in_memory(tiny, tmp_path):
     assert 1.0 <= shards["streaming/read_ratio"] <= 1.5
 
 
+@pytest.mark.parametrize("tiny", ["tiny_deepseek_v3", "tiny_glm_moe_dsa", "tiny_longcat_flash"])
+def test_streamed_sensitivity_equals_in_memory(tiny, tmp_path):
+    """Every metric of the study (amplification over seeds, per layer, predicted, mechanism split, per RoPE pair),
+    with every injection's stream beside the clean one through each resident layer."""
+    folder = _checkpoint(tiny, tmp_path / "checkpoint")
+    runs = {}
+    for streaming in (False, True):
+        cfg = compose([f"model={_real_option(tiny)}", f"model.path={folder}", "model.dtype=float32",
+                       "model.device_map=null", "model.tokenizer=null", "experiment=sensitivity",
+                       "task.probe.source=random", "task.probe.num_sequences=2", "task.probe.seq_len=32",
+                       "task.seeds=2", "task.sweep_nmse=[0.01]", "device=cpu", "logger=none",
+                       f"model.streaming={streaming}"])
+        (tmp_path / str(streaming)).mkdir()
+        runs[streaming] = sensitivity.run(cfg, tmp_path / str(streaming)).metrics
+    compared = [k for k, v in runs[False].items() if isinstance(v, float) and not k.startswith("plan/")]
+    assert any("/layer1/amplification" in k for k in compared) and any("rope_pair" in k for k in compared)
+    for key in compared:
+        assert runs[True][key] == pytest.approx(runs[False][key], rel=1e-5, abs=1e-12), key
+    assert runs[True]["streaming/layers"] >= 2
+
+
 def test_one_layer_resident_and_hidden_states_spilled(tmp_path):
     """A deeper stack: while layer j runs no other decoder layer holds a weight, each tensor of the layers is read
     exactly once, and with no host budget every hidden state goes through the scratch folder, results unchanged."""
@@ -113,12 +134,20 @@ def test_streaming_refusals_name_the_setting(extra, match, tmp_path):
         quality.run(cfg, tmp_path)
 
 
-@pytest.mark.parametrize("experiment", ["evaluate", "sensitivity", "calibrate", "export"])
+@pytest.mark.parametrize("experiment", ["evaluate", "calibrate", "export", "verify"])
 def test_stages_that_load_the_whole_model_refuse_streaming(experiment, tmp_path):
     cfg = compose([f"model={_real_option('tiny_deepseek_v3')}", f"model.path={tmp_path}", "model.streaming=true",
                    f"experiment={experiment}", "model.quant_group_size.wide=16", "model.quant_group_size.narrow=16"])
     with pytest.raises(ValueError, match=f"experiment={experiment} loads the whole model"):
         preflight(cfg)
+
+
+def test_streamed_sensitivity_refuses_a_fitted_transform(tmp_path):
+    cfg = compose([f"model={_real_option('tiny_deepseek_v3')}", f"model.path={tmp_path}", "model.streaming=true",
+                   "experiment=sensitivity", "transform=quantmla", "model.quant_group_size.wide=16",
+                   "model.quant_group_size.narrow=16"])
+    with pytest.raises(ValueError, match="transform=quantmla is not streamed yet"):
+        sensitivity.run(cfg, tmp_path)
 
 
 def test_tiny_model_streaming_refused():

@@ -37,7 +37,7 @@ from mla_quant.models.absorbed import CACHE_KEYWORD, absorb, decoder_layers
 from mla_quant.models.families import MLAFamily, family_for_config
 
 # The stages that run a streamed model; the others load the whole model (model.device_map spreads it over GPUs).
-STREAMED_STAGES = ("quality",)
+STREAMED_STAGES = ("quality", "sensitivity")
 
 
 def streaming_refusal(stage: str) -> str:
@@ -404,6 +404,22 @@ def check_streaming(model_cfg, stage: str | None = None) -> None:
                          f"{model_cfg.device_map!r} would place the whole model: set model.device_map=null (or auto)")
 
 
+def drop_cache_slots(cache, slots) -> None:
+    """Free what a cache holds in `slots` once their decoder layer has run over every sequence (a streamed stage that
+    reads no cache afterwards); a layer's other attributes (e.g. recorded query energies) stay."""
+    for slot in slots:
+        layer = cache.layers[slot]
+        for part in (layer, getattr(layer, "clean", None)):  # an injected layer keeps its clean latent beside
+            if part is not None and hasattr(part, "reset"):
+                part.reset()
+
+
+def cache_slots(model: nn.Module, layer: nn.Module) -> list[int]:
+    """The cache slots of the MLA blocks inside decoder layer `layer` (LongCat: two)."""
+    inside = {id(m) for m in layer.modules()}
+    return [a.layer_idx for a in family_for_config(model.config).attention_modules(model) if id(a) in inside]
+
+
 @torch.no_grad()
 def head_logits(model: nn.Module, ids: torch.Tensor, final_hidden: torch.Tensor) -> torch.Tensor:
     """float32 logits of the last decoder layer's output `final_hidden` for `ids`: the model's own forward with its
@@ -425,3 +441,23 @@ def head_logits(model: nn.Module, ids: torch.Tensor, final_hidden: torch.Tensor)
     finally:
         for layer in layers:
             del layer.forward
+
+
+def refuse_unstreamed(cfg, quant: bool) -> None:
+    """What no stage streams yet, refused by name before any data or weight is read: a fitted transform (calibrated
+    and folded on the whole model), and where the stage uses `quant`, quant=mixed and lloyd codebooks (fitted on a
+    calibration pass over the whole model)."""
+    from mla_quant.calibration import fitted_paths
+    from mla_quant.prepare import quant_uses_lloyd
+    from mla_quant.sensitivity.allocation import is_mixed
+
+    transform = (cfg.get("transform") or {}).get("name", "none")
+    if transform != "none" or fitted_paths(cfg.get("transform")):
+        raise ValueError(f"model.streaming=true: transform={transform} is not streamed yet (its calibration and fold "
+                         "run on the whole model); use transform=none, or run without streaming")
+    if quant and is_mixed(cfg.get("quant")):
+        raise ValueError("model.streaming=true: quant=mixed allocates bits on a calibration pass over the whole "
+                         "model, not streamed yet; give a named quant option")
+    if quant and quant_uses_lloyd(cfg.get("quant")):
+        raise ValueError("model.streaming=true: lloyd codebooks are fitted on the whole model, not streamed yet; "
+                         "use quant.*.quantizer=rtn (or clip, hqq)")

@@ -138,3 +138,67 @@ def probe_ids(probe: DictConfig, model, tokenizer=None) -> torch.Tensor:
             raise ValueError(f"dataset {probe.dataset!r} gave {ids.numel()} tokens, the probe needs {need}")
         return ids[:need].view(probe.num_sequences, probe.seq_len)
     raise ValueError(f"task.probe.source={probe.source!r}; allowed: random, tasks, hf")
+
+
+@torch.no_grad()
+def streamed_errors(stream, ids: torch.Tensor, clean_cache, noisy_caches: list, host_gb: float = 8.0,
+                    scratch=None, desc: str = "sensitivity (streamed)") -> tuple[Capture, list[dict]]:
+    """`capture` of the clean stream and `output_errors` of every noisy stream against it, with the model streamed
+    layer by layer (mla_quant.models.streaming): each decoder layer, while resident, runs the clean stream and then
+    every noisy one, whose attention and layer outputs are compared with the clean ones there and then; the logits
+    at the end. -> (the clean Capture (logits, cache; no per-layer outputs kept), one errors dict per noisy stream)."""
+    from tqdm.auto import tqdm
+
+    from mla_quant.models.streaming import HostStore, drop_cache_slots, head_logits, layer_arguments, run_layer
+
+    model, family, device = stream.model, stream.family, stream.device
+    attention = family.attention_modules(model)
+    layers = decoder_layers(model)
+    attention_ids = {id(a): i for i, a in enumerate(attention)}
+    owner = [next(j for j, layer in enumerate(layers) if any(id(m) == id(a) for m in layer.modules()))
+             for a in attention]
+    caches = [clean_cache, *noisy_caches]
+    ids = ids.to(device)
+    store = HostStore(host_gb * 1e9, pin=device.type == "cuda", scratch=scratch)
+    errors = [{"attn_output": [None] * len(attention), "layer_output": [None] * len(layers)} for _ in noisy_caches]
+    outputs: dict[int, torch.Tensor] = {}
+
+    def keep(module, args, output):
+        outputs[attention_ids[id(module)]] = (output[0] if isinstance(output, tuple) else output).detach()
+
+    handles = [a.register_forward_hook(keep) for a in attention]
+    try:
+        stream.load_outer()
+        arguments = []
+        for k, cache in enumerate(caches):
+            hidden, args = layer_arguments(model, ids, cache)
+            store.put(k, hidden)
+            arguments.append(args)
+        stream.release_outer()
+        carried = [{} for _ in caches]
+        for j, layer in tqdm(stream.layers(), total=stream.num_layers, desc=desc, unit="layer"):
+            mine = [i for i, o in enumerate(owner) if o == j]
+            clean_attn, clean_out = {}, None
+            for k in range(len(caches)):
+                outputs.clear()
+                h, carried[k] = run_layer(layer, family, store.pop(k).to(device), arguments[k][j], carried[k])
+                if k == 0:
+                    clean_attn, clean_out = dict(outputs), h
+                else:
+                    for i in mine:
+                        errors[k - 1]["attn_output"][i] = nmse(outputs[i], clean_attn[i])
+                    errors[k - 1]["layer_output"][j] = nmse(h, clean_out)
+                store.put(k, h)
+            for cache in caches:  # nothing reads them after this layer (the recording layer's energies stay)
+                drop_cache_slots(cache, [attention[i].layer_idx for i in mine])
+        stream.load_outer()
+        clean_logits = head_logits(model, ids, store.pop(0))
+        for k in range(1, len(caches)):
+            logits = head_logits(model, ids, store.pop(k))
+            errors[k - 1]["logits"] = nmse(logits, clean_logits)
+            errors[k - 1]["kl"] = next_token_kl(logits, clean_logits)
+    finally:
+        for h in handles:
+            h.remove()
+        store.close()
+    return Capture(clean_logits, [], [], owner, clean_cache), errors

@@ -88,24 +88,13 @@ def per_sequence_sums(stats: dict[str, torch.Tensor]) -> pd.DataFrame:
 
 def check_streamed(cfg: DictConfig) -> None:
     """What a streamed quality run refuses (model.streaming=true), before the data or any weight is read."""
-    from mla_quant.calibration import fitted_paths
-    from mla_quant.prepare import quant_uses_lloyd
-    from mla_quant.sensitivity.allocation import is_mixed
+    from mla_quant.models.streaming import refuse_unstreamed
 
     t = cfg.task
     if t.get("chunk") is not None:
         raise ValueError(f"model.streaming=true: task.chunk={t.chunk} is not streamed (a later chunk's layer arguments "
                          "depend on the cache the earlier chunks filled); set task.chunk=null")
-    transform = (cfg.get("transform") or {}).get("name", "none")
-    if transform != "none" or fitted_paths(cfg.get("transform")):
-        raise ValueError(f"model.streaming=true: transform={transform} is not streamed yet (its calibration and fold "
-                         "run on the whole model); use transform=none, or run without streaming")
-    if is_mixed(cfg.get("quant")):
-        raise ValueError("model.streaming=true: quant=mixed allocates bits on a calibration pass over the whole "
-                         "model, not streamed yet; give a named quant option")
-    if quant_uses_lloyd(cfg.get("quant")):
-        raise ValueError("model.streaming=true: lloyd codebooks are fitted on the whole model, not streamed yet; "
-                         "use quant.*.quantizer=rtn (or clip, hqq)")
+    refuse_unstreamed(cfg, quant=True)
 
 
 def check(cfg: DictConfig) -> str:
@@ -192,7 +181,8 @@ def streamed(cfg: DictConfig, run_dir: Path, source: str) -> StageResult:
     plus the stream's figures (streaming/...)."""
     from mla_quant.models.absorbed import attention_blocks
     from mla_quant.models.build import load_tokenizer, resolve_device
-    from mla_quant.models.streaming import HostStore, StreamedModel, head_logits, layer_arguments, run_layer
+    from mla_quant.models.streaming import (HostStore, StreamedModel, cache_slots, drop_cache_slots, head_logits,
+                                            layer_arguments, run_layer)
     from mla_quant.quant.formats import as_spec
     from mla_quant.cache import layer_factory
 
@@ -224,6 +214,8 @@ def streamed(cfg: DictConfig, run_dir: Path, source: str) -> StageResult:
                 h, carried[key] = run_layer(layer, stream.family, store.pop(key).to(device), arguments[key][j],
                                             carried[key])
                 store.put(key, h)
+            for s in starts:  # the unquantized cache is not read again (the quantized one is measured at the end)
+                drop_cache_slots(caches["ref", s], cache_slots(model, layer))
         stream.load_outer()
         parts: dict[str, list[torch.Tensor]] = {}
         held = HeldBytes()

@@ -38,6 +38,7 @@ from mla_quant.sensitivity.study import (  # noqa: E402
     output_errors,
     predicted_score_error,
     probe_ids,
+    streamed_errors,
 )
 
 SITES = ("logits", "kl")
@@ -105,6 +106,11 @@ def _rows(errors: dict, **key) -> list[dict]:
 def check(cfg: DictConfig) -> list[float]:
     """Everything this stage refuses, before any weight is read: the study's options, then the model's settings
     (`preflight`). -> the NMSE targets."""
+    if cfg.model.get("streaming"):
+        from mla_quant.models.streaming import check_streaming, refuse_unstreamed
+
+        check_streaming(cfg.model, cfg.task.name)
+        refuse_unstreamed(cfg, quant=cfg.task.noise == "quantizer")
     targets = validate(cfg)
     probe = cfg.task.probe
     preflight(cfg, quant=cfg.task.noise == "quantizer", tokenizer=probe.source != "random")
@@ -123,8 +129,13 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
     targets = check(cfg)  # bad targets, formats and data fail here, before any model work
     headline = float(task.nmse)
-    prep = prepare_model(cfg, quant=task.noise == "quantizer", tokenizer=task.probe.source != "random")
-    model, tokenizer = prep.model, prep.tokenizer
+    stream = None
+    if cfg.model.get("streaming"):  # the model read layer by layer from its shards (mla_quant.models.streaming)
+        stream, prep = _streamed_preparation(cfg)
+        model, tokenizer = stream.model, prep.tokenizer
+    else:
+        prep = prepare_model(cfg, quant=task.noise == "quantizer", tokenizer=task.probe.source != "random")
+        model, tokenizer = prep.model, prep.tokenizer
     n_layers = prep.dims["layers"]
     dims = {"content": prep.dims["d_c"], "rope": prep.dims["d_r"]}
     quantizers = noise_quantizers(cfg, dims) if task.noise == "quantizer" else {}
@@ -132,8 +143,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     probe = task.probe
     if probe.source == "auto":
         probe = OmegaConf.merge(probe, {"source": "tasks" if tokenizer is not None else "random"})
-    ids = probe_ids(probe, model, tokenizer).to(model.device)
-    clean = capture(model, ids, new_cache(model, RecordingLatentLayer))
+    ids = probe_ids(probe, model, tokenizer).to(stream.device if stream else model.device)
+    clean = None if stream else capture(model, ids, new_cache(model, RecordingLatentLayer))
     seeds = range(int(task.seeds))
 
     rows, specs = [], []
@@ -144,21 +155,29 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         return InjectionSpec(shape=task.noise, rope_layout=layout, quantizer=quantizers.get(kw["path"]),
                              **{k: v for k, v in kw.items() if k != "group"})
 
-    def inject(kind: str, group: int = -1, **kw):
-        spec = spec_of(kw)
-        errors = output_errors(capture(model, ids, new_cache(model, injection_factory(spec))), clean)
+    def result(kw: dict, kind: str, group: int, spec: InjectionSpec, errors: dict) -> dict:
+        """What summarise reads of one injection: its rows, the achieved NMSE per layer, the error energy of an
+        injected single layer."""
         pair = kw.get("pair", -1)
         key = dict(kind=kind, path=kw["path"], nmse_target=kw["nmse"], seed=kw.get("seed", 0),
                    layer=-1 if kw.get("layers") is None else min(kw["layers"]),
                    side=kw.get("side", "both"), pair=pair if isinstance(pair, int) else -1,
                    group=group, groups=groups if group >= 0 else 0)
-        # what summarise reads: the rows, the achieved NMSE per layer, the error energy of an injected single layer
         return {"rows": _rows(errors, **key), "key": key, "achieved": spec.achieved,
                 "error_energy": {i: spec.error_energy[i].tolist() for i in kw.get("layers") or ()}}
 
+    def inject(kind: str, group: int = -1, **kw):
+        spec = spec_of(kw)
+        return result(kw, kind, group, spec, output_errors(capture(model, ids, new_cache(model,
+                                                                                         injection_factory(spec))),
+                                                           clean))
+
+    streamed = {}
+
     def kept(i: int, kind: str, kw: dict):
         """One injection, kept in the run's progress (an interruption keeps it, a rerun does not redo it)."""
-        done = progress().unit(f"sensitivity/{kind}/{i}", lambda: inject(kind, **kw),
+        done = progress().unit(f"sensitivity/{kind}/{i}",
+                               (lambda: streamed[i]) if stream else (lambda: inject(kind, **kw)),
                                metrics=lambda _: {"sensitivity/injections_done": i + 1})
         spec = spec_of(kw)  # the finished injection's figures, fresh or read back from the progress
         spec.achieved = {int(k): v for k, v in done["achieved"].items()}
@@ -185,6 +204,17 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         jobs += [("one_layer_group", dict(path="rope", nmse=headline, seed=s, layers={i}, group=g,
                                           pair=tuple(range(g * per[i], (g + 1) * per[i]))))
                  for i in roped for g in range(groups) for s in seeds]
+    if stream is not None:  # every injection in one pass over the layers (each job's stream beside the clean one)
+        todo = [(i, kind, kw) for i, (kind, kw) in enumerate(jobs)
+                if f"sensitivity/{kind}/{i}" not in progress().units]
+        specs_todo = [(i, kind, {k: v for k, v in kw.items() if k != "group"}, kw.get("group", -1),
+                       spec_of(kw)) for i, kind, kw in todo]
+        clean, errors = streamed_errors(stream, ids, new_cache(model, RecordingLatentLayer),
+                                        [new_cache(model, injection_factory(sp)) for *_, sp in specs_todo],
+                                        float(cfg.model.streaming_host_gb), run_dir)
+        stream.close()
+        for (i, kind, kw, group, sp), err in zip(specs_todo, errors):
+            streamed[i] = result(kw, kind, group, sp, err)
     for i, (kind, kw) in enumerate(tqdm(jobs, desc="sensitivity", unit="injection")):
         kept(i, kind, kw)
 
@@ -195,11 +225,28 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     metrics, tables = summarise(df, specs, clean, headline, n_layers, attention_layer_of=clean.layer_of_attention,
                                 unrotated=None if family.rotary else family.name,
                                 no_rope=family.name if dims["rope"] == 0 else None, no_rope_layers=no_rope)
-    metrics = {**(prep.transform_metrics or {}), **(prep.plan_metrics or {}), **metrics}
+    metrics = {**(prep.transform_metrics or {}), **(prep.plan_metrics or {}), **metrics,
+               **(stream.figures() if stream else {})}
     write_text_atomic(run_dir / "sensitivity.md", tables)
     figures(df, metrics, headline, n_layers, run_dir)
     print(tables)
     return StageResult(metrics=metrics)
+
+
+def _streamed_preparation(cfg: DictConfig):
+    """model.streaming=true: the streamed model and what `prepare_model` would give beside it (dims, format,
+    tokenizer); `check` refused what does not stream yet."""
+    from mla_quant.models.absorbed import attention_blocks
+    from mla_quant.models.build import load_tokenizer, resolve_device
+    from mla_quant.models.streaming import StreamedModel
+    from mla_quant.prepare import Prepared
+
+    task = cfg.task
+    dims, fmt, _ = preflight(cfg, quant=task.noise == "quantizer", tokenizer=task.probe.source != "random")
+    tokenizer = load_tokenizer(cfg.model) if task.probe.source != "random" else None
+    stream = StreamedModel.from_config(cfg.model, resolve_device(str(cfg.get("device", "auto"))),
+                                       attention_blocks(cfg.get("attention")))
+    return stream, Prepared(stream.model, tokenizer, dims, fmt)
 
 
 def _ratio_over_seeds(df: pd.DataFrame, site: str, **where) -> pd.Series:
