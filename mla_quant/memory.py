@@ -80,6 +80,13 @@ def allocated_bytes() -> int | None:
     return info.uordblks + info.hblkhd
 
 
+def hand_back_freed() -> None:
+    """With glibc, `malloc_trim(0)`: the heap memory freed tensors left is handed back to the system (a streamed
+    model frees a layer's weights every layer; without this the resident set keeps them)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def settled_resident_bytes() -> int:
     """The resident set after garbage collection and, with glibc, `malloc_trim(0)` (freed heap memory handed back
     to the system): what live objects hold, not what the allocator kept from freed ones."""

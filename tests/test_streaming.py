@@ -26,9 +26,10 @@ def _real_option(tiny: str) -> str:
                 and compose([f"model={o}"]).model._target_.endswith("pretrained_model"))
 
 
-def _checkpoint(tiny: str, folder: Path, **config) -> Path:
+def _checkpoint(tiny: str, folder: Path, dtype: torch.dtype = torch.float32, **config) -> Path:
     overrides = [f"model={tiny}"] + [f"model.config.{k}={v}" for k, v in config.items()]
-    build_model(compose(overrides).model, absorbed=False).save_pretrained(folder, max_shard_size="100KB")
+    model = build_model(compose(overrides).model, absorbed=False).to(dtype)
+    model.save_pretrained(folder, max_shard_size="100KB")
     return folder
 
 
@@ -45,9 +46,11 @@ QUALITY = ("quality/ppl", "quality/ppl_unquantized", "quality/kl", "quality/kl_p
            "quality/top1_agree", "quality/tokens", "cache/bytes_per_token_per_layer")
 
 
-@pytest.mark.parametrize("tiny", FAMILIES)
-def test_streamed_quality_equals_in_memory(tiny, tmp_path):
-    folder = _checkpoint(tiny, tmp_path / "checkpoint")
+@pytest.mark.parametrize("tiny,stored", [(f, torch.float32) for f in FAMILIES]
+                         + [("tiny_deepseek_v3", torch.bfloat16)])
+def test_streamed_quality_equals_in_memory(tiny, stored, tmp_path):
+    """float32 compute over a float32 checkpoint, and over a BF16 one (read as stored, cast after)."""
+    folder = _checkpoint(tiny, tmp_path / "checkpoint", stored)
     runs = {}
     for streaming in (False, True):
         (tmp_path / str(streaming)).mkdir()

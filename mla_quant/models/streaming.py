@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mla_quant.memory import hand_back_freed
 from mla_quant.models.absorbed import CACHE_KEYWORD, absorb, decoder_layers
 from mla_quant.models.families import MLAFamily, family_for_config
 
@@ -64,9 +65,10 @@ class Shards:
                              "(model.path must be a folder with *.safetensors, as save_pretrained writes)")
         self.where: dict[str, str] = {}
         self.nbytes: dict[str, int] = {}
+        self.dtypes: dict[str, str] = {}
         for name in files:
-            for key, size in _header_sizes(self.folder / name).items():
-                self.where[key], self.nbytes[key] = name, size
+            for key, (size, kind) in _header(self.folder / name).items():
+                self.where[key], self.nbytes[key], self.dtypes[key] = name, size, kind
         if weight_map is not None:
             missing = sorted(set(weight_map) - set(self.where))
             if missing:
@@ -78,6 +80,14 @@ class Shards:
     @property
     def total_bytes(self) -> int:
         return sum(self.nbytes.values())
+
+    def floating_dtype(self) -> torch.dtype | None:
+        """The floating dtype holding most of the checkpoint's bytes (None: none of BF16, F16, F32)."""
+        by = {}
+        for key, kind in self.dtypes.items():
+            if kind in FLOATING:
+                by[kind] = by.get(kind, 0) + self.nbytes[key]
+        return FLOATING[max(by, key=by.get)] if by else None
 
     def read(self, names) -> dict[str, torch.Tensor]:
         """The named tensors, as stored (each shard opened once)."""
@@ -97,22 +107,30 @@ class Shards:
         return out
 
 
-def _header_sizes(path: Path) -> dict[str, int]:
+FLOATING = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def _header(path: Path) -> dict[str, tuple[int, str]]:
+    """{tensor name: (bytes, safetensors dtype)} from a shard's header."""
     import struct
 
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
-    return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+    return {k: (v["data_offsets"][1] - v["data_offsets"][0], v["dtype"]) for k, v in header.items()
+            if k != "__metadata__"}
 
 
-def _to_meta(module: nn.Module, recurse: bool = True) -> None:
+def _to_meta(module: nn.Module, recurse: bool = True, dtype: torch.dtype | None = None) -> None:
     """Return a module's parameters and persistent buffers (its submodules' too where `recurse`) to the meta device
-    (what a checkpoint holds); non-persistent buffers (computed from the config) stay."""
+    (what a checkpoint holds), floating parameters as `dtype` where given; non-persistent buffers (computed from the
+    config) stay."""
     for sub in (module.modules() if recurse else [module]):
         for name, p in list(sub._parameters.items()):
-            if p is not None and p.device.type != "meta":
-                sub._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+            if p is not None and (p.device.type != "meta" or (dtype is not None and p.is_floating_point())):
+                sub._parameters[name] = nn.Parameter(torch.empty_like(
+                    p, device="meta", dtype=dtype if dtype is not None and p.is_floating_point() else p.dtype),
+                    requires_grad=False)
         for name, b in list(sub._buffers.items()):
             if b is not None and name not in sub._non_persistent_buffers_set and b.device.type != "meta":
                 sub._buffers[name] = torch.empty_like(b, device="meta")
@@ -207,6 +225,7 @@ def layer_arguments(model: nn.Module, ids: torch.Tensor, cache, attention_mask=N
     return first[0], arguments
 
 
+@torch.no_grad()
 def run_layer(layer: nn.Module, family: MLAFamily, hidden: torch.Tensor, arguments: dict, carried: dict
               ) -> tuple[torch.Tensor, dict]:
     """One decoder layer over one batch: (its output hidden states, what it hands the next layer)."""
@@ -238,11 +257,17 @@ class StreamedModel:
         with init_empty_weights():
             model = model_class(config)
         model.eval()
+        # Parameters are read in the checkpoint's own dtype (a BF16 layer is converted, experts merged, at half the
+        # bytes) and cast to the compute dtype parameter by parameter after: a layer's peak is its stored bytes plus
+        # its computing bytes, not several computing copies.
+        self.storage_dtype = self.shards.floating_dtype() or dtype
+        _to_meta(model, dtype=self.storage_dtype)
         self.model = absorb(model, blocks)
         self.family = family_for_config(model.config)
         self._layers = decoder_layers(model)
         mapping = get_model_conversion_mapping(model, None, None)
-        self._load_config = LoadStateDictConfig(dtype=dtype, device_map={"": str(self.device)}, weight_mapping=mapping)
+        self._load_config = LoadStateDictConfig(dtype=self.storage_dtype, device_map={"": str(self.device)},
+                                                weight_mapping=mapping)
         # Which decoder layer each checkpoint tensor belongs to, by its name in the model (after transformers'
         # renamings); None: outside the decoder layers (embedding, final norm, LM head, a wrapper's other towers).
         meta = model.state_dict()
@@ -293,6 +318,13 @@ class StreamedModel:
             raise ValueError(f"model.streaming=true: {what} does not fit the model: mismatched "
                              f"{sorted(info.mismatched_keys)[:3]}, conversion errors "
                              f"{list(info.conversion_errors.items())[:2]}")
+        for module in self.model.modules():  # in the compute dtype, one parameter at a time; inference only (no
+            for name, p in list(module._parameters.items()):  # autograd graph may hold a released layer's weights)
+                if p is not None and p.device.type != "meta" and (p.requires_grad or (
+                        p.is_floating_point() and p.dtype != self.dtype)):
+                    module._parameters[name] = nn.Parameter(p.detach().to(self.dtype) if p.is_floating_point()
+                                                            else p.detach(), requires_grad=False)
+                    del p
         bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
         if bad:
             raise ValueError(f"checkpoint {str(self.shards.folder)!r}: {what} holds NaN or inf in {bad[:3]}; "
@@ -316,7 +348,7 @@ class StreamedModel:
         keep = self.model.get_input_embeddings()
         for module in self.model.modules():
             if id(module) not in inside and module is not keep:
-                _to_meta(module, recurse=False)
+                _to_meta(module, recurse=False, dtype=self.storage_dtype)
         self.model.tie_weights()
         self.outer_loaded = False
 
@@ -341,7 +373,8 @@ class StreamedModel:
             try:
                 yield j, self._layers[j]
             finally:
-                _to_meta(self._layers[j])
+                _to_meta(self._layers[j], dtype=self.storage_dtype)
+                hand_back_freed()
             self.seconds_per_layer.append(time.perf_counter() - start)
 
     def close(self) -> None:
@@ -461,3 +494,112 @@ def refuse_unstreamed(cfg, quant: bool) -> None:
     if quant and quant_uses_lloyd(cfg.get("quant")):
         raise ValueError("model.streaming=true: lloyd codebooks are fitted on the whole model, not streamed yet; "
                          "use quant.*.quantizer=rtn (or clip, hqq)")
+
+
+def _initializers(model: nn.Module) -> dict:
+    """{id(module): the `_init_weights` that initialises it}: the nearest enclosing transformers model's, as
+    transformers' own initialisation dispatches (a multimodal wrapper's text decoder by the decoder's own rule)."""
+    from transformers import PreTrainedModel
+
+    out = {}
+
+    def visit(module: nn.Module, owner):
+        owner = module if isinstance(module, PreTrainedModel) else owner
+        out[id(module)] = owner._init_weights
+        for child in module.children():
+            visit(child, owner)
+
+    visit(model, model)
+    return out
+
+
+def write_random_checkpoint(model_class, config, out: str | Path, dtype: torch.dtype, shard_bytes: int,
+                            seed: int = 0) -> dict:
+    """A Hugging Face checkpoint folder of `config`'s model with random weights, written one decoder layer at a time
+    (a model larger than memory: only one layer's weights exist at once): the skeleton on the meta device; the
+    outer tensors and then each layer materialized on the CPU, initialised by the model's own `_init_weights`
+    (seeded per layer), cast to `dtype`, converted to the checkpoint's layout as save_pretrained does
+    (`revert_weight_conversion`: fused experts back to per-expert tensors), appended to safetensors shards of at
+    most `shard_bytes`, and released. Writes config.json, the shards and model.safetensors.index.json.
+    -> {"shards": [...], "total_bytes": N, "parameters": P}."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.safetensors"):  # a folder written before (another shape) must not leave shards behind
+        old.unlink()
+    with init_empty_weights():
+        model = model_class(config)
+    layers = decoder_layers(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    initializer = _initializers(model)
+    outer = [m for m in model.modules() if id(m) not in inside]
+    shards: list[list[str]] = [[]]
+    pending: dict[str, torch.Tensor] = {}
+    weight_map: dict[str, int] = {}
+    total = params = 0
+
+    def flush():
+        if pending:
+            save_file(pending, str(out / f"part-{len(shards) - 1:05d}.safetensors"), metadata={"format": "pt"})
+            shards[-1] = list(pending)
+            shards.append([])
+            pending.clear()
+
+    def write(modules: list[nn.Module], recurse: bool, generator_seed: int):
+        nonlocal total, params
+        torch.manual_seed(generator_seed)
+        state: dict[str, torch.Tensor] = {}
+        seen: dict[int, str] = {}
+        for module in modules:
+            prefix = names[id(module)]
+            own = list(module.named_parameters(recurse=False)) + [
+                (n, b) for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
+            if recurse:
+                module.to_empty(device="cpu")
+                for sub in module.modules():
+                    initializer[id(sub)](sub)
+                items = [(k, v) for k, v in module.state_dict().items()]
+            else:
+                for n, p in own:
+                    if p.device.type == "meta":
+                        holder = module._parameters if n in module._parameters else module._buffers
+                        holder[n] = type(p)(torch.empty_like(p, device="cpu"), requires_grad=False) \
+                            if isinstance(p, nn.Parameter) else torch.empty_like(p, device="cpu")
+                initializer[id(module)](module)
+                items = [(n, getattr(module, n)) for n, _ in own]
+            for k, v in items:
+                key = f"{prefix}.{k}" if prefix else k
+                if v.data_ptr() in seen:  # tied (an LM head sharing the embedding): stored once, as save_pretrained
+                    continue
+                seen[v.data_ptr()] = key
+                state[key] = v.detach().to(dtype) if v.is_floating_point() else v.detach()
+        params += sum(v.numel() for v in state.values())
+        for key, tensor in revert_weight_conversion(model, state).items():
+            tensor = tensor.contiguous()
+            size = tensor.numel() * tensor.element_size()
+            if pending and sum(t.numel() * t.element_size() for t in pending.values()) + size > shard_bytes:
+                flush()
+            pending[key] = tensor.clone() if tensor.untyped_storage().size() != size else tensor
+            weight_map[key] = len(shards) - 1
+            total += size
+        for module in modules:
+            _to_meta(module, recurse=recurse)
+
+    from tqdm.auto import tqdm
+
+    write(outer, recurse=False, generator_seed=seed * 1_000_003)
+    for j, layer in enumerate(tqdm(layers, desc="write checkpoint", unit="layer")):
+        write([layer], recurse=True, generator_seed=seed * 1_000_003 + j + 1)
+    flush()
+    shards = [s for s in shards if s]
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for i, file in enumerate(files):
+        (out / f"part-{i:05d}.safetensors").rename(out / file)
+    index = {"metadata": {"total_size": total}, "weight_map": {k: files[i] for k, i in sorted(weight_map.items())}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config.save_pretrained(out)
+    return {"shards": files, "total_bytes": total, "parameters": params}

@@ -175,6 +175,7 @@ def _result(cfg: DictConfig, run_dir: Path, source: str, parts: dict, held: Held
     return StageResult(metrics=metrics)
 
 
+@torch.no_grad()
 def streamed(cfg: DictConfig, run_dir: Path, source: str) -> StageResult:
     """The quality stage with the model streamed layer by layer (model.streaming=true, mla_quant.models.streaming):
     both caches' hidden states go through each decoder layer while it is resident; the same metrics as in memory,

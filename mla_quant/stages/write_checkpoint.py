@@ -7,9 +7,12 @@ rehearsing the real-checkpoint path (`model=<real> model.path=<folder>`) on a ma
         model.device_map=null task.data.source=random
 
 `task.like` picks one of `task.shapes` (model YAMLs holding the family's exact attention config: heads, d_c, d_r,
-d_nope, d_v, q LoRA, YaRN); `task.layers` and `task.experts` shrink the depth and the experts; the weights are
-random (seeded), written as safetensors shards of at most `task.shard_mb` MB with the config.json transformers
-writes, and the shipped toy tokenizer beside them (its 1024-token vocabulary is the folder's vocab_size).
+d_nope, d_v, q LoRA, YaRN; `deepseek_v2_lite_full`: the whole of DeepSeek-V2-Lite's config); `task.layers` and
+`task.experts` shrink the depth and the experts (null: the shape's own); the weights are random (seeded per layer,
+drawn by the model's own initialisation), written one decoder layer at a time (`write_random_checkpoint`: a folder
+larger than memory is written within one layer's memory) as safetensors shards of at most `task.shard_mb` MB in the
+checkpoint layout save_pretrained writes, with config.json and the shipped toy tokenizer beside them (its 1024-token
+vocabulary is the folder's vocab_size).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mla_quant.checks import int_setting
-from mla_quant.prepare import build_model
 from mla_quant.record import write_json_atomic, write_text_atomic
 from mla_quant.stages import StageResult
 
@@ -67,34 +69,44 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
     if task.like not in task.shapes:
         raise ValueError(f"task.like={task.like!r}: no such shape; allowed: {sorted(task.shapes)}")
-    int_setting(task.layers, "task.layers", allowed="a positive integer")
+    if task.layers is not None:
+        int_setting(task.layers, "task.layers", allowed="a positive integer, or null (the shape's own depth)")
+    if task.experts is not None:
+        int_setting(task.experts, "task.experts", allowed="a positive integer, or null (the shape's own experts)")
     int_setting(task.gsm8k_problems, "task.gsm8k_problems", allowed="a positive integer")
     if isinstance(task.shard_mb, bool) or not isinstance(task.shard_mb, (int, float)) or task.shard_mb <= 0:
         raise ValueError(f"task.shard_mb={task.shard_mb!r}: a positive size in MB")
+    from mla_quant.models.build import torch_dtype
+    from mla_quant.models.families import get_family
+    from mla_quant.models.streaming import write_random_checkpoint
+    from mla_quant.prepare import model_config
     from mla_quant.toy.model import load_toy_tokenizer
 
+    dtype = torch_dtype(task.dtype)
     tokenizer = load_toy_tokenizer()
     run_as = task.run_as[task.like]
     source = task.shapes[task.like].copy()
     with open_dict(source):
         source.config.vocab_size = len(tokenizer)
-        source.config.num_hidden_layers = int(task.layers)
+        if task.layers is not None:
+            source.config.num_hidden_layers = int(task.layers)
         if task.experts is not None and "n_routed_experts" in source.config:
             source.config.n_routed_experts = int(task.experts)
             source.config.num_experts_per_tok = min(int(source.config.num_experts_per_tok), int(task.experts))
-        source.dtype = task.dtype
-        source.device = "cpu"
-    model = build_model(source, absorbed=False).eval()
+    config = model_config(source)
+    config.dtype = dtype
     out = Path(task.out) if task.out else run_dir / "checkpoint"
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, max_shard_size=f"{max(1, int(task.shard_mb * 1000))}KB")
+    # one decoder layer in memory at a time, whatever the folder's size (a full-size shape is larger than memory)
+    written = write_random_checkpoint(get_family(source.family).model_class, config, out, dtype,
+                                      int(task.shard_mb * 1e6), int(cfg.seed))
     tokenizer.save_pretrained(out)
     data = write_gsm8k_format(out / "data" / "gsm8k", int(task.gsm8k_problems), int(cfg.seed))
     text_files = write_text_files(out / "data" / "text", int(cfg.seed))
-    shards = sorted(p.name for p in out.glob("*.safetensors"))
-    params = sum(p.numel() for p in model.parameters())
-    text = model.config.get_text_config(decoder=True)
-    description = {"like": task.like, "run_as": run_as, "family": source.family, "layers": int(task.layers),
+    shards = written["shards"]
+    params = written["parameters"]
+    text = config.get_text_config(decoder=True)
+    description = {"like": task.like, "run_as": run_as, "family": source.family,
+                   "layers": int(text.num_hidden_layers), "bytes": written["total_bytes"],
                    "random_weights_seed": int(cfg.seed), "dtype": task.dtype, "parameters": params, "shards": shards,
                    "attention": {k: getattr(text, k, None) for k in (
                        "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
@@ -103,8 +115,9 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                    "rope_parameters": OmegaConf.to_container(source.config.get("rope_parameters"))
                    if source.config.get("rope_parameters") is not None else None}
     write_json_atomic(out / "mla_quant_rehearsal.json", description)
-    print(f"[write_checkpoint] {out}: {task.like}-shaped {source.family}, {task.layers} layers, {params / 1e6:.1f}M "
-          f"random parameters ({task.dtype}) in {len(shards)} shard(s); attention {json.dumps(description['attention'])}")
+    print(f"[write_checkpoint] {out}: {task.like}-shaped {source.family}, {description['layers']} layers, "
+          f"{params / 1e6:.1f}M random parameters ({task.dtype}, {written['total_bytes'] / 1e9:.2f} GB) in "
+          f"{len(shards)} shard(s); attention {json.dumps(description['attention'])}")
     print(f"  run it as a real checkpoint: python run.py model={run_as} model.path={out} model.dtype=float32 "
           f"model.device_map=null ...")
     print(f"  GSM8K-format data for lm-eval's gsm8k task: 'eval.data_files={{gsm8k:{{train:{data['train']},"
