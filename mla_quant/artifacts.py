@@ -26,7 +26,7 @@ from typing import Any
 from mla_quant.record import config_sha256, write_json_atomic
 
 # keys of a model's config group that change where or how it runs, not what it computes
-MODEL_RUN_KEYS = ("device", "tokenizer", "resources")
+MODEL_RUN_KEYS = ("device", "tokenizer", "resources", "streaming", "streaming_host_gb")
 PROVENANCE_LIBRARIES = ("torch", "transformers")
 
 

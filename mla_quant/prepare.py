@@ -208,9 +208,11 @@ class Prepared:
         """What the cache stores per path, with the dtype actually stored (the toy runs in float32, so its
         unquantized tokens are float32, not bf16)."""
         param = next(self.model.parameters())
-        dtype = str(param.dtype).replace("torch.", "")
+        # a streamed model's skeleton: the dtype and device its resident layers compute in
+        compute, device = getattr(self.model, "mla_streamed", (param.dtype, param.device))
+        dtype = str(compute).replace("torch.", "")
         backends = {} if self.fmt is None else {f"cache/backend/{step}": backend for step, backend
-                                                in self.fmt.step_backends(param.device.type).items()}
+                                                in self.fmt.step_backends(device.type).items()}
         # bytes per token per layer of the BF16 cache the analysis compares against: mean over layers
         layer_dims = self.dims.get("layer_dims") or [(self.dims["d_c"], self.dims["d_r"])]
         bf16 = sum(c + r for c, r in layer_dims) * 2 / len(layer_dims)
@@ -369,3 +371,21 @@ def needs_tokenizer(cfg: DictConfig, calib_report: bool = False) -> bool:
             or quant_uses_lloyd(cfg.get("quant"))) or cfg.model.get("tokenizer") is None:
         return False
     return resolve_source(cfg.calib, cfg.model.get("_target_")) in ("toy", "text")
+
+
+def prepare_streamed(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, calib_report: bool = False):
+    """`prepare_model` for a model streamed layer by layer (model.streaming=true, mla_quant.models.streaming): the
+    same checks, the skeleton with its layers left on disk, the configured transforms fitted (or reused) through a
+    streamed sweep and folded into each layer as it is read. -> (the StreamedModel, a Prepared whose model is its
+    skeleton)."""
+    from mla_quant.models.build import resolve_device
+    from mla_quant.models.streaming import StreamedModel
+
+    dims, fmt, _ = preflight(cfg, quant=quant, tokenizer=tokenizer, calib_report=calib_report)
+    tok = load_tokenizer(cfg.model) if tokenizer or needs_tokenizer(cfg, calib_report) else None
+    stream = StreamedModel.from_config(cfg.model, resolve_device(str(cfg.get("device", "auto"))),
+                                       attention_blocks(cfg.get("attention")))
+    tset, transform_metrics, report = calibrated_transforms(stream.model, cfg, tok, fmt, report=calib_report,
+                                                            stream=stream)
+    stream.fold(tset)
+    return stream, Prepared(stream.model, tok if tokenizer else None, dims, fmt, transform_metrics, report)

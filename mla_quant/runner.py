@@ -203,6 +203,15 @@ def refuse_idle_plan(cfg: DictConfig) -> None:
                          f"{list(PLANNED)}), so it would do nothing; drop it")
 
 
+def refuse_idle_streaming(cfg: DictConfig) -> None:
+    """model.streaming=true where the experiment does not stream (mla_quant.models.streaming.STREAMED_STAGES)."""
+    model = cfg.get("model") or {}
+    if model.get("streaming"):
+        from mla_quant.models.streaming import check_streaming
+
+        check_streaming(model, cfg.task.name)
+
+
 def refuse_idle_resources() -> None:
     """model.resources.* only reaches a submitit launcher (hydra/launcher=slurm|local in a --multirun sweep)."""
     bad = [o for o in user_overrides() if o.lstrip("+~").split("=", 1)[0].startswith("model.resources")]
@@ -259,6 +268,7 @@ def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None)
     refuse_idle_calibration(cfg)
     refuse_idle_resources()
     refuse_idle_plan(cfg)
+    refuse_idle_streaming(cfg)
     identity = run_identity(resolved)
     complete, prog = resume_state(cfg, run_dir, identity)
     if complete is not None and cfg.task.get("skip_complete", True):  # experiment=pipeline reruns (its steps skip)

@@ -33,13 +33,16 @@ def _checkpoint(tiny: str, folder: Path, dtype: torch.dtype = torch.float32, **c
     return folder
 
 
+def _quality_overrides(tiny: str, folder: Path, *extra: str) -> list[str]:
+    return [f"model={_real_option(tiny)}", f"model.path={folder}", "model.dtype=float32", "model.device_map=null",
+            "model.tokenizer=null", "model.quant_group_size.wide=16", "model.quant_group_size.narrow=16",
+            "quant=int4_joint", "quant.protected.n_sink=0", "quant.protected.recent=0", "device=cpu", "logger=none",
+            *extra]
+
+
 def _quality_cfg(tiny: str, folder: Path, *extra: str):
-    return compose([f"model={_real_option(tiny)}", f"model.path={folder}", "model.dtype=float32",
-                    "model.device_map=null", "model.tokenizer=null", "model.quant_group_size.wide=16",
-                    "model.quant_group_size.narrow=16", "experiment=quality", "quant=int4_joint",
-                    "quant.protected.n_sink=0", "quant.protected.recent=0", "task.data.source=random",
-                    "task.data.samples=3", "task.data.seq_len=40", "task.batch_size=2", "device=cpu", "logger=none",
-                    *extra])
+    return compose([*_quality_overrides(tiny, folder), "experiment=quality", "task.data.source=random",
+                    "task.data.samples=3", "task.data.seq_len=40", "task.batch_size=2", *extra])
 
 
 QUALITY = ("quality/ppl", "quality/ppl_unquantized", "quality/kl", "quality/kl_p99", "quality/kl_stderr",
@@ -87,6 +90,70 @@ def test_streamed_sensitivity_equals_in_memory(tiny, tmp_path):
     assert runs[True]["streaming/layers"] >= 2
 
 
+@pytest.mark.parametrize("tiny", ["tiny_deepseek_v3", "tiny_longcat_flash"])
+def test_streamed_calibration_equals_in_memory(tiny, tmp_path):
+    """QuantMLA fitted through the streamed sweep gives the in-memory fit's transforms and report; a streamed quality
+    run folds them into each layer as it is read and equals the in-memory run with them folded; the fingerprint of
+    the weights is the same streamed or not, so each finds the other's stored transforms."""
+    from safetensors.torch import load_file
+
+    from mla_quant.stages import calibrate
+
+    folder = _checkpoint(tiny, tmp_path / "checkpoint")
+    fit = ["transform=quantmla", "transform.fit.steps=3", "transform.fit.eval_every=1", "calib.source=random",
+           "calib.samples=4", "calib.seq_len=24", "calib.batch_size=2"]
+    runs, files = {}, {}
+    for streaming in (False, True):
+        store = tmp_path / f"calibration_{streaming}"
+        (tmp_path / f"c{streaming}").mkdir()
+        own = [f"model.streaming={streaming}", *fit, f"transform.fit.cache_dir={store}"]
+        cal = calibrate.run(compose([*_quality_overrides(tiny, folder, *own), "experiment=calibrate"]),
+                            tmp_path / f"c{streaming}")
+        assert cal.metrics["calib/reused"] == 0
+        files[streaming] = load_file(cal.metrics["calib/file"])
+        (tmp_path / f"q{streaming}").mkdir()
+        runs[streaming] = quality.run(_quality_cfg(tiny, folder, *own), tmp_path / f"q{streaming}").metrics
+        assert runs[streaming]["calib/reused"] == 1  # the quality run found the calibration's transforms
+    assert files[True].keys() == files[False].keys() and files[True]
+    for key in files[False]:
+        torch.testing.assert_close(files[True][key], files[False][key], rtol=1e-5, atol=1e-7, msg=key)
+    for key in QUALITY:
+        assert runs[True][key] == pytest.approx(runs[False][key], rel=1e-5, abs=1e-9), key
+    assert runs[True]["calib/file"].rsplit("/", 1)[1] == runs[False]["calib/file"].rsplit("/", 1)[1]
+
+
+def test_streamed_export_equals_in_memory(tmp_path):
+    """experiment=export streamed (QuantMLA folded into each layer as it is read, each layer written as it is done)
+    writes the same tensors as the in-memory export, and transformers loads the folder with the same logits."""
+    from safetensors.torch import load_file
+
+    from mla_quant.models.families import get_family
+    from mla_quant.stages import export
+
+    folder = _checkpoint("tiny_deepseek_v3", tmp_path / "checkpoint")
+    fit = ["transform=quantmla", "transform.fit.steps=3", "calib.source=random", "calib.samples=4", "calib.seq_len=24",
+           "calib.batch_size=2", f"transform.fit.cache_dir={tmp_path / 'calibration'}"]
+    tensors, files, models = {}, {}, {}
+    for streaming in (False, True):
+        (tmp_path / str(streaming)).mkdir()
+        cfg = compose([*_quality_overrides("tiny_deepseek_v3", folder, f"model.streaming={streaming}", *fit),
+                       "experiment=export", "task.shard_mb=0.2"])
+        result = export.run(cfg, tmp_path / str(streaming))
+        assert result.ok and result.metrics["export/logits_rel_err"] < 1e-5
+        out = tmp_path / str(streaming) / "checkpoint"
+        files[streaming] = sorted(p.name for p in out.iterdir())
+        tensors[streaming] = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+        models[streaming] = get_family("deepseek_v3").model_class.from_pretrained(
+            out, dtype=torch.float32, attn_implementation="eager").eval()
+    assert files[True] == files[False] and len([f for f in files[True] if f.endswith(".safetensors")]) > 1
+    assert tensors[True].keys() == tensors[False].keys()
+    for key, value in tensors[False].items():
+        assert torch.equal(tensors[True][key], value), key
+    ids = torch.randint(3, 500, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(models[True](ids).logits, models[False](ids).logits)
+
+
 def test_one_layer_resident_and_hidden_states_spilled(tmp_path):
     """A deeper stack: while layer j runs no other decoder layer holds a weight, each tensor of the layers is read
     exactly once, and with no host budget every hidden state goes through the scratch folder, results unchanged."""
@@ -124,7 +191,7 @@ def test_one_layer_resident_and_hidden_states_spilled(tmp_path):
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["transform=quarot"], "transform=quarot is not streamed yet"),
+    (["transform=quantmla", "objective.rope.kind=next_token_kl"], "objective.rope.kind=next_token_kl reruns"),
     (["task.chunk=8"], "task.chunk=8 is not streamed"),
     (["model.path=null"], "set model.path"),
     (["model.streaming_host_gb=-1"], "model.streaming_host_gb=-1"),
@@ -137,19 +204,26 @@ def test_streaming_refusals_name_the_setting(extra, match, tmp_path):
         quality.run(cfg, tmp_path)
 
 
-@pytest.mark.parametrize("experiment", ["evaluate", "calibrate", "export", "verify"])
+@pytest.mark.parametrize("experiment", ["evaluate", "verify", "serving", "pipeline"])
 def test_stages_that_load_the_whole_model_refuse_streaming(experiment, tmp_path):
+    """Refused by the runner, before the stage starts, for every experiment that does not stream."""
+    from mla_quant import runner
+
     cfg = compose([f"model={_real_option('tiny_deepseek_v3')}", f"model.path={tmp_path}", "model.streaming=true",
-                   f"experiment={experiment}", "model.quant_group_size.wide=16", "model.quant_group_size.narrow=16"])
+                   f"experiment={experiment}", "model.quant_group_size.wide=16", "model.quant_group_size.narrow=16",
+                   f"hydra.run.dir={tmp_path / 'run'}"])
     with pytest.raises(ValueError, match=f"experiment={experiment} loads the whole model"):
-        preflight(cfg)
+        runner.main(cfg, tmp_path / "run")
+    if experiment == "evaluate":
+        with pytest.raises(ValueError, match="experiment=evaluate loads the whole model"):
+            preflight(cfg)
 
 
-def test_streamed_sensitivity_refuses_a_fitted_transform(tmp_path):
+def test_streamed_sensitivity_refuses_an_end_to_end_objective(tmp_path):
     cfg = compose([f"model={_real_option('tiny_deepseek_v3')}", f"model.path={tmp_path}", "model.streaming=true",
-                   "experiment=sensitivity", "transform=quantmla", "model.quant_group_size.wide=16",
-                   "model.quant_group_size.narrow=16"])
-    with pytest.raises(ValueError, match="transform=quantmla is not streamed yet"):
+                   "experiment=sensitivity", "transform=quantmla", "objective.content.kind=next_token_kl",
+                   "model.quant_group_size.wide=16", "model.quant_group_size.narrow=16"])
+    with pytest.raises(ValueError, match="objective.content.kind=next_token_kl reruns the whole model"):
         sensitivity.run(cfg, tmp_path)
 
 

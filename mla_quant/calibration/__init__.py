@@ -63,11 +63,14 @@ def fit_identity(fmt: CacheSpec | CacheFormat) -> list[str]:
     return [repr(part) for f in as_spec(fmt).identity_layers for part in (f.content, f.rope)]
 
 
-def calibrated_transforms(model, cfg, tokenizer, run_format: CacheSpec | None, report: bool = False
-                          ) -> tuple[TransformSet | None, dict, list[dict]]:
+def calibrated_transforms(model, cfg, tokenizer, run_format: CacheSpec | None, report: bool = False,
+                          stream=None) -> tuple[TransformSet | None, dict, list[dict]]:
     """The configured transforms for `model` (unabsorbed or absorbed, unquantized): loaded from the store when the
     same configuration was fitted before, else computed (and stored). report=True: compute the per-layer objective
-    report even for data-free kinds. -> (set or None for `none`, metrics, report rows)."""
+    report even for data-free kinds. `stream`: `model` is the skeleton of a model streamed layer by layer
+    (mla_quant.models.streaming): its fingerprint and the fit read the layers one at a time, and the same
+    configuration finds the same stored transforms streamed or not. -> (set or None for `none`, metrics, report
+    rows)."""
     tcfg = cfg.get("transform")
     k = kinds(tcfg)
     name = _plain(tcfg).get("name", "none")
@@ -82,7 +85,7 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheSpec | None, r
         check_calib(calib, source)
     fit = _plain(tcfg).get("fit") or {}
     payload = {"model": model_identity(_plain(cfg.model)),
-               "weights": weights_sha256(model), "transform": {k2: v for k2, v in _plain(tcfg).items() if k2 != "fit"},
+               "weights": stream.weights_sha256() if stream is not None else weights_sha256(model), "transform": {k2: v for k2, v in _plain(tcfg).items() if k2 != "fit"},
                "fit": {k2: v for k2, v in fit.items() if k2 not in ("cache_dir", "reuse")}, "revision": FIT_REVISION,
                "objective": _plain(cfg.get("objective")) if fitted_paths(tcfg) else None,
                "calib": {**_plain(calib), "source": source} if use_data else None,
@@ -111,7 +114,7 @@ def calibrated_transforms(model, cfg, tokenizer, run_format: CacheSpec | None, r
     checkpoints = LayerCheckpoints(path.with_name(f"{path.stem}.partial"), config_sha)
     tset, rows = fit_all(model, ids, tcfg, cfg.get("objective"), fmt, int(cfg.seed),
                          int((calib or {}).get("batch_size", 8)) if calib is not None else 8, checkpoints,
-                         (calib or {}).get("query_tokens") if calib is not None else None)
+                         (calib or {}).get("query_tokens") if calib is not None else None, stream=stream)
     seconds = time.perf_counter() - start
     provenance = {**artifact_provenance(config_sha), "seed": int(cfg.seed), "transform": name,
                   "data_sha256": ids_sha256(ids) if ids is not None else "none", "data_source": source or "none",

@@ -162,17 +162,19 @@ def _same(a, b) -> bool:
 
 @torch.no_grad()
 def capture_layers(model, ids: torch.Tensor, batch_size: int = 8, offload: str = "cpu", start: int = 0,
-                   query_tokens: int | None = None) -> Iterator[LayerCapture]:
+                   query_tokens: int | None = None, stream=None) -> Iterator[LayerCapture]:
     """Each MLA block's `LayerCapture`, in block order, from one sweep over the decoder layers (module docstring).
     The decoder-layer outputs between layers are kept on `offload` ("cpu", or the model's device). Blocks before
     `start` are run through (their outputs are the later blocks' inputs) but not captured. `query_tokens`: keep the
-    per-head query tensors at that many positions per sequence (`query_positions`; None: all)."""
+    per-head query tensors at that many positions per sequence (`query_positions`; None: all). `stream`: the model
+    streamed layer by layer (mla_quant.models.streaming.StreamedModel, whose `model` is `model`): each decoder layer
+    resident while it runs and its blocks' captures are fitted."""
     family = family_for_config(model.config)
     modules = attention_modules(model)
     layers = decoder_layers(model)
     layer_of = {id(m): j for j, layer in enumerate(layers) for m in layer.modules()}
     owner = [layer_of[id(attn)] for attn in modules]
-    device = next(model.parameters()).device
+    device = stream.device if stream is not None else next(model.parameters()).device
     keep = torch.device(offload) if offload != "device" else device
 
     # 1. The inputs of decoder layer 0, per batch: its hidden states and the batch-independent arguments; and those
@@ -194,19 +196,31 @@ def capture_layers(model, ids: torch.Tensor, batch_size: int = 8, offload: str =
                 raise _Stop
         return hook
 
-    last = max(firsts.values())
-    handles = [layers[j].register_forward_pre_hook(recorder(j, j == last), with_kwargs=True)
-               for j in firsts.values() if j != last]
-    try:
-        _stopped_forwards(model, ids, batch_size, layers[last], recorder(last, True))
-    finally:
-        for handle in handles:
-            handle.remove()
+    if stream is not None:  # the layers' arguments from stand-ins (no layer is resident yet)
+        from mla_quant.models.streaming import layer_arguments
+
+        stream.load_outer()
+        for b0 in range(0, ids.shape[0], batch_size):
+            h, args = layer_arguments(model, ids[b0:b0 + batch_size].to(device), None)
+            hidden.append(h.to(keep))
+            for j in firsts.values():
+                kwargs, kept = _move(args[j], keep), arguments[j]
+                kept.append(kept[-1] if kept and _same(kept[-1], kwargs) else kwargs)
+        stream.release_outer()
+    else:
+        last = max(firsts.values())
+        handles = [layers[j].register_forward_pre_hook(recorder(j, j == last), with_kwargs=True)
+                   for j in firsts.values() if j != last]
+        try:
+            _stopped_forwards(model, ids, batch_size, layers[last], recorder(last, True))
+        finally:
+            for handle in handles:
+                handle.remove()
 
     # 2. Each decoder layer once over every batch, recording its MLA blocks on the way; what a layer hands the next
     # beside its hidden states (GLM-5's top-k) is passed on per batch.
     carried: list[dict] = [{} for _ in hidden]
-    for j, layer in enumerate(layers):
+    for j, layer in (stream.layers() if stream is not None else enumerate(layers)):
         mine = [i for i, o in enumerate(owner) if o == j and i >= start]
         parts = {i: _parts() for i in mine}
         weights = {i: family.mla_weights(modules[i]) for i in mine}

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -21,13 +22,16 @@ from mla_quant.transforms import KINDS, LayerTransform, TransformSet
 
 def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: CacheFormat | CacheSpec,
             seed: int, batch_size: int = 8, checkpoints=None, query_tokens: int | None = None,
-            capture: str = "sweep") -> tuple[TransformSet, list[dict]]:
+            capture: str = "sweep", stream=None) -> tuple[TransformSet, list[dict]]:
     """Fit (or compute) every block's transforms; the per-layer report rows (objective error before and after).
     `checkpoints`: keep each fitted layer on disk and continue from the layers found there. `query_tokens`: the
     per-head query tensors at that many positions per sequence (None: all). `capture`: "sweep" (one pass over the
-    decoder layers) or "stopped" (one forward stopped at each block; the reference)."""
+    decoder layers) or "stopped" (one forward stopped at each block; the reference). `stream`: the model streamed
+    layer by layer (mla_quant.models.streaming; the sweep only), `model` its skeleton."""
     if capture not in CAPTURES:
         raise ValueError(f"capture={capture!r}; allowed: {sorted(CAPTURES)}")
+    if stream is not None and capture != "sweep":
+        raise ValueError(f"capture={capture!r} reruns the model per block: a streamed model is captured by the sweep")
     k = kinds(transform_cfg)
     objectives = {p: (_plain(objective_cfg).get(p) or {}).get("kind") or OBJECTIVES[p][0] for p in PATHS}
     opts = fit_options(transform_cfg, seed)
@@ -40,8 +44,9 @@ def fit_all(model, ids: torch.Tensor | None, transform_cfg, objective_cfg, fmt: 
     model.requires_grad_(False)  # end-to-end objectives backpropagate through the model, never into its weights
     try:
         with absorbed_view(model):  # the capture's forwards through the blocked absorbed attention: linear memory
+            captures = CAPTURES[capture] if stream is None else functools.partial(CAPTURES[capture], stream=stream)
             return _fit_layers(model, ids, k, objectives, opts, quant, fmt, modules, batch_size, seed, checkpoints,
-                               query_tokens, CAPTURES[capture])
+                               query_tokens, captures)
     finally:
         for p in trainable:
             p.requires_grad_(True)

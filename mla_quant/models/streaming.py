@@ -38,7 +38,7 @@ from mla_quant.models.absorbed import CACHE_KEYWORD, absorb, decoder_layers
 from mla_quant.models.families import MLAFamily, family_for_config
 
 # The stages that run a streamed model; the others load the whole model (model.device_map spreads it over GPUs).
-STREAMED_STAGES = ("quality", "sensitivity")
+STREAMED_STAGES = ("quality", "sensitivity", "calibrate", "export")
 
 
 def streaming_refusal(stage: str) -> str:
@@ -177,6 +177,54 @@ class HostStore:
             return None
         raise KeyError(key)
 
+    def _blocks(self, j: int) -> list[tuple[int, nn.Module]]:
+        """(cache-layer index, module) of the MLA blocks inside decoder layer j."""
+        inside = {id(m) for m in self._layers[j].modules()}
+        return [(i, a) for i, a in enumerate(self.family.attention_modules(self.model)) if id(a) in inside]
+
+    def fold(self, tset) -> None:
+        """Fold `tset` (mla_quant.transforms.TransformSet) into every layer as it is read from now on."""
+        from mla_quant.transforms.fold import check_layer_transform
+
+        modules = self.family.attention_modules(self.model)
+        if tset is not None and len(tset.layers) != len(modules):
+            raise ValueError(f"the transform set has {len(tset.layers)} layers but the model has {len(modules)} MLA "
+                             "blocks")
+        if tset is not None:  # the shapes checked on the skeleton now, before any layer is read
+            for i, (attn, lt) in enumerate(zip(modules, tset.layers)):
+                check_layer_transform(self.family.mla_weights(attn), lt, f"layer {i}")
+        self.transforms = tset
+
+    def _fold(self, j: int) -> None:
+        if self.transforms is None:
+            return
+        from mla_quant.transforms.fold import fold_layer
+
+        for i, attn in self._blocks(j):
+            fold_layer(self.family.mla_weights(attn), self.transforms.layers[i], f"layer {i}")
+
+    def weights_sha256(self) -> str:
+        """The fingerprint `mla_quant.calibration.weights_sha256` gives the whole model in memory, from each layer's
+        attention tensors alone (read layer by layer, the rest of each layer not read)."""
+        import hashlib
+
+        from mla_quant.models.fp8 import weight_of
+
+        h = hashlib.sha256()
+        for j, layer in enumerate(self._layers):
+            blocks = self._blocks(j)
+            prefixes = tuple(self._prefix[id(a)] + "." for _, a in blocks)
+            names = [k for k in self.groups[j] if self._renamed[k].startswith(prefixes)]
+            if not blocks:
+                continue
+            self._load(self.shards.read(names), f"the attention of decoder layer {j}")
+            for _, attn in blocks:
+                w = self.family.mla_weights(attn)
+                for t in (weight_of(w.kv_a), w.kv_norm, weight_of(w.kv_b), weight_of(w.q_out)):
+                    h.update(t.detach().float().cpu().numpy().tobytes())
+            _to_meta(layer, dtype=self.storage_dtype)
+        return h.hexdigest()
+
     def close(self) -> None:
         self._held.clear()
         self._spilled.clear()
@@ -193,9 +241,10 @@ def _stand_in(hidden_states, family: MLAFamily):
 @torch.no_grad()
 def layer_arguments(model: nn.Module, ids: torch.Tensor, cache, attention_mask=None
                     ) -> tuple[torch.Tensor, list[dict]]:
-    """(the embedded input of decoder layer 0, each decoder layer's keyword arguments) for `ids` over `cache`: one
-    forward of the text model with every decoder layer replaced by a stand-in that records its arguments and returns
-    its input. Only the embedding (and whatever runs before the layers) must be resident."""
+    """(the embedded input of decoder layer 0, each decoder layer's keyword arguments) for `ids` over `cache` (None:
+    no cache, use_cache=False): one forward of the text model with every decoder layer replaced by a stand-in that
+    records its arguments and returns its input. Only the embedding (and whatever runs before the layers) must be
+    resident."""
     family = family_for_config(model.config)
     text = family.text_model(model)
     layers = decoder_layers(model)
@@ -216,7 +265,8 @@ def layer_arguments(model: nn.Module, ids: torch.Tensor, cache, attention_mask=N
     for j, layer in enumerate(layers):
         layer.forward = recorder(j)
     try:
-        text(input_ids=ids, attention_mask=attention_mask, use_cache=True, **{CACHE_KEYWORD: cache})
+        text(input_ids=ids, attention_mask=attention_mask, use_cache=cache is not None,
+             **({CACHE_KEYWORD: cache} if cache is not None else {}))
     finally:
         for layer in layers:
             del layer.forward
@@ -263,6 +313,8 @@ class StreamedModel:
         self.storage_dtype = self.shards.floating_dtype() or dtype
         _to_meta(model, dtype=self.storage_dtype)
         self.model = absorb(model, blocks)
+        model.mla_streamed = (dtype, self.device)  # what its resident layers compute in (the skeleton's meta dtype
+        # is the checkpoint's)
         self.family = family_for_config(model.config)
         self._layers = decoder_layers(model)
         mapping = get_model_conversion_mapping(model, None, None)
@@ -277,10 +329,14 @@ class StreamedModel:
         pattern = re.compile("|".join(rf"^{re.escape(prefix[id(layer)])}\.(?P<l{j}>)" for j, layer
                                       in enumerate(self._layers)))
         self.groups: dict[int | None, list[str]] = {}
+        self._renamed: dict[str, str] = {}
+        self._prefix = prefix
+        self.transforms = None  # a TransformSet folded into each layer as it is read (`fold`)
         embedding = prefix[id(model.get_input_embeddings())] + "."
         self._embedding_keys: set[str] = set()  # kept resident: the first pass and the last (logits) both embed
         for key in self.shards.where:
             renamed, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+            self._renamed[key] = renamed
             match = pattern.match(renamed)
             j = int(match.lastgroup[1:]) if match else None
             self.groups.setdefault(j, []).append(key)
@@ -369,6 +425,7 @@ class StreamedModel:
             pending = submit(j + 1) if submit and j + 1 < n else None
             self._load(tensors, f"decoder layer {j}")
             del tensors
+            self._fold(j)
             start = time.perf_counter()
             try:
                 yield j, self._layers[j]
@@ -376,6 +433,87 @@ class StreamedModel:
                 _to_meta(self._layers[j], dtype=self.storage_dtype)
                 hand_back_freed()
             self.seconds_per_layer.append(time.perf_counter() - start)
+
+    def _blocks(self, j: int) -> list[tuple[int, nn.Module]]:
+        """(cache-layer index, module) of the MLA blocks inside decoder layer j."""
+        inside = {id(m) for m in self._layers[j].modules()}
+        return [(i, a) for i, a in enumerate(self.family.attention_modules(self.model)) if id(a) in inside]
+
+    def fold(self, tset) -> None:
+        """Fold `tset` (mla_quant.transforms.TransformSet) into every layer as it is read from now on."""
+        from mla_quant.transforms.fold import check_layer_transform
+
+        modules = self.family.attention_modules(self.model)
+        if tset is not None and len(tset.layers) != len(modules):
+            raise ValueError(f"the transform set has {len(tset.layers)} layers but the model has {len(modules)} MLA "
+                             "blocks")
+        if tset is not None:  # the shapes checked on the skeleton now, before any layer is read
+            for i, (attn, lt) in enumerate(zip(modules, tset.layers)):
+                check_layer_transform(self.family.mla_weights(attn), lt, f"layer {i}")
+        self.transforms = tset
+
+    def _fold(self, j: int) -> None:
+        if self.transforms is None:
+            return
+        from mla_quant.transforms.fold import fold_layer
+
+        for i, attn in self._blocks(j):
+            fold_layer(self.family.mla_weights(attn), self.transforms.layers[i], f"layer {i}")
+
+    def weights_sha256(self) -> str:
+        """The fingerprint `mla_quant.calibration.weights_sha256` gives the whole model in memory, from each layer's
+        attention tensors alone (read layer by layer, the rest of each layer not read)."""
+        import hashlib
+
+        from mla_quant.models.fp8 import weight_of
+
+        h = hashlib.sha256()
+        for j, layer in enumerate(self._layers):
+            blocks = self._blocks(j)
+            prefixes = tuple(self._prefix[id(a)] + "." for _, a in blocks)
+            names = [k for k in self.groups[j] if self._renamed[k].startswith(prefixes)]
+            if not blocks:
+                continue
+            self._load(self.shards.read(names), f"the attention of decoder layer {j}")
+            for _, attn in blocks:
+                w = self.family.mla_weights(attn)
+                for t in (weight_of(w.kv_a), w.kv_norm, weight_of(w.kv_b), weight_of(w.q_out)):
+                    h.update(t.detach().float().cpu().numpy().tobytes())
+            _to_meta(layer, dtype=self.storage_dtype)
+        return h.hexdigest()
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 logits of `ids` (B, T), no cache: one pass over the layers."""
+        ids = ids.to(self.device)
+        self.load_outer()
+        hidden, arguments = layer_arguments(self.model, ids, None)
+        self.release_outer()
+        carried: dict = {}
+        for j, layer in self.layers():
+            hidden, carried = run_layer(layer, self.family, hidden, arguments[j], carried)
+        self.load_outer()
+        return head_logits(self.model, ids, hidden)
+
+    def export(self, out: str | Path, shard_bytes: int) -> dict:
+        """The model as read (transforms folded, in the compute dtype) written to `out` one piece at a time: the
+        outer tensors, then each decoder layer as it is done (`ShardWriter`); never the whole model in memory."""
+        writer = ShardWriter(self.model, out, shard_bytes)
+        self.load_outer()
+        writer.add(_state(self.model, _outer_modules(self.model), recurse=False))
+        self.release_outer()
+        for _, layer in self.layers():
+            writer.add(_state(self.model, [layer], recurse=True))
+        config = self.model.config
+        stored = getattr(config, "dtype", None)
+        config.dtype = self.dtype  # what the shards hold now
+        try:
+            written = writer.finish(config)
+        finally:
+            config.dtype = stored
+        if getattr(self.model, "generation_config", None) is not None:
+            self.model.generation_config.save_pretrained(out)
+        return written
 
     def close(self) -> None:
         if self._pool is not None:
@@ -477,17 +615,20 @@ def head_logits(model: nn.Module, ids: torch.Tensor, final_hidden: torch.Tensor)
 
 
 def refuse_unstreamed(cfg, quant: bool) -> None:
-    """What no stage streams yet, refused by name before any data or weight is read: a fitted transform (calibrated
-    and folded on the whole model), and where the stage uses `quant`, quant=mixed and lloyd codebooks (fitted on a
-    calibration pass over the whole model)."""
+    """What no stage streams yet, refused by name before any data or weight is read: an objective that reruns the
+    whole model per step (next_token_kl), and where the stage uses `quant`, quant=mixed and lloyd codebooks (fitted
+    on a calibration pass over the whole model)."""
     from mla_quant.calibration import fitted_paths
     from mla_quant.prepare import quant_uses_lloyd
     from mla_quant.sensitivity.allocation import is_mixed
 
-    transform = (cfg.get("transform") or {}).get("name", "none")
-    if transform != "none" or fitted_paths(cfg.get("transform")):
-        raise ValueError(f"model.streaming=true: transform={transform} is not streamed yet (its calibration and fold "
-                         "run on the whole model); use transform=none, or run without streaming")
+    objective = cfg.get("objective") or {}
+    for path in fitted_paths(cfg.get("transform")):
+        kind = (objective.get(path) or {}).get("kind")
+        if kind == "next_token_kl":
+            raise ValueError(f"model.streaming=true: objective.{path}.kind=next_token_kl reruns the whole model at "
+                             "every fitting step, which a streamed model cannot; use the layer-local objectives "
+                             "(attention_output / positional_qk, cache_mse)")
     if quant and is_mixed(cfg.get("quant")):
         raise ValueError("model.streaming=true: quant=mixed allocates bits on a calibration pass over the whole "
                          "model, not streamed yet; give a named quant option")
@@ -513,93 +654,118 @@ def _initializers(model: nn.Module) -> dict:
     return out
 
 
+class ShardWriter:
+    """A checkpoint folder written piece by piece: each piece's tensors (the model's names) converted to the
+    checkpoint layout as save_pretrained does (`revert_weight_conversion`: fused experts back to per-expert
+    tensors) and appended to safetensors shards of at most `shard_bytes`; `finish` names the shards
+    model-0000i-of-0000n, writes model.safetensors.index.json and config.json. Shards of an earlier write in the
+    folder are removed first."""
+
+    def __init__(self, model: nn.Module, out: str | Path, shard_bytes: int):
+        self.model, self.out, self.shard_bytes = model, Path(out), int(shard_bytes)
+        self.out.mkdir(parents=True, exist_ok=True)
+        for old in self.out.glob("*.safetensors"):
+            old.unlink()
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files = 0
+        self.weight_map: dict[str, int] = {}
+        self.total_bytes = self.parameters = 0
+
+    def add(self, state: dict[str, torch.Tensor]) -> None:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        self.parameters += sum(v.numel() for v in state.values())
+        for key, tensor in revert_weight_conversion(self.model, state).items():
+            tensor = tensor.detach().contiguous()
+            size = tensor.numel() * tensor.element_size()
+            if self.pending and self.pending_bytes + size > self.shard_bytes:
+                self._flush()
+            # a view of a larger tensor (an expert's slice) is stored alone
+            self.pending[key] = tensor.clone() if tensor.untyped_storage().nbytes() != size else tensor
+            self.pending_bytes += size
+            self.weight_map[key] = self.files
+            self.total_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.pending:
+            save_file(self.pending, str(self.out / f"part-{self.files:05d}.safetensors"), metadata={"format": "pt"})
+            self.files += 1
+            self.pending, self.pending_bytes = {}, 0
+
+    def finish(self, config) -> dict:
+        """-> {"shards": [file names], "total_bytes": N, "parameters": P}."""
+        self._flush()
+        names = [f"model-{i + 1:05d}-of-{self.files:05d}.safetensors" for i in range(self.files)]
+        for i, name in enumerate(names):
+            (self.out / f"part-{i:05d}.safetensors").rename(self.out / name)
+        index = {"metadata": {"total_size": self.total_bytes},
+                 "weight_map": {k: names[i] for k, i in sorted(self.weight_map.items())}}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        config.save_pretrained(self.out)
+        return {"shards": names, "total_bytes": self.total_bytes, "parameters": self.parameters}
+
+
+def _state(model: nn.Module, modules: list[nn.Module], recurse: bool, dtype: torch.dtype | None = None
+           ) -> dict[str, torch.Tensor]:
+    """The parameters and persistent buffers of `modules` under the model's names (a tensor tied to one already
+    taken, as an LM head to the embedding, left out as save_pretrained does), floating ones as `dtype` if given."""
+    names = {id(m): n for n, m in model.named_modules()}
+    state, seen = {}, set()
+    for module in modules:
+        prefix = names[id(module)]
+        if recurse:
+            items = list(module.state_dict().items())
+        else:
+            items = list(module.named_parameters(recurse=False)) + [
+                (n, b) for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
+        for k, v in items:
+            if v.data_ptr() in seen:
+                continue
+            seen.add(v.data_ptr())
+            key = f"{prefix}.{k}" if prefix else k
+            state[key] = v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()
+    return state
+
+
+def _outer_modules(model: nn.Module) -> list[nn.Module]:
+    inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
+    return [m for m in model.modules() if id(m) not in inside]
+
+
 def write_random_checkpoint(model_class, config, out: str | Path, dtype: torch.dtype, shard_bytes: int,
                             seed: int = 0) -> dict:
     """A Hugging Face checkpoint folder of `config`'s model with random weights, written one decoder layer at a time
     (a model larger than memory: only one layer's weights exist at once): the skeleton on the meta device; the
     outer tensors and then each layer materialized on the CPU, initialised by the model's own `_init_weights`
-    (seeded per layer), cast to `dtype`, converted to the checkpoint's layout as save_pretrained does
-    (`revert_weight_conversion`: fused experts back to per-expert tensors), appended to safetensors shards of at
-    most `shard_bytes`, and released. Writes config.json, the shards and model.safetensors.index.json.
+    (seeded per layer), cast to `dtype` and appended to the shards (`ShardWriter`), then released.
     -> {"shards": [...], "total_bytes": N, "parameters": P}."""
     from accelerate import init_empty_weights
-    from safetensors.torch import save_file
-    from transformers.core_model_loading import revert_weight_conversion
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("*.safetensors"):  # a folder written before (another shape) must not leave shards behind
-        old.unlink()
-    with init_empty_weights():
-        model = model_class(config)
-    layers = decoder_layers(model)
-    names = {id(m): n for n, m in model.named_modules()}
-    inside = {id(m) for layer in layers for m in layer.modules()}
-    initializer = _initializers(model)
-    outer = [m for m in model.modules() if id(m) not in inside]
-    shards: list[list[str]] = [[]]
-    pending: dict[str, torch.Tensor] = {}
-    weight_map: dict[str, int] = {}
-    total = params = 0
-
-    def flush():
-        if pending:
-            save_file(pending, str(out / f"part-{len(shards) - 1:05d}.safetensors"), metadata={"format": "pt"})
-            shards[-1] = list(pending)
-            shards.append([])
-            pending.clear()
-
-    def write(modules: list[nn.Module], recurse: bool, generator_seed: int):
-        nonlocal total, params
-        torch.manual_seed(generator_seed)
-        state: dict[str, torch.Tensor] = {}
-        seen: dict[int, str] = {}
-        for module in modules:
-            prefix = names[id(module)]
-            own = list(module.named_parameters(recurse=False)) + [
-                (n, b) for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
-            if recurse:
-                module.to_empty(device="cpu")
-                for sub in module.modules():
-                    initializer[id(sub)](sub)
-                items = [(k, v) for k, v in module.state_dict().items()]
-            else:
-                for n, p in own:
-                    if p.device.type == "meta":
-                        holder = module._parameters if n in module._parameters else module._buffers
-                        holder[n] = type(p)(torch.empty_like(p, device="cpu"), requires_grad=False) \
-                            if isinstance(p, nn.Parameter) else torch.empty_like(p, device="cpu")
-                initializer[id(module)](module)
-                items = [(n, getattr(module, n)) for n, _ in own]
-            for k, v in items:
-                key = f"{prefix}.{k}" if prefix else k
-                if v.data_ptr() in seen:  # tied (an LM head sharing the embedding): stored once, as save_pretrained
-                    continue
-                seen[v.data_ptr()] = key
-                state[key] = v.detach().to(dtype) if v.is_floating_point() else v.detach()
-        params += sum(v.numel() for v in state.values())
-        for key, tensor in revert_weight_conversion(model, state).items():
-            tensor = tensor.contiguous()
-            size = tensor.numel() * tensor.element_size()
-            if pending and sum(t.numel() * t.element_size() for t in pending.values()) + size > shard_bytes:
-                flush()
-            pending[key] = tensor.clone() if tensor.untyped_storage().size() != size else tensor
-            weight_map[key] = len(shards) - 1
-            total += size
-        for module in modules:
-            _to_meta(module, recurse=recurse)
-
     from tqdm.auto import tqdm
 
-    write(outer, recurse=False, generator_seed=seed * 1_000_003)
-    for j, layer in enumerate(tqdm(layers, desc="write checkpoint", unit="layer")):
-        write([layer], recurse=True, generator_seed=seed * 1_000_003 + j + 1)
-    flush()
-    shards = [s for s in shards if s]
-    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for i, file in enumerate(files):
-        (out / f"part-{i:05d}.safetensors").rename(out / file)
-    index = {"metadata": {"total_size": total}, "weight_map": {k: files[i] for k, i in sorted(weight_map.items())}}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    config.save_pretrained(out)
-    return {"shards": files, "total_bytes": total, "parameters": params}
+    with init_empty_weights():
+        model = model_class(config)
+    initializer = _initializers(model)
+    writer = ShardWriter(model, out, shard_bytes)
+    outer = _outer_modules(model)
+    torch.manual_seed(seed * 1_000_003)
+    for module in outer:
+        for holder in (module._parameters, module._buffers):
+            for n, p in list(holder.items()):
+                if p is not None and p.device.type == "meta" and n not in module._non_persistent_buffers_set:
+                    empty = torch.empty_like(p, device="cpu")
+                    holder[n] = nn.Parameter(empty, requires_grad=False) if isinstance(p, nn.Parameter) else empty
+        initializer[id(module)](module)
+    writer.add(_state(model, outer, recurse=False, dtype=dtype))
+    for module in outer:
+        _to_meta(module, recurse=False)
+    for j, layer in enumerate(tqdm(decoder_layers(model), desc="write checkpoint", unit="layer")):
+        torch.manual_seed(seed * 1_000_003 + j + 1)
+        layer.to_empty(device="cpu")
+        for sub in layer.modules():
+            initializer[id(sub)](sub)
+        writer.add(_state(model, [layer], recurse=True, dtype=dtype))
+        _to_meta(layer)
+    return writer.finish(config)

@@ -2,6 +2,8 @@
 
     python run.py experiment=calibrate transform=quantmla quant=int2_content_int4_rope
     python run.py -m experiment=calibrate transform=none,quarot,smoothquant,quantmla quant=int4_joint,int2_content_int4_rope
+    python run.py experiment=calibrate model=deepseek_v2_lite model.path=<folder> model.streaming=true \
+        transform=quantmla quant=int4_joint      # one decoder layer in memory at a time
 
 Writes calibration.md / calibration.csv (layer x path: kind, objective, error without transform, error with it,
 reduction; for the RoPE key also the attention-output error it causes and the positional-score bound on it) and
@@ -16,18 +18,29 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig
 
-from mla_quant.prepare import preflight, prepare_model
+from mla_quant.prepare import preflight, prepare_model, prepare_streamed
 from mla_quant.record import atomic_path, write_text_atomic
 from mla_quant.stages import StageResult
 
 
 def check(cfg: DictConfig) -> None:
     """Everything this stage refuses, before any weight is read (`preflight`: settings, calibration data)."""
+    if cfg.model.get("streaming"):
+        from mla_quant.models.streaming import check_streaming, refuse_unstreamed
+
+        check_streaming(cfg.model, cfg.task.name)
+        refuse_unstreamed(cfg, quant=True)
     preflight(cfg, tokenizer=False, calib_report=True)
 
 
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
-    prep = prepare_model(cfg, absorbed=False, tokenizer=False, calib_report=True)
+    if cfg.model.get("streaming"):  # the sweep reads one decoder layer at a time (mla_quant.models.streaming)
+        check(cfg)
+        stream, prep = prepare_streamed(cfg, tokenizer=False, calib_report=True)
+        stream.close()
+        prep.transform_metrics = {**(prep.transform_metrics or {}), **stream.figures()}
+    else:
+        prep = prepare_model(cfg, absorbed=False, tokenizer=False, calib_report=True)
     df = pd.DataFrame(prep.calib_report or [])
     metrics = dict(prep.metrics())
     if len(df):

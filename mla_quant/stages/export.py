@@ -48,17 +48,17 @@ def cache_description(prep) -> dict:
             "protected": {"n_sink": one.n_sink, "recent": one.recent}, "d_c": one.d_c, "d_r": one.d_r}
 
 
-def write_checkpoint(model, out: Path) -> list[str]:
-    """save_pretrained, with a block-FP8 model's `quantization_config` listing the projections the folds rewrote
-    in full precision (`model.mla_dequantized`) as not quantized, so transformers loads those as plain linears and
-    the rest as FP8. Returns those module names."""
+def write_checkpoint(model, out: Path, shard_mb: float | None = None) -> list[str]:
+    """save_pretrained (shards of at most `shard_mb` MB; None: its default), with a block-FP8 model's
+    `quantization_config` listing the projections the folds rewrote in full precision (`model.mla_dequantized`) as
+    not quantized, so transformers loads those as plain linears and the rest as FP8. Returns those module names."""
     dequantized = sorted(getattr(model, "mla_dequantized", []) or [])
     qc = getattr(model.config, "quantization_config", None)
     if qc is not None and dequantized:
         qc = dict(qc) if isinstance(qc, dict) else qc.to_dict()
         qc["modules_to_not_convert"] = sorted(set(qc.get("modules_to_not_convert") or []) | set(dequantized))
         model.config.quantization_config = qc
-    model.save_pretrained(out)
+    model.save_pretrained(out, **({} if shard_mb is None else {"max_shard_size": f"{max(1, int(shard_mb * 1000))}KB"}))
     return dequantized
 
 
@@ -68,7 +68,7 @@ def export_checkpoint(cfg: DictConfig, out: Path):
     refuse_peer(cfg.get("quant"), "experiment=export (the cache description serving engines read)")
     prep = prepare_model(cfg, absorbed=False)
     model = prep.model
-    dequantized = write_checkpoint(model, out)
+    dequantized = write_checkpoint(model, out, cfg.task.get("shard_mb"))
     if prep.tokenizer is not None:
         prep.tokenizer.save_pretrained(out)
     tm = prep.transform_metrics or {}
@@ -85,9 +85,66 @@ def export_checkpoint(cfg: DictConfig, out: Path):
     return prep, description
 
 
+def streamed_export(cfg: DictConfig, out: Path):
+    """`export_checkpoint` for a model streamed layer by layer (model.streaming=true): each decoder layer read,
+    its transforms folded, written to the shards and released (task.shard_mb per shard), so the whole model is
+    never in memory. -> (the preparation, the cache description written)."""
+    from mla_quant.models.streaming import refuse_unstreamed
+    from mla_quant.prepare import prepare_streamed
+
+    refuse_peer(cfg.get("quant"), "experiment=export (the cache description serving engines read)")
+    refuse_unstreamed(cfg, quant=True)
+    stream, prep = prepare_streamed(cfg)
+    try:
+        stream.export(out, int(float(cfg.task.shard_mb) * 1e6))
+    finally:
+        stream.close()
+    if prep.tokenizer is not None:
+        prep.tokenizer.save_pretrained(out)
+    tm = prep.transform_metrics or {}
+    description = {
+        "cache": {**cache_description(prep), "rope_layout": rope_layout(cfg.model)},
+        "quant": OmegaConf.to_container(cfg.quant, resolve=True),
+        "transform": OmegaConf.to_container(cfg.transform, resolve=True),
+        "calibration": {k: v for k, v in tm.items() if k in ("calib/file", "calib/format", "calib/seconds")},
+        "family": stream.family.name,
+        "dequantized_modules": [],
+    }
+    write_json_atomic(out / CACHE_FILE, description)
+    prep.transform_metrics = {**tm, **stream.figures()}
+    return prep, description
+
+
+def streamed_check(cfg: DictConfig, out: Path, ids: torch.Tensor) -> float:
+    """The exported folder's logits against the original checkpoint's, both streamed (relative error)."""
+    from mla_quant.models.build import resolve_device
+    from mla_quant.models.streaming import StreamedModel
+
+    device = resolve_device(str(cfg.get("device", "auto")))
+    logits = []
+    for path in (cfg.model.path, out):
+        node = OmegaConf.merge(cfg.model, {"path": str(path)})
+        stream = StreamedModel.from_config(node, device)
+        try:
+            logits.append(stream.logits(ids).cpu())
+        finally:
+            stream.close()
+    ref, got = logits
+    return float((got - ref).norm() / ref.norm())
+
+
 def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
     out = run_dir / "checkpoint"
+    if cfg.model.get("streaming"):
+        from mla_quant.models.streaming import check_streaming
+
+        check_streaming(cfg.model, task.name)
+        prep, description = streamed_export(cfg, out)
+        vocab = prep.model.config.get_text_config(decoder=True).vocab_size
+        g = torch.Generator().manual_seed(int(cfg.seed))
+        ids = torch.randint(3, vocab, (2, int(task.prompt_tokens)), generator=g)
+        return _checked(task, out, prep, description, streamed_check(cfg, out, ids))
     prep, description = export_checkpoint(cfg, out)
     model = prep.model
 
@@ -102,6 +159,10 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         ref = original(ids.to(next(original.parameters()).device)).logits.float().cpu()
         got = reloaded(ids.to(next(reloaded.parameters()).device)).logits.float().cpu()
     rel = float((got - ref).norm() / ref.norm())
+    return _checked(task, out, prep, description, rel)
+
+
+def _checked(task, out: Path, prep, description: dict, rel: float) -> StageResult:
     metrics = {**prep.metrics(), "export/logits_rel_err": rel, "export/path": str(out)}
     print(f"[export] {out}: reloaded logits vs the original model: relative error {rel:.2e} "
           f"(tolerance {float(task.tolerance):g}); cache format: {json.dumps(description['cache'])}")

@@ -180,19 +180,15 @@ def streamed(cfg: DictConfig, run_dir: Path, source: str) -> StageResult:
     """The quality stage with the model streamed layer by layer (model.streaming=true, mla_quant.models.streaming):
     both caches' hidden states go through each decoder layer while it is resident; the same metrics as in memory,
     plus the stream's figures (streaming/...)."""
-    from mla_quant.models.absorbed import attention_blocks
-    from mla_quant.models.build import load_tokenizer, resolve_device
-    from mla_quant.models.streaming import (HostStore, StreamedModel, cache_slots, drop_cache_slots, head_logits,
-                                            layer_arguments, run_layer)
-    from mla_quant.quant.formats import as_spec
     from mla_quant.cache import layer_factory
+    from mla_quant.models.streaming import (HostStore, cache_slots, drop_cache_slots, head_logits, layer_arguments,
+                                            run_layer)
+    from mla_quant.prepare import prepare_streamed
+    from mla_quant.quant.formats import as_spec
 
     t = cfg.task
-    dims, fmt, _ = preflight(cfg, tokenizer=source in ("toy", "text"))
-    device = torch.device(resolve_device(str(cfg.get("device", "auto"))))
-    tokenizer = load_tokenizer(cfg.model) if source in ("toy", "text") else None
-    stream = StreamedModel.from_config(cfg.model, str(device), attention_blocks(cfg.get("attention")))
-    model = stream.model
+    stream, prep = prepare_streamed(cfg, tokenizer=source in ("toy", "text"))
+    model, tokenizer, dims, fmt, device = stream.model, prep.tokenizer, prep.dims, prep.fmt, stream.device
     ids, scored = held_out_ids(t.data, source, tokenizer, int(text_config(model.config).vocab_size))
     factory = layer_factory(as_spec(fmt, int(dims["layers"]))) if fmt is not None else None
     store = HostStore(float(cfg.model.streaming_host_gb) * 1e9, pin=device.type == "cuda", scratch=run_dir)
@@ -232,7 +228,4 @@ def streamed(cfg: DictConfig, run_dir: Path, source: str) -> StageResult:
     figures = {**stream.figures(), "streaming/host_peak_hidden_gb": store.peak_bytes_in_memory / 1e9,
                "streaming/spilled_gb": store.bytes_spilled / 1e9}
     print(" ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in figures.items()), flush=True)
-    from mla_quant.prepare import Prepared
-
-    prep = Prepared(model, tokenizer, dims, fmt)
     return _result(cfg, run_dir, source, parts, held, {**prep.metrics(), **figures})

@@ -131,7 +131,9 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     headline = float(task.nmse)
     stream = None
     if cfg.model.get("streaming"):  # the model read layer by layer from its shards (mla_quant.models.streaming)
-        stream, prep = _streamed_preparation(cfg)
+        from mla_quant.prepare import prepare_streamed
+
+        stream, prep = prepare_streamed(cfg, quant=task.noise == "quantizer", tokenizer=task.probe.source != "random")
         model, tokenizer = stream.model, prep.tokenizer
     else:
         prep = prepare_model(cfg, quant=task.noise == "quantizer", tokenizer=task.probe.source != "random")
@@ -231,22 +233,6 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     figures(df, metrics, headline, n_layers, run_dir)
     print(tables)
     return StageResult(metrics=metrics)
-
-
-def _streamed_preparation(cfg: DictConfig):
-    """model.streaming=true: the streamed model and what `prepare_model` would give beside it (dims, format,
-    tokenizer); `check` refused what does not stream yet."""
-    from mla_quant.models.absorbed import attention_blocks
-    from mla_quant.models.build import load_tokenizer, resolve_device
-    from mla_quant.models.streaming import StreamedModel
-    from mla_quant.prepare import Prepared
-
-    task = cfg.task
-    dims, fmt, _ = preflight(cfg, quant=task.noise == "quantizer", tokenizer=task.probe.source != "random")
-    tokenizer = load_tokenizer(cfg.model) if task.probe.source != "random" else None
-    stream = StreamedModel.from_config(cfg.model, resolve_device(str(cfg.get("device", "auto"))),
-                                       attention_blocks(cfg.get("attention")))
-    return stream, Prepared(stream.model, tokenizer, dims, fmt)
 
 
 def _ratio_over_seeds(df: pd.DataFrame, site: str, **where) -> pd.Series:
