@@ -177,54 +177,6 @@ class HostStore:
             return None
         raise KeyError(key)
 
-    def _blocks(self, j: int) -> list[tuple[int, nn.Module]]:
-        """(cache-layer index, module) of the MLA blocks inside decoder layer j."""
-        inside = {id(m) for m in self._layers[j].modules()}
-        return [(i, a) for i, a in enumerate(self.family.attention_modules(self.model)) if id(a) in inside]
-
-    def fold(self, tset) -> None:
-        """Fold `tset` (mla_quant.transforms.TransformSet) into every layer as it is read from now on."""
-        from mla_quant.transforms.fold import check_layer_transform
-
-        modules = self.family.attention_modules(self.model)
-        if tset is not None and len(tset.layers) != len(modules):
-            raise ValueError(f"the transform set has {len(tset.layers)} layers but the model has {len(modules)} MLA "
-                             "blocks")
-        if tset is not None:  # the shapes checked on the skeleton now, before any layer is read
-            for i, (attn, lt) in enumerate(zip(modules, tset.layers)):
-                check_layer_transform(self.family.mla_weights(attn), lt, f"layer {i}")
-        self.transforms = tset
-
-    def _fold(self, j: int) -> None:
-        if self.transforms is None:
-            return
-        from mla_quant.transforms.fold import fold_layer
-
-        for i, attn in self._blocks(j):
-            fold_layer(self.family.mla_weights(attn), self.transforms.layers[i], f"layer {i}")
-
-    def weights_sha256(self) -> str:
-        """The fingerprint `mla_quant.calibration.weights_sha256` gives the whole model in memory, from each layer's
-        attention tensors alone (read layer by layer, the rest of each layer not read)."""
-        import hashlib
-
-        from mla_quant.models.fp8 import weight_of
-
-        h = hashlib.sha256()
-        for j, layer in enumerate(self._layers):
-            blocks = self._blocks(j)
-            prefixes = tuple(self._prefix[id(a)] + "." for _, a in blocks)
-            names = [k for k in self.groups[j] if self._renamed[k].startswith(prefixes)]
-            if not blocks:
-                continue
-            self._load(self.shards.read(names), f"the attention of decoder layer {j}")
-            for _, attn in blocks:
-                w = self.family.mla_weights(attn)
-                for t in (weight_of(w.kv_a), w.kv_norm, weight_of(w.kv_b), weight_of(w.q_out)):
-                    h.update(t.detach().float().cpu().numpy().tobytes())
-            _to_meta(layer, dtype=self.storage_dtype)
-        return h.hexdigest()
-
     def close(self) -> None:
         self._held.clear()
         self._spilled.clear()

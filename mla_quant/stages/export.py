@@ -71,18 +71,23 @@ def export_checkpoint(cfg: DictConfig, out: Path):
     dequantized = write_checkpoint(model, out, cfg.task.get("shard_mb"))
     if prep.tokenizer is not None:
         prep.tokenizer.save_pretrained(out)
+    description = _describe(cfg, prep, family_for_config(model.config).name, dequantized)
+    write_json_atomic(out / CACHE_FILE, description)
+    return prep, description
+
+
+def _describe(cfg: DictConfig, prep, family: str, dequantized: list[str]) -> dict:
+    """What mla_quant_cache.json says of an exported checkpoint."""
     tm = prep.transform_metrics or {}
-    description = {
+    return {
         "cache": {**cache_description(prep), "rope_layout": rope_layout(cfg.model)},
         "quant": OmegaConf.to_container(cfg.quant, resolve=True),
         "transform": OmegaConf.to_container(cfg.transform, resolve=True),
         "calibration": {k: v for k, v in tm.items() if k in ("calib/file", "calib/format", "calib/seconds")},
-        "family": family_for_config(model.config).name,
+        "family": family,
         # block-FP8 projections the transforms rewrote, stored in the model's compute dtype
         "dequantized_modules": dequantized,
     }
-    write_json_atomic(out / CACHE_FILE, description)
-    return prep, description
 
 
 def streamed_export(cfg: DictConfig, out: Path):
@@ -101,17 +106,9 @@ def streamed_export(cfg: DictConfig, out: Path):
         stream.close()
     if prep.tokenizer is not None:
         prep.tokenizer.save_pretrained(out)
-    tm = prep.transform_metrics or {}
-    description = {
-        "cache": {**cache_description(prep), "rope_layout": rope_layout(cfg.model)},
-        "quant": OmegaConf.to_container(cfg.quant, resolve=True),
-        "transform": OmegaConf.to_container(cfg.transform, resolve=True),
-        "calibration": {k: v for k, v in tm.items() if k in ("calib/file", "calib/format", "calib/seconds")},
-        "family": stream.family.name,
-        "dequantized_modules": [],
-    }
+    description = _describe(cfg, prep, stream.family.name, [])
     write_json_atomic(out / CACHE_FILE, description)
-    prep.transform_metrics = {**tm, **stream.figures()}
+    prep.transform_metrics = {**(prep.transform_metrics or {}), **stream.figures()}
     return prep, description
 
 
