@@ -387,5 +387,41 @@ def prepare_streamed(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = T
                                        attention_blocks(cfg.get("attention")))
     tset, transform_metrics, report = calibrated_transforms(stream.model, cfg, tok, fmt, report=calib_report,
                                                             stream=stream)
-    stream.fold(tset)
+    if tset is not None:  # folded into each layer as it is read; the shapes checked on the skeleton now
+        from mla_quant.transforms.fold import check_layer_transform, fold_layer
+
+        family = stream.family
+        modules = family.attention_modules(stream.model)
+        if len(tset.layers) != len(modules):
+            raise ValueError(f"the transform set has {len(tset.layers)} layers but the model has {len(modules)} MLA "
+                             "blocks")
+        for i, (attn, lt) in enumerate(zip(modules, tset.layers)):
+            check_layer_transform(family.mla_weights(attn), lt, f"layer {i}")
+
+        def fold(j, blocks):
+            for i, attn in blocks:
+                fold_layer(family.mla_weights(attn), tset.layers[i], f"layer {i}")
+
+        stream.after_load.append(fold)
     return stream, Prepared(stream.model, tok if tokenizer else None, dims, fmt, transform_metrics, report)
+
+
+def refuse_unstreamed(cfg, quant: bool) -> None:
+    """What no stage streams yet, refused by name before any data or weight is read: an objective that reruns the
+    whole model per step (next_token_kl), and where the stage uses `quant`, quant=mixed and lloyd codebooks (fitted
+    on a calibration pass over the whole model)."""
+    from mla_quant.calibration import fitted_paths
+
+    objective = cfg.get("objective") or {}
+    for path in fitted_paths(cfg.get("transform")):
+        kind = (objective.get(path) or {}).get("kind")
+        if kind == "next_token_kl":
+            raise ValueError(f"model.streaming=true: objective.{path}.kind=next_token_kl reruns the whole model at "
+                             "every fitting step, which a streamed model cannot; use the layer-local objectives "
+                             "(attention_output / positional_qk, cache_mse)")
+    if quant and is_mixed(cfg.get("quant")):
+        raise ValueError("model.streaming=true: quant=mixed allocates bits on a calibration pass over the whole "
+                         "model, not streamed yet; give a named quant option")
+    if quant and quant_uses_lloyd(cfg.get("quant")):
+        raise ValueError("model.streaming=true: lloyd codebooks are fitted on the whole model, not streamed yet; "
+                         "use quant.*.quantizer=rtn (or clip, hqq)")

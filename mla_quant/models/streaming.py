@@ -283,7 +283,8 @@ class StreamedModel:
         self.groups: dict[int | None, list[str]] = {}
         self._renamed: dict[str, str] = {}
         self._prefix = prefix
-        self.transforms = None  # a TransformSet folded into each layer as it is read (`fold`)
+        # called with (j, blocks(j)) after decoder layer j is read, before it runs (a fitted transform's fold)
+        self.after_load: list = []
         embedding = prefix[id(model.get_input_embeddings())] + "."
         self._embedding_keys: set[str] = set()  # kept resident: the first pass and the last (logits) both embed
         for key in self.shards.where:
@@ -377,7 +378,8 @@ class StreamedModel:
             pending = submit(j + 1) if submit and j + 1 < n else None
             self._load(tensors, f"decoder layer {j}")
             del tensors
-            self._fold(j)
+            for hook in self.after_load:
+                hook(j, self.blocks(j))
             start = time.perf_counter()
             try:
                 yield j, self._layers[j]
@@ -386,31 +388,10 @@ class StreamedModel:
                 hand_back_freed()
             self.seconds_per_layer.append(time.perf_counter() - start)
 
-    def _blocks(self, j: int) -> list[tuple[int, nn.Module]]:
+    def blocks(self, j: int) -> list[tuple[int, nn.Module]]:
         """(cache-layer index, module) of the MLA blocks inside decoder layer j."""
         inside = {id(m) for m in self._layers[j].modules()}
         return [(i, a) for i, a in enumerate(self.family.attention_modules(self.model)) if id(a) in inside]
-
-    def fold(self, tset) -> None:
-        """Fold `tset` (mla_quant.transforms.TransformSet) into every layer as it is read from now on."""
-        from mla_quant.transforms.fold import check_layer_transform
-
-        modules = self.family.attention_modules(self.model)
-        if tset is not None and len(tset.layers) != len(modules):
-            raise ValueError(f"the transform set has {len(tset.layers)} layers but the model has {len(modules)} MLA "
-                             "blocks")
-        if tset is not None:  # the shapes checked on the skeleton now, before any layer is read
-            for i, (attn, lt) in enumerate(zip(modules, tset.layers)):
-                check_layer_transform(self.family.mla_weights(attn), lt, f"layer {i}")
-        self.transforms = tset
-
-    def _fold(self, j: int) -> None:
-        if self.transforms is None:
-            return
-        from mla_quant.transforms.fold import fold_layer
-
-        for i, attn in self._blocks(j):
-            fold_layer(self.family.mla_weights(attn), self.transforms.layers[i], f"layer {i}")
 
     def weights_sha256(self) -> str:
         """The fingerprint `mla_quant.calibration.weights_sha256` gives the whole model in memory, from each layer's
@@ -421,7 +402,7 @@ class StreamedModel:
 
         h = hashlib.sha256()
         for j, layer in enumerate(self._layers):
-            blocks = self._blocks(j)
+            blocks = self.blocks(j)
             prefixes = tuple(self._prefix[id(a)] + "." for _, a in blocks)
             names = [k for k in self.groups[j] if self._renamed[k].startswith(prefixes)]
             if not blocks:
@@ -564,29 +545,6 @@ def head_logits(model: nn.Module, ids: torch.Tensor, final_hidden: torch.Tensor)
     finally:
         for layer in layers:
             del layer.forward
-
-
-def refuse_unstreamed(cfg, quant: bool) -> None:
-    """What no stage streams yet, refused by name before any data or weight is read: an objective that reruns the
-    whole model per step (next_token_kl), and where the stage uses `quant`, quant=mixed and lloyd codebooks (fitted
-    on a calibration pass over the whole model)."""
-    from mla_quant.calibration import fitted_paths
-    from mla_quant.prepare import quant_uses_lloyd
-    from mla_quant.sensitivity.allocation import is_mixed
-
-    objective = cfg.get("objective") or {}
-    for path in fitted_paths(cfg.get("transform")):
-        kind = (objective.get(path) or {}).get("kind")
-        if kind == "next_token_kl":
-            raise ValueError(f"model.streaming=true: objective.{path}.kind=next_token_kl reruns the whole model at "
-                             "every fitting step, which a streamed model cannot; use the layer-local objectives "
-                             "(attention_output / positional_qk, cache_mse)")
-    if quant and is_mixed(cfg.get("quant")):
-        raise ValueError("model.streaming=true: quant=mixed allocates bits on a calibration pass over the whole "
-                         "model, not streamed yet; give a named quant option")
-    if quant and quant_uses_lloyd(cfg.get("quant")):
-        raise ValueError("model.streaming=true: lloyd codebooks are fitted on the whole model, not streamed yet; "
-                         "use quant.*.quantizer=rtn (or clip, hqq)")
 
 
 def _initializers(model: nn.Module) -> dict:

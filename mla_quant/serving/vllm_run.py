@@ -30,10 +30,18 @@ def engine_args(request: dict) -> dict:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no usage report sent from a study's engine
     # vLLM's C++ rotary op gives wrong query RoPE values for some heads at small head dims on the CPU; its PyTorch
     # rotary is exact.
-    return dict(runner="generate", enforce_eager=True, dtype=request.get("dtype", "float32"),
+    args = dict(runner="generate", enforce_eager=True, dtype=request.get("dtype", "float32"),
                 compilation_config={"custom_ops": ["-rotary_embedding"]}, max_model_len=int(request["max_model_len"]),
                 kv_cache_memory_bytes=int(request["kv_cache_memory_bytes"]), disable_log_stats=False,
                 max_num_seqs=int(request.get("max_num_seqs", 256)), seed=0)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():  # on a CPU with AMX vLLM would pick AMX_MLA (BF16 weights only, not the
+        # framework's backend): ask for CPU_MLA, the member the framework's plugin serves
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        args["attention_config"] = {"backend": AttentionBackendEnum.CPU_MLA}
+    return args
 
 
 def vllm_cpu_version() -> None:

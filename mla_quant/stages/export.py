@@ -94,7 +94,7 @@ def streamed_export(cfg: DictConfig, out: Path):
     """`export_checkpoint` for a model streamed layer by layer (model.streaming=true): each decoder layer read,
     its transforms folded, written to the shards and released (task.shard_mb per shard), so the whole model is
     never in memory. -> (the preparation, the cache description written)."""
-    from mla_quant.models.streaming import refuse_unstreamed
+    from mla_quant.prepare import refuse_unstreamed
     from mla_quant.prepare import prepare_streamed
 
     refuse_peer(cfg.get("quant"), "experiment=export (the cache description serving engines read)")

@@ -88,7 +88,7 @@ def per_sequence_sums(stats: dict[str, torch.Tensor]) -> pd.DataFrame:
 
 def check_streamed(cfg: DictConfig) -> None:
     """What a streamed quality run refuses (model.streaming=true), before the data or any weight is read."""
-    from mla_quant.models.streaming import refuse_unstreamed
+    from mla_quant.prepare import refuse_unstreamed
 
     t = cfg.task
     if t.get("chunk") is not None:

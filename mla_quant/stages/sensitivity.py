@@ -107,7 +107,8 @@ def check(cfg: DictConfig) -> list[float]:
     """Everything this stage refuses, before any weight is read: the study's options, then the model's settings
     (`preflight`). -> the NMSE targets."""
     if cfg.model.get("streaming"):
-        from mla_quant.models.streaming import check_streaming, refuse_unstreamed
+        from mla_quant.models.streaming import check_streaming
+        from mla_quant.prepare import refuse_unstreamed
 
         check_streaming(cfg.model, cfg.task.name)
         refuse_unstreamed(cfg, quant=cfg.task.noise == "quantizer")
