@@ -319,25 +319,29 @@ class StreamedModel:
 
     # -- loading ---------------------------------------------------------------------------------------------------
     def _load(self, tensors: dict[str, torch.Tensor], what: str) -> None:
+        """Load the read `tensors` into the skeleton (emptying the dict: what was read is freed as it is converted),
+        then cast each parameter to the compute dtype, one at a time."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
+        bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            raise ValueError(f"checkpoint {str(self.shards.folder)!r}: {what} holds NaN or inf in {bad[:3]}; "
+                             "refusing to run with them")
         with _quiet_loading():
             info, _ = convert_and_load_state_dict_in_model(self.model, tensors, self._load_config)
+        tensors.clear()  # a parameter that is a view of a read tensor keeps it; the rest is freed now
         if info.mismatched_keys or info.conversion_errors:
             raise ValueError(f"model.streaming=true: {what} does not fit the model: mismatched "
                              f"{sorted(info.mismatched_keys)[:3]}, conversion errors "
                              f"{list(info.conversion_errors.items())[:2]}")
         for module in self.model.modules():  # in the compute dtype, one parameter at a time; inference only (no
-            for name, p in list(module._parameters.items()):  # autograd graph may hold a released layer's weights)
+            for name in list(module._parameters):  # autograd graph may hold a released layer's weights)
+                p = module._parameters[name]
                 if p is not None and p.device.type != "meta" and (p.requires_grad or (
                         p.is_floating_point() and p.dtype != self.dtype)):
                     module._parameters[name] = nn.Parameter(p.detach().to(self.dtype) if p.is_floating_point()
                                                             else p.detach(), requires_grad=False)
-                    del p
-        bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-        if bad:
-            raise ValueError(f"checkpoint {str(self.shards.folder)!r}: {what} holds NaN or inf in {bad[:3]}; "
-                             "refusing to run with them")
+                del p
 
     def load_outer(self) -> None:
         """The tensors outside the decoder layers (embedding, final norm, LM head), kept until `release_outer`; the
