@@ -242,9 +242,10 @@ SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4
                      "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
 
 
-def check_safetensors(file: Path) -> None:
+def check_safetensors(file: Path) -> dict:
     """Refuse a .safetensors file whose header or size is not what the format says (corrupt or truncated), naming
-    the file and what is wrong, before transformers reads it."""
+    the file and what is wrong, before transformers reads it. -> the header ({tensor: {dtype, shape, data_offsets}},
+    and __metadata__)."""
     import json
     import struct
 
@@ -282,6 +283,7 @@ def check_safetensors(file: Path) -> None:
         end = max(end, stop)
     if 8 + n + end != size:
         raise bad(f"its tensors end at byte {8 + n + end} but the file has {size} bytes")
+    return header
 
 
 def check_finite(model: nn.Module, source: str) -> None:

@@ -8,10 +8,13 @@ layer's tensors are read by a background thread meanwhile. The hidden states of 
 between layers (pinned on a GPU box), spilled to a scratch folder beyond `model.streaming_host_gb`.
 
     stream = StreamedModel.from_config(cfg.model, device="cpu")
-    hidden = {key: stream.embed(ids) for key, ids in batches.items()}   # plus each batch's layer arguments
+    stream.load_outer()
+    hidden, arguments = layer_arguments(stream.model, ids, cache)        # layer 0's input, every layer's arguments
+    stream.release_outer()
     for j, layer in stream.layers():                                     # resident one at a time
-        ...
-    logits = stream.head(hidden)
+        hidden, carried = run_layer(layer, stream.family, hidden, arguments[j], carried)
+    stream.load_outer()
+    logits = head_logits(stream.model, ids, hidden)                      # or stream.logits(ids): all of the above
     stream.figures()   # bytes read against the checkpoint, seconds per layer, the share of reading hidden
 
 A decoder layer's arguments (masks, RoPE tables, positions) are recorded by one forward of the text model whose
@@ -66,9 +69,13 @@ class Shards:
         self.where: dict[str, str] = {}
         self.nbytes: dict[str, int] = {}
         self.dtypes: dict[str, str] = {}
-        for name in files:
-            for key, (size, kind) in _header(self.folder / name).items():
-                self.where[key], self.nbytes[key], self.dtypes[key] = name, size, kind
+        from mla_quant.models.build import check_safetensors
+
+        for name in files:  # each shard's header, checked as a loaded checkpoint's files are
+            for key, info in check_safetensors(self.folder / name).items():
+                if key != "__metadata__":
+                    self.where[key], self.dtypes[key] = name, info["dtype"]
+                    self.nbytes[key] = info["data_offsets"][1] - info["data_offsets"][0]
         if weight_map is not None:
             missing = sorted(set(weight_map) - set(self.where))
             if missing:
@@ -108,17 +115,6 @@ class Shards:
 
 
 FLOATING = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-
-
-def _header(path: Path) -> dict[str, tuple[int, str]]:
-    """{tensor name: (bytes, safetensors dtype)} from a shard's header."""
-    import struct
-
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return {k: (v["data_offsets"][1] - v["data_offsets"][0], v["dtype"]) for k, v in header.items()
-            if k != "__metadata__"}
 
 
 def _to_meta(module: nn.Module, recurse: bool = True, dtype: torch.dtype | None = None) -> None:
@@ -243,7 +239,7 @@ class StreamedModel:
                  blocks=None, prefetch: bool = True):
         from accelerate import init_empty_weights
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import rename_source_key
+        from transformers.core_model_loading import WeightConverter, rename_source_key
         from transformers.modeling_utils import LoadStateDictConfig
 
         self.device = torch.device(device)
@@ -275,8 +271,8 @@ class StreamedModel:
         # Which decoder layer each checkpoint tensor belongs to, by its name in the model (after transformers'
         # renamings); None: outside the decoder layers (embedding, final norm, LM head, a wrapper's other towers).
         meta = model.state_dict()
-        renamings = [m for m in mapping if type(m).__name__ != "WeightConverter"]
-        converters = [m for m in mapping if type(m).__name__ == "WeightConverter"]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        renamings = [m for m in mapping if not isinstance(m, WeightConverter)]
         prefix = {id(layer): name for name, layer in model.named_modules()}
         pattern = re.compile("|".join(rf"^{re.escape(prefix[id(layer)])}\.(?P<l{j}>)" for j, layer
                                       in enumerate(self._layers)))
@@ -357,10 +353,9 @@ class StreamedModel:
     def release_outer(self) -> None:
         """Everything outside the decoder layers back to the meta device, but the input embedding (and what is tied
         to it)."""
-        inside = {id(m) for layer in self._layers for m in layer.modules()}
         keep = self.model.get_input_embeddings()
-        for module in self.model.modules():
-            if id(module) not in inside and module is not keep:
+        for module in _outer_modules(self.model):
+            if module is not keep:
                 _to_meta(module, recurse=False, dtype=self.storage_dtype)
         self.model.tie_weights()
         self.outer_loaded = False
@@ -520,12 +515,6 @@ def drop_cache_slots(cache, slots) -> None:
         for part in (layer, getattr(layer, "clean", None)):  # an injected layer keeps its clean latent beside
             if part is not None and hasattr(part, "reset"):
                 part.reset()
-
-
-def cache_slots(model: nn.Module, layer: nn.Module) -> list[int]:
-    """The cache slots of the MLA blocks inside decoder layer `layer` (LongCat: two)."""
-    inside = {id(m) for m in layer.modules()}
-    return [a.layer_idx for a in family_for_config(model.config).attention_modules(model) if id(a) in inside]
 
 
 @torch.no_grad()

@@ -155,8 +155,7 @@ def streamed_errors(stream, ids: torch.Tensor, clean_cache, noisy_caches: list, 
     attention = family.attention_modules(model)
     layers = decoder_layers(model)
     attention_ids = {id(a): i for i, a in enumerate(attention)}
-    owner = [next(j for j, layer in enumerate(layers) if any(id(m) == id(a) for m in layer.modules()))
-             for a in attention]
+    owner = [j for j in range(len(layers)) for _ in stream.blocks(j)]  # blocks come in cache-layer order
     caches = [clean_cache, *noisy_caches]
     ids = ids.to(device)
     store = HostStore(host_gb * 1e9, pin=device.type == "cuda", scratch=scratch)
@@ -177,7 +176,7 @@ def streamed_errors(stream, ids: torch.Tensor, clean_cache, noisy_caches: list, 
         stream.release_outer()
         carried = [{} for _ in caches]
         for j, layer in tqdm(stream.layers(), total=stream.num_layers, desc=desc, unit="layer"):
-            mine = [i for i, o in enumerate(owner) if o == j]
+            mine = [i for i, _ in stream.blocks(j)]
             clean_attn, clean_out = {}, None
             for k in range(len(caches)):
                 outputs.clear()

@@ -181,8 +181,7 @@ def streamed(cfg: DictConfig, run_dir: Path, source: str) -> StageResult:
     both caches' hidden states go through each decoder layer while it is resident; the same metrics as in memory,
     plus the stream's figures (streaming/...)."""
     from mla_quant.cache import layer_factory
-    from mla_quant.models.streaming import (HostStore, cache_slots, drop_cache_slots, head_logits, layer_arguments,
-                                            run_layer)
+    from mla_quant.models.streaming import HostStore, drop_cache_slots, head_logits, layer_arguments, run_layer
     from mla_quant.prepare import prepare_streamed
     from mla_quant.quant.formats import as_spec
 
@@ -212,7 +211,7 @@ def streamed(cfg: DictConfig, run_dir: Path, source: str) -> StageResult:
                                             carried[key])
                 store.put(key, h)
             for s in starts:  # the unquantized cache is not read again (the quantized one is measured at the end)
-                drop_cache_slots(caches["ref", s], cache_slots(model, layer))
+                drop_cache_slots(caches["ref", s], [attn.layer_idx for _, attn in stream.blocks(j)])
         stream.load_outer()
         parts: dict[str, list[torch.Tensor]] = {}
         held = HeldBytes()
