@@ -247,7 +247,7 @@ def preflight(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, ca
     the quant/transform/objective/calib settings against them, the tokenizer's files (before loading it), and the
     calibration data (a text dataset loaded, so an offline machine is told now, naming the setting), the memory plan.
     -> (dims, the validated format, the plan or None). Pipelines call it for every step before the first one runs."""
-    check_streaming(cfg.model, (cfg.get("task") or {}).get("name"))
+    refuse_unstreamed(cfg)
     dims = model_dims(cfg.model)
     fmt = validate(cfg, dims, quant=quant, calib_report=calib_report)
     if tokenizer or needs_tokenizer(cfg, calib_report):
@@ -331,36 +331,47 @@ def prepare_model(cfg: DictConfig, *, quant: bool = True, tokenizer: Any = True,
                     plan.metrics() if plan is not None else None)
 
 
-def _calibration_inputs(model, cfg: DictConfig, tokenizer, transform_metrics: dict | None):
-    """The calibration ids and the identity (model, weights, transform, data) of what is measured on them."""
+def _calibration_inputs(model, cfg: DictConfig, tokenizer, transform_metrics: dict | None, stream=None):
+    """The calibration ids and the identity (model, weights, transform, data) of what is measured on them. `stream`:
+    `model` is a streamed model's skeleton, its fingerprint that of the transformed weights as in memory."""
     source = resolve_source(cfg.calib, cfg.model.get("_target_"))
     vocab = model.config.get_text_config(decoder=True).vocab_size
     ids = calibration_ids(cfg.calib, source, tokenizer, vocab)
-    identity = {"model": model_identity(_plain(cfg.model)),
-                "weights": weights_sha256(model), "transform": (transform_metrics or {}).get("calib/file", "none"),
+    weights = stream.weights_sha256(after_load=True) if stream is not None else weights_sha256(model)
+    identity = {"model": model_identity(_plain(cfg.model)), "weights": weights,
+                "transform": (transform_metrics or {}).get("calib/file", "none"),
                 "calib": {**_plain(cfg.calib), "source": source}}
     return ids, identity
 
 
-def allocate_formats(model, cfg: DictConfig, tokenizer, spec: MixedSpec, transform_metrics: dict | None):
-    """The per-layer formats of quant=mixed for the (transformed) model, measured on the absorbed view of it."""
+def allocate_formats(model, cfg: DictConfig, tokenizer, spec: MixedSpec, transform_metrics: dict | None,
+                     stream=None):
+    """The per-layer formats of quant=mixed for the (transformed) model, measured on the absorbed view of it
+    (`stream`: the streamed model whose absorbed skeleton `model` is)."""
     from mla_quant.models.absorbed import absorbed_view
 
-    ids, identity = _calibration_inputs(model, cfg, tokenizer, transform_metrics)
+    ids, identity = _calibration_inputs(model, cfg, tokenizer, transform_metrics, stream)
+    batch = int(cfg.calib.get("batch_size", 8))
+    if stream is not None:
+        return allocate(model, spec, ids, identity, batch, stream)
     with absorbed_view(model, attention_blocks(cfg.get("attention"))) as view:
-        return allocate(view, spec, ids, identity, int(cfg.calib.get("batch_size", 8)))
+        return allocate(view, spec, ids, identity, batch)
 
 
-def codebook_formats(model, cfg: DictConfig, tokenizer, fmt, transform_metrics: dict | None):
+def codebook_formats(model, cfg: DictConfig, tokenizer, fmt, transform_metrics: dict | None, stream=None):
     """The format of every layer with its lloyd codebooks, fitted on the absorbed view of the (transformed) model
-    over the calibration batch (or reused), stored beside the fitted transforms."""
+    over the calibration batch (or reused), stored beside the fitted transforms (`stream`: the streamed model whose
+    absorbed skeleton `model` is)."""
     from mla_quant.models.absorbed import absorbed_view
 
-    ids, identity = _calibration_inputs(model, cfg, tokenizer, transform_metrics)
+    ids, identity = _calibration_inputs(model, cfg, tokenizer, transform_metrics, stream)
     cache_dir = (_plain(cfg.get("transform") or {}).get("fit") or {}).get("cache_dir", "outputs/calibration")
     family = family_for_config(model.config).name
+    batch = int(cfg.calib.get("batch_size", 8))
+    if stream is not None:
+        return fitted_codebooks(model, fmt, ids, identity, cache_dir, family, batch, stream)
     with absorbed_view(model, attention_blocks(cfg.get("attention"))) as view:
-        return fitted_codebooks(view, fmt, ids, identity, cache_dir, family, int(cfg.calib.get("batch_size", 8)))
+        return fitted_codebooks(view, fmt, ids, identity, cache_dir, family, batch)
 
 
 def needs_tokenizer(cfg: DictConfig, calib_report: bool = False) -> bool:
@@ -376,7 +387,8 @@ def needs_tokenizer(cfg: DictConfig, calib_report: bool = False) -> bool:
 def prepare_streamed(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = True, calib_report: bool = False):
     """`prepare_model` for a model streamed layer by layer (model.streaming=true, mla_quant.models.streaming): the
     same checks, the skeleton with its layers left on disk, the configured transforms fitted (or reused) through a
-    streamed sweep and folded into each layer as it is read. -> (the StreamedModel, a Prepared whose model is its
+    streamed sweep and folded into each layer as it is read; quant=mixed allocated and lloyd codebooks fitted
+    through streamed passes over the transformed layers. -> (the StreamedModel, a Prepared whose model is its
     skeleton)."""
     from mla_quant.models.build import resolve_device
     from mla_quant.models.streaming import StreamedModel
@@ -385,7 +397,9 @@ def prepare_streamed(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = T
     tok = load_tokenizer(cfg.model) if tokenizer or needs_tokenizer(cfg, calib_report) else None
     stream = StreamedModel.from_config(cfg.model, resolve_device(str(cfg.get("device", "auto"))),
                                        attention_blocks(cfg.get("attention")))
-    tset, transform_metrics, report = calibrated_transforms(stream.model, cfg, tok, fmt, report=calib_report,
+    spec = fmt if isinstance(fmt, MixedSpec) else None
+    run_format = fmt if spec is None else as_spec(spec.budget_format, dims["layers"])  # mixed: fit for the budget's
+    tset, transform_metrics, report = calibrated_transforms(stream.model, cfg, tok, run_format, report=calib_report,
                                                             stream=stream)
     if tset is not None:  # folded into each layer as it is read; the shapes checked on the skeleton now
         from mla_quant.transforms.fold import check_layer_transform, fold_layer
@@ -403,15 +417,25 @@ def prepare_streamed(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = T
                 fold_layer(family.mla_weights(attn), tset.layers[i], f"layer {i}")
 
         stream.after_load.append(fold)
-    return stream, Prepared(stream.model, tok if tokenizer else None, dims, fmt, transform_metrics, report)
+    alloc_metrics = None
+    if spec is not None:
+        fmt, alloc_metrics = allocate_formats(stream.model, cfg, tok, spec, transform_metrics, stream)
+    if uses_lloyd(fmt):
+        fmt, book_metrics = codebook_formats(stream.model, cfg, tok, fmt, transform_metrics, stream)
+        alloc_metrics = {**(alloc_metrics or {}), **book_metrics}
+    return stream, Prepared(stream.model, tok if tokenizer else None, dims, fmt, transform_metrics, report,
+                            alloc_metrics)
 
 
-def refuse_unstreamed(cfg, quant: bool) -> None:
-    """What no stage streams yet, refused by name before any data or weight is read: an objective that reruns the
-    whole model per step (next_token_kl), and where the stage uses `quant`, quant=mixed and lloyd codebooks (fitted
-    on a calibration pass over the whole model)."""
+def refuse_unstreamed(cfg) -> None:
+    """With model.streaming=true, what cannot stream, refused by name before the model's config, any data or weight
+    is read (`preflight`, and a stage's own checks that come before it): the model settings and the stage
+    (`check_streaming`), an objective that reruns the whole model at every fitting step (next_token_kl)."""
     from mla_quant.calibration import fitted_paths
 
+    if not cfg.model.get("streaming"):
+        return
+    check_streaming(cfg.model, (cfg.get("task") or {}).get("name"))
     objective = cfg.get("objective") or {}
     for path in fitted_paths(cfg.get("transform")):
         kind = (objective.get(path) or {}).get("kind")
@@ -419,9 +443,3 @@ def refuse_unstreamed(cfg, quant: bool) -> None:
             raise ValueError(f"model.streaming=true: objective.{path}.kind=next_token_kl reruns the whole model at "
                              "every fitting step, which a streamed model cannot; use the layer-local objectives "
                              "(attention_output / positional_qk, cache_mse)")
-    if quant and is_mixed(cfg.get("quant")):
-        raise ValueError("model.streaming=true: quant=mixed allocates bits on a calibration pass over the whole "
-                         "model, not streamed yet; give a named quant option")
-    if quant and quant_uses_lloyd(cfg.get("quant")):
-        raise ValueError("model.streaming=true: lloyd codebooks are fitted on the whole model, not streamed yet; "
-                         "use quant.*.quantizer=rtn (or clip, hqq)")

@@ -231,3 +231,53 @@ def test_tiny_model_streaming_refused():
     cfg = compose(["model=tiny_deepseek_v3", "experiment=quality", "+model.streaming=true"])
     with pytest.raises(ValueError, match="streams a checkpoint's safetensors shards"):
         preflight(cfg)
+
+
+def _leaves(value) -> list[float]:
+    """The numbers of a nested JSON value, in order."""
+    if isinstance(value, dict):
+        return [x for k in sorted(value) for x in _leaves(value[k])]
+    if isinstance(value, list):
+        return [x for v in value for x in _leaves(v)]
+    return [float(value)]
+
+
+@pytest.mark.parametrize("quant", [["quant=mixed", "quant.allocation.sequences=2"],
+                                   ["quant=int4_joint", "quant.content.quantizer=lloyd", "quant.rope.quantizer=lloyd"]])
+def test_streamed_allocation_and_codebooks_equal_in_memory(quant, tmp_path):
+    """quant=mixed (cache NMSE per choice, then the measured one-layer sensitivity: every injection's stream beside
+    the clean one) and lloyd codebooks, each fitted through streamed passes over the layers with a transform folded
+    as they are read: the same allocation or codebooks, and the same quality, as in memory; the fingerprint of the
+    transformed weights is the same, so both are stored under one name."""
+    import json
+
+    folder = _checkpoint("tiny_deepseek_v3", tmp_path / "checkpoint")
+    mixed = quant[0] == "quant=mixed"
+    key = "alloc/file" if mixed else "cache/codebooks"
+    runs, stored = {}, {}
+    for streaming in (False, True):
+        (tmp_path / str(streaming)).mkdir()
+        own = [f"model.streaming={streaming}", *quant, "transform=quarot", "calib.source=random", "calib.samples=4",
+               "calib.seq_len=24", "calib.batch_size=2", f"transform.fit.cache_dir={tmp_path / 'store'}",
+               *([f"quant.allocation.cache_dir={tmp_path / 'store'}", "quant.allocation.reuse=false"] if mixed else [])]
+        runs[streaming] = quality.run(_quality_cfg("tiny_deepseek_v3", folder, *own), tmp_path / str(streaming)).metrics
+        assert runs[streaming]["alloc/reused" if mixed else "cache/codebooks_reused"] == 0
+        path = Path(runs[streaming][key])
+        stored[streaming] = json.loads(path.read_text())
+        path.unlink()  # measured again by the other run (the same name: the same identity)
+    assert runs[True][key] == runs[False][key]
+    # one pass over the layers per fit (mixed: the cache NMSE, then the injections), then the quality run's own
+    assert runs[True]["streaming/passes"] == (3 if mixed else 2)
+    if mixed:
+        assert stored[True]["picks"] == stored[False]["picks"]
+        for part in ("weights", "nmse"):
+            a, b = (torch.tensor(_leaves(stored[s][part]), dtype=torch.float64) for s in (False, True))
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-12, msg=part)
+        assert len({b["content"] for b in stored[True]["bits"]} | {b["rope"] for b in stored[True]["bits"]}) > 1
+    else:
+        levels = [torch.tensor(lv) for _, _, lv in stored[False]["levels"]]
+        assert len(levels) == 2 * 2  # 2 cache layers, both paths
+        for (i, p, a), (_, _, b) in zip(stored[False]["levels"], stored[True]["levels"]):
+            torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-6, msg=f"{i} {p}")
+    for k in QUALITY:
+        assert runs[True][k] == pytest.approx(runs[False][k], rel=1e-5, abs=1e-9), k

@@ -48,15 +48,18 @@ def _wanted(layers: list[CacheFormat]) -> list[tuple[int, str]]:
     return [(i, p) for i, f in enumerate(layers) for p in PATHS if f.path(p).fitted_levels]
 
 
-def capture_latents(model, ids: torch.Tensor, wanted: list[tuple[int, str]], dims: dict[str, int], batch: int = 8
-                    ) -> dict[tuple[int, str], torch.Tensor]:
+def capture_latents(model, ids: torch.Tensor, wanted: list[tuple[int, str]], dims: dict[str, int], batch: int = 8,
+                    stream=None) -> dict[tuple[int, str], torch.Tensor]:
     """Each wanted (layer, path)'s cache latents over `ids` (float32, CPU, (N, d)), an even subsample of every
-    batch's tokens so that no path keeps more than about LLOYD_MAX_VALUES values."""
+    batch's tokens so that no path keeps more than about LLOYD_MAX_VALUES values. `stream`: the model streamed layer
+    by layer (`cached_latents`), the same latents."""
     batches = math.ceil(ids.shape[0] / batch)
     out: dict[tuple[int, str], list[torch.Tensor]] = {key: [] for key in wanted}
-    for layers in cached_latents(model, ids, batch, desc="codebooks: latents"):
-        for i, p in wanted:
-            x = dict(zip(PATHS, layers[i]))[p].float().reshape(-1, dims[p])
+    for i, read in cached_latents(model, ids, batch, desc="codebooks: latents", stream=stream):
+        for p, x in zip(PATHS, read):
+            if (i, p) not in out:
+                continue
+            x = x.float().reshape(-1, dims[p])
             keep = max(1, LLOYD_MAX_VALUES // dims[p] // batches)
             if x.shape[0] > keep:
                 x = x[torch.linspace(0, x.shape[0] - 1, keep, device=x.device).long()]
@@ -114,12 +117,13 @@ def with_levels(fmt: CacheSpec, levels: dict[tuple[int, str], tuple[float, ...]]
     return CacheSpec(fmt.name, tuple(out), source if fmt.uniform is not None else fmt.source)
 
 
-def _fit(model, ids: torch.Tensor, wanted: list[tuple[int, str]], layers: list[CacheFormat], batch: int) -> dict:
+def _fit(model, ids: torch.Tensor, wanted: list[tuple[int, str]], layers: list[CacheFormat], batch: int,
+         stream=None) -> dict:
     """Each wanted (layer, path)'s levels fitted on its latents over `ids`, with the cache NMSE of the fitted codebook
     beside the FIT_REFERENCES quantizers' at the same widths."""
     start = time.perf_counter()
     dims = {"content": layers[0].d_c, "rope": layers[0].d_r}
-    latents = capture_latents(model, ids, wanted, dims, batch)
+    latents = capture_latents(model, ids, wanted, dims, batch, stream)
     levels, nmse = {}, {}
     for (i, p), x in tqdm(latents.items(), desc="codebooks: lloyd", unit="path"):
         pf = layers[i].path(p)
@@ -136,9 +140,10 @@ def _fit(model, ids: torch.Tensor, wanted: list[tuple[int, str]], layers: list[C
 
 
 def fitted_codebooks(model, fmt: CacheSpec, ids: torch.Tensor, identity: dict, cache_dir: str | Path, family: str,
-                     batch: int = 8) -> tuple[CacheSpec, dict]:
+                     batch: int = 8, stream=None) -> tuple[CacheSpec, dict]:
     """The codebooks of every lloyd path of `fmt` for `model` (transforms applied; the absorbed view), fitted on
-    its latents over `ids` or reused from `cache_dir`, and the record's metrics."""
+    its latents over `ids` or reused from `cache_dir`, and the record's metrics. `stream`: `model` is the skeleton
+    of a model streamed layer by layer (one pass over its layers; the same codebooks)."""
     num_layers = num_cache_layers(model)
     layers = _per_layer(fmt, num_layers)
     wanted = _wanted(layers)
@@ -150,7 +155,7 @@ def fitted_codebooks(model, fmt: CacheSpec, ids: torch.Tensor, identity: dict, c
         if reused:
             print(f"[codebooks] reusing {path}")
         else:
-            stored = {**_fit(model, ids, wanted, layers, batch), "identity": identity}
+            stored = {**_fit(model, ids, wanted, layers, batch, stream), "identity": identity}
             stored = {**art.write_json({**stored, "levels": [[i, p, list(lv)] for (i, p), lv
                                                              in sorted(stored["levels"].items())]}),
                       "levels": stored["levels"]}

@@ -242,15 +242,23 @@ def cache_kwargs(cache) -> dict:
 
 
 @torch.no_grad()
-def cached_latents(model: nn.Module, ids: torch.Tensor, batch: int = 8, desc: str = "cache latents"):
-    """For each batch of `batch` sequences of `ids`, one forward of `model` (absorbed) into an unquantized cache:
-    yields each cache layer's latents [(content (B, T, d_c), rope (B, T, d_r)), ...]."""
+def cached_latents(model: nn.Module, ids: torch.Tensor, batch: int = 8, desc: str = "cache latents", stream=None):
+    """Each cache layer's latents over each batch of `batch` sequences of `ids`, written into an unquantized cache
+    by the absorbed `model`: yields (cache layer i, (content (B, T, d_c), rope (B, T, d_r))). In memory, batch by
+    batch (one forward each, every layer of it in turn); with `stream` (a `mla_quant.models.streaming.StreamedModel`
+    whose skeleton is `model`), layer by layer (every batch through a decoder layer while it is resident). Either
+    way a layer's batches come in batch order, so what is summed over them is summed alike."""
     from tqdm.auto import tqdm
 
+    if stream is not None:
+        from mla_quant.models.streaming import streamed_latents
+
+        yield from streamed_latents(stream, ids, batch, desc)
+        return
     for start in tqdm(range(0, ids.shape[0], batch), desc=desc, unit="batch"):
         cache = new_cache(model)
         model(ids[start:start + batch].to(model.device), use_cache=True, **cache_kwargs(cache))
-        yield [layer.read() for layer in cache.latent_layers]
+        yield from enumerate(layer.read() for layer in cache.latent_layers)
 
 
 def latent_dims(model: nn.Module) -> dict:

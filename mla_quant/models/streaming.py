@@ -236,7 +236,7 @@ class StreamedModel:
     """A checkpoint's model with one decoder layer resident at a time (module docstring)."""
 
     def __init__(self, model_class, config, folder: str | Path, dtype: torch.dtype, device: str | torch.device,
-                 blocks=None, prefetch: bool = True):
+                 blocks=None, prefetch: bool = True, host_gb: float = 8.0):
         from accelerate import init_empty_weights
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, rename_source_key
@@ -244,6 +244,7 @@ class StreamedModel:
 
         self.device = torch.device(device)
         self.dtype = dtype
+        self.host_gb = float(host_gb)  # the hidden states' host memory before they spill (model.streaming_host_gb)
         self.shards = Shards(folder)
         quant = getattr(config, "quantization_config", None)
         if quant:
@@ -297,6 +298,7 @@ class StreamedModel:
                              f"layer(s) {empty[:5]} (the model has {len(self._layers)}); the folder is incomplete")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layer-read") if prefetch else None
         self.seconds_per_layer: list[float] = []
+        self.passes = 0  # passes over the decoder layers begun (prepare's fits, then the stage's own)
         self.wait_seconds = 0.0
         self.outer_loaded = False
 
@@ -311,7 +313,12 @@ class StreamedModel:
                                    model_cfg.get("config"))
         config._attn_implementation = model_cfg.get("attn_implementation") or "eager"
         return cls(get_family(model_cfg.family).model_class, config, model_cfg.path, torch_dtype(model_cfg.dtype),
-                   device, blocks)
+                   device, blocks, host_gb=float(model_cfg.get("streaming_host_gb", 8.0)))
+
+    def host_store(self, scratch: str | Path | None = None) -> "HostStore":
+        """A store for the hidden states waiting between layers: `host_gb` in host memory (pinned on a GPU), the
+        rest spilled under `scratch` (None: the system's temporary folder)."""
+        return HostStore(self.host_gb * 1e9, pin=self.device.type == "cuda", scratch=scratch)
 
     # -- loading ---------------------------------------------------------------------------------------------------
     def _load(self, tensors: dict[str, torch.Tensor], what: str) -> None:
@@ -368,6 +375,7 @@ class StreamedModel:
         """Each decoder layer, resident while the caller's loop body runs, released after; the next one's tensors
         read meanwhile (prefetch)."""
         n = len(self._layers)
+        self.passes += 1
         submit = (lambda j: self._pool.submit(self.shards.read, self.groups[j])) if self._pool else None
         pending = submit(0) if submit else None
         for j in range(n):
@@ -392,9 +400,10 @@ class StreamedModel:
         inside = {id(m) for m in self._layers[j].modules()}
         return [(i, a) for i, a in enumerate(self.family.attention_modules(self.model)) if id(a) in inside]
 
-    def weights_sha256(self) -> str:
+    def weights_sha256(self, after_load: bool = False) -> str:
         """The fingerprint `mla_quant.calibration.weights_sha256` gives the whole model in memory, from each layer's
-        attention tensors alone (read layer by layer, the rest of each layer not read)."""
+        attention tensors alone (read layer by layer, the rest of each layer not read). after_load=True: of the
+        weights as the layers run, the `after_load` hooks (a folded transform) applied."""
         import hashlib
 
         from mla_quant.models.fp8 import weight_of
@@ -407,6 +416,8 @@ class StreamedModel:
             if not blocks:
                 continue
             self._load(self.shards.read(names), f"the attention of decoder layer {j}")
+            for hook in self.after_load if after_load else ():
+                hook(j, blocks)
             for _, attn in blocks:
                 w = self.family.mla_weights(attn)
                 for t in (weight_of(w.kv_a), w.kv_norm, weight_of(w.kv_b), weight_of(w.q_out)):
@@ -452,13 +463,14 @@ class StreamedModel:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
     def figures(self, prefix: str = "streaming") -> dict:
-        """For the run record: bytes read against the checkpoint, seconds per layer, the share of reading hidden
-        behind compute (1 - time waited for a layer's tensors / time spent reading them)."""
+        """For the run record: bytes read against the checkpoint (over every pass: a fit in the preparation, as
+        quant=mixed's, reads the layers again), seconds per layer, the share of reading hidden behind compute (1 - time
+        waited for a layer's tensors / time spent reading them)."""
         read = self.shards.read_seconds
         return {f"{prefix}/checkpoint_gb": self.shards.total_bytes / 1e9,
                 f"{prefix}/read_gb": self.shards.bytes_read / 1e9,
                 f"{prefix}/read_ratio": self.shards.bytes_read / max(1, self.shards.total_bytes),
-                f"{prefix}/layers": len(self._layers),
+                f"{prefix}/layers": len(self._layers), f"{prefix}/passes": self.passes,
                 f"{prefix}/seconds_per_layer": (sum(self.seconds_per_layer) / len(self.seconds_per_layer)
                                                 if self.seconds_per_layer else 0.0),
                 f"{prefix}/read_seconds": read, f"{prefix}/wait_seconds": self.wait_seconds,
@@ -505,6 +517,42 @@ def check_streaming(model_cfg, stage: str | None = None) -> None:
     if model_cfg.get("device_map") not in (None, "auto"):
         raise ValueError(f"model.streaming=true places each layer on `device`; model.device_map="
                          f"{model_cfg.device_map!r} would place the whole model: set model.device_map=null (or auto)")
+
+
+@torch.no_grad()
+def streamed_latents(stream: StreamedModel, ids: torch.Tensor, batch: int, desc: str = "cache latents"
+                     ) -> Iterator[tuple[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """`mla_quant.models.absorbed.cached_latents` streamed: every batch of `batch` sequences through each decoder
+    layer while it is resident, into an unquantized cache per batch; yields (cache layer i, (content, rope)) of each
+    batch once its decoder layer has run them all, then frees that layer's slots."""
+    from tqdm.auto import tqdm
+
+    from mla_quant.models.absorbed import new_cache
+
+    model, device = stream.model, stream.device
+    starts = list(range(0, ids.shape[0], batch))
+    store = stream.host_store()
+    caches, arguments, carried = {}, {}, {}
+    try:
+        stream.load_outer()
+        for s in starts:
+            caches[s] = new_cache(model)
+            hidden, arguments[s] = layer_arguments(model, ids[s:s + batch].to(device), caches[s])
+            store.put(s, hidden)
+            carried[s] = {}
+        stream.release_outer()
+        for j, layer in tqdm(stream.layers(), total=stream.num_layers, desc=f"{desc} (streamed)", unit="layer"):
+            for s in starts:
+                h, carried[s] = run_layer(layer, stream.family, store.pop(s).to(device), arguments[s][j], carried[s])
+                store.put(s, h)
+            blocks = stream.blocks(j)
+            for i, _ in blocks:
+                for s in starts:
+                    yield i, caches[s].latent_layers[i].read()
+            for s in starts:
+                drop_cache_slots(caches[s], [attn.layer_idx for _, attn in blocks])
+    finally:
+        store.close()
 
 
 def drop_cache_slots(cache, slots) -> None:

@@ -49,7 +49,7 @@ from mla_quant.quant.formats import (
 from mla_quant.quant.mixed import knapsack, pair_group_bytes, pairs_override, path_override, probe_override
 from mla_quant.artifacts import Artifact, artifact
 from mla_quant.sensitivity.injection import InjectionSpec, check_nmse_target, injection_factory, nmse
-from mla_quant.sensitivity.study import capture
+from mla_quant.sensitivity.study import capture, streamed_errors
 
 BY = ("sensitivity", "cache_nmse", "random")
 ALLOCATION_DEFAULTS = {"by": "sensitivity", "seed": 0, "sensitivity": None, "nmse": 0.01, "seeds": 2, "sequences": 8,
@@ -260,10 +260,11 @@ def refuse_idle_allocation(alloc: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------- measurements
 @torch.no_grad()
-def measure_nmse(model, ids: torch.Tensor, spec: MixedSpec, batch: int = 8) -> dict[tuple, float]:
+def measure_nmse(model, ids: torch.Tensor, spec: MixedSpec, batch: int = 8, stream=None) -> dict[tuple, float]:
     """Cache NMSE of every choice of every unit, per layer, on the model's own latents over `ids` (every token
     quantized: the format's error, not the protected region's), relative to the whole path's energy (a group of
-    pairs: its error over the RoPE key's energy, as the injection's NMSE is). -> {(layer, path, g, choice): NMSE}"""
+    pairs: its error over the RoPE key's energy, as the injection's NMSE is). `stream`: `model` streamed layer by
+    layer (`cached_latents`). -> {(layer, path, g, choice): NMSE}"""
     err: dict = {}
     energy: dict = {}
     quantize = {}
@@ -272,33 +273,42 @@ def measure_nmse(model, ids: torch.Tensor, spec: MixedSpec, batch: int = 8) -> d
             fmt = spec.unit_format(p, g, k)
             d = spec.dim(p) if g is None else len(spec.channels(g))
             quantize[p, g, k] = fake_quantizer(fmt, d, path=p)
-    for layers in cached_latents(model, ids, batch, desc="allocation: cache NMSE"):
-        for i, read in enumerate(layers):
-            latents = {p: x.float() for p, x in zip(PATHS, read)}
-            for p, x in latents.items():
-                energy[i, p] = energy.get((i, p), 0.0) + x.double().pow(2).sum().item()
-            for (p, g, k), fq in quantize.items():
-                x = latents[p] if g is None else latents[p][..., spec.channels(g)]
-                err[i, p, g, k] = err.get((i, p, g, k), 0.0) + (fq(x).double() - x.double()).pow(2).sum().item()
+    for i, read in cached_latents(model, ids, batch, desc="allocation: cache NMSE", stream=stream):
+        latents = {p: x.float() for p, x in zip(PATHS, read)}
+        for p, x in latents.items():
+            energy[i, p] = energy.get((i, p), 0.0) + x.double().pow(2).sum().item()
+        for (p, g, k), fq in quantize.items():
+            x = latents[p] if g is None else latents[p][..., spec.channels(g)]
+            err[i, p, g, k] = err.get((i, p, g, k), 0.0) + (fq(x).double() - x.double()).pow(2).sum().item()
     return {key: e / energy[key[0], key[1]] for key, e in err.items()}
 
 
 @torch.no_grad()
-def measure_sensitivity(model, ids: torch.Tensor, spec: MixedSpec) -> dict[tuple[int, str], float]:
+def measure_sensitivity(model, ids: torch.Tensor, spec: MixedSpec, stream=None) -> dict[tuple[int, str], float]:
     """Per layer and unit: logits NMSE / injected cache NMSE, Gaussian noise in that layer and unit alone (a group
-    of RoPE pairs: noise on its pairs only, at that NMSE of the whole key). -> {(layer, path, g): weight}"""
+    of RoPE pairs: noise on its pairs only, at that NMSE of the whole key). `stream`: `model` streamed layer by
+    layer, every injection's stream beside the clean one in one pass (`study.streamed_errors`).
+    -> {(layer, path, g): weight}"""
     alloc = spec.allocation
-    ids = ids[:alloc["sequences"]].to(model.device)
-    clean = capture(model, ids, new_cache(model))
     per = spec.d_r // 2 // spec.rope_groups
     jobs = [(i, p, g, s) for i in range(spec.num_layers) for p, g in spec.units() for s in range(alloc["seeds"])]
+    injections = [InjectionSpec(path=p, nmse=float(alloc["nmse"]), layers={i}, seed=s, rope_layout=spec.rope_layout,
+                                pair=None if g is None else tuple(range(g * per, (g + 1) * per)))
+                  for i, p, g, s in jobs]
+    if stream is not None:
+        ids = ids[:alloc["sequences"]]
+        _, errors = streamed_errors(stream, ids, new_cache(model), [new_cache(model, injection_factory(inj))
+                                                                    for inj in injections],
+                                    desc="allocation: sensitivity (streamed)")
+        logits_nmse = [e["logits"] for e in errors]
+    else:
+        ids = ids[:alloc["sequences"]].to(model.device)
+        clean = capture(model, ids, new_cache(model))
+        logits_nmse = [nmse(capture(model, ids, new_cache(model, injection_factory(inj))).logits, clean.logits)
+                       for inj in tqdm(injections, desc="allocation: sensitivity", unit="injection")]
     slopes: dict = {}
-    for i, p, g, s in tqdm(jobs, desc="allocation: sensitivity", unit="injection"):
-        pairs = None if g is None else tuple(range(g * per, (g + 1) * per))
-        inj = InjectionSpec(path=p, nmse=float(alloc["nmse"]), layers={i}, seed=s, rope_layout=spec.rope_layout,
-                            pair=pairs)
-        noisy = capture(model, ids, new_cache(model, injection_factory(inj)))
-        slopes.setdefault((i, p, g), []).append(nmse(noisy.logits, clean.logits) / inj.achieved[i])
+    for (i, p, g, _), inj, value in zip(jobs, injections, logits_nmse):
+        slopes.setdefault((i, p, g), []).append(value / inj.achieved[i])
     return {key: sum(v) / len(v) for key, v in slopes.items()}
 
 
@@ -370,7 +380,7 @@ def solve(spec: MixedSpec, nmse_table: dict, weights: dict) -> tuple[list[dict],
     return chosen, cost / spec.num_layers, error
 
 
-def _weights(spec: MixedSpec, model, ids, identity) -> tuple[dict, str]:
+def _weights(spec: MixedSpec, model, ids, identity, stream=None) -> tuple[dict, str]:
     by, alloc = spec.allocation["by"], spec.allocation
     keys = [(i, p, g) for i in range(spec.num_layers) for p, g in spec.units()]
     if by == "cache_nmse":
@@ -383,7 +393,7 @@ def _weights(spec: MixedSpec, model, ids, identity) -> tuple[dict, str]:
         slopes = sensitivity_from_record(alloc["sensitivity"], spec.num_layers, identity.get("model"),
                                          spec.rope_groups)
         return slopes, str(alloc["sensitivity"])
-    return measure_sensitivity(model, ids, spec), (f"measured: Gaussian NMSE {alloc['nmse']:g}, {alloc['seeds']} "
+    return measure_sensitivity(model, ids, spec, stream), (f"measured: Gaussian NMSE {alloc['nmse']:g}, {alloc['seeds']} "
                                                    f"seeds, {min(alloc['sequences'], ids.shape[0])} sequences")
 
 
@@ -412,11 +422,12 @@ def load_allocation(path: Path, spec: MixedSpec) -> dict:
     return stored
 
 
-def _measured(model, spec: MixedSpec, ids: torch.Tensor, identity: dict, batch: int, source: str) -> dict:
+def _measured(model, spec: MixedSpec, ids: torch.Tensor, identity: dict, batch: int, source: str,
+              stream=None) -> dict:
     """The allocation of `spec` measured on `model` and solved: what the store keeps of it."""
     start = time.perf_counter()
-    table = measure_nmse(model, ids, spec, batch)
-    weights, weight_source = _weights(spec, model, ids, identity)
+    table = measure_nmse(model, ids, spec, batch, stream)
+    weights, weight_source = _weights(spec, model, ids, identity, stream)
     picks, mean_bytes, predicted = solve(spec, table, weights)
     fmt = spec.layered(picks, source=source)
 
@@ -440,9 +451,11 @@ def _measured(model, spec: MixedSpec, ids: torch.Tensor, identity: dict, batch: 
             "seconds": time.perf_counter() - start, "torch": torch.__version__}
 
 
-def allocate(model, spec: MixedSpec, ids: torch.Tensor, identity: dict, batch: int = 8
+def allocate(model, spec: MixedSpec, ids: torch.Tensor, identity: dict, batch: int = 8, stream=None
              ) -> tuple[CacheSpec, dict]:
-    """The per-layer format of `spec` for `model` (transforms applied), and its record metrics."""
+    """The per-layer format of `spec` for `model` (transforms applied), and its record metrics. `stream`: `model`
+    is the skeleton of a model streamed layer by layer (a pass over its layers for the cache NMSE, one more for
+    the measured sensitivity; the same allocation)."""
     alloc = spec.allocation
     if alloc["file"] is not None:
         path, stored, reused = Path(alloc["file"]), load_allocation(Path(alloc["file"]), spec), True
@@ -460,7 +473,7 @@ def allocate(model, spec: MixedSpec, ids: torch.Tensor, identity: dict, batch: i
             if reused:
                 print(f"[allocate] reusing {path}")
             else:
-                stored = art.write_json(_measured(model, spec, ids, identity, batch, str(path)))
+                stored = art.write_json(_measured(model, spec, ids, identity, batch, str(path), stream))
                 figure(stored, path.with_suffix(".png"))
                 print(f"[allocate] {alloc['by']}: {spec.num_layers} layers, {stored['bytes_per_token_per_layer']:.2f} "
                       f"of {spec.budget:.2f} B/token/layer -> {path}")

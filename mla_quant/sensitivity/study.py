@@ -141,15 +141,15 @@ def probe_ids(probe: DictConfig, model, tokenizer=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def streamed_errors(stream, ids: torch.Tensor, clean_cache, noisy_caches: list, host_gb: float = 8.0,
-                    scratch=None, desc: str = "sensitivity (streamed)") -> tuple[Capture, list[dict]]:
+def streamed_errors(stream, ids: torch.Tensor, clean_cache, noisy_caches: list, scratch=None,
+                    desc: str = "sensitivity (streamed)") -> tuple[Capture, list[dict]]:
     """`capture` of the clean stream and `output_errors` of every noisy stream against it, with the model streamed
     layer by layer (mla_quant.models.streaming): each decoder layer, while resident, runs the clean stream and then
     every noisy one, whose attention and layer outputs are compared with the clean ones there and then; the logits
     at the end. -> (the clean Capture (logits, cache; no per-layer outputs kept), one errors dict per noisy stream)."""
     from tqdm.auto import tqdm
 
-    from mla_quant.models.streaming import HostStore, drop_cache_slots, head_logits, layer_arguments, run_layer
+    from mla_quant.models.streaming import drop_cache_slots, head_logits, layer_arguments, run_layer
 
     model, family, device = stream.model, stream.family, stream.device
     attention = family.attention_modules(model)
@@ -158,7 +158,7 @@ def streamed_errors(stream, ids: torch.Tensor, clean_cache, noisy_caches: list, 
     owner = [j for j in range(len(layers)) for _ in stream.blocks(j)]  # blocks come in cache-layer order
     caches = [clean_cache, *noisy_caches]
     ids = ids.to(device)
-    store = HostStore(host_gb * 1e9, pin=device.type == "cuda", scratch=scratch)
+    store = stream.host_store(scratch)
     errors = [{"attn_output": [None] * len(attention), "layer_output": [None] * len(layers)} for _ in noisy_caches]
     outputs: dict[int, torch.Tensor] = {}
 

@@ -25,12 +25,6 @@ from mla_quant.stages import StageResult
 
 def check(cfg: DictConfig) -> None:
     """Everything this stage refuses, before any weight is read (`preflight`: settings, calibration data)."""
-    if cfg.model.get("streaming"):
-        from mla_quant.models.streaming import check_streaming
-        from mla_quant.prepare import refuse_unstreamed
-
-        check_streaming(cfg.model, cfg.task.name)
-        refuse_unstreamed(cfg, quant=True)
     preflight(cfg, tokenizer=False, calib_report=True)
 
 

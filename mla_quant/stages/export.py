@@ -94,11 +94,9 @@ def streamed_export(cfg: DictConfig, out: Path):
     """`export_checkpoint` for a model streamed layer by layer (model.streaming=true): each decoder layer read,
     its transforms folded, written to the shards and released (task.shard_mb per shard), so the whole model is
     never in memory. -> (the preparation, the cache description written)."""
-    from mla_quant.prepare import refuse_unstreamed
     from mla_quant.prepare import prepare_streamed
 
     refuse_peer(cfg.get("quant"), "experiment=export (the cache description serving engines read)")
-    refuse_unstreamed(cfg, quant=True)
     stream, prep = prepare_streamed(cfg)
     try:
         stream.export(out, int(float(cfg.task.shard_mb) * 1e6))
@@ -134,9 +132,6 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
     out = run_dir / "checkpoint"
     if cfg.model.get("streaming"):
-        from mla_quant.models.streaming import check_streaming
-
-        check_streaming(cfg.model, task.name)
         prep, description = streamed_export(cfg, out)
         vocab = prep.model.config.get_text_config(decoder=True).vocab_size
         g = torch.Generator().manual_seed(int(cfg.seed))

@@ -87,14 +87,15 @@ def per_sequence_sums(stats: dict[str, torch.Tensor]) -> pd.DataFrame:
 
 
 def check_streamed(cfg: DictConfig) -> None:
-    """What a streamed quality run refuses (model.streaming=true), before the data or any weight is read."""
+    """What a streamed quality run refuses (model.streaming=true), before the data (whose vocabulary is the model's
+    config's) or any weight is read."""
     from mla_quant.prepare import refuse_unstreamed
 
     t = cfg.task
+    refuse_unstreamed(cfg)
     if t.get("chunk") is not None:
         raise ValueError(f"model.streaming=true: task.chunk={t.chunk} is not streamed (a later chunk's layer arguments "
                          "depend on the cache the earlier chunks filled); set task.chunk=null")
-    refuse_unstreamed(cfg, quant=True)
 
 
 def check(cfg: DictConfig) -> str:
@@ -102,9 +103,6 @@ def check(cfg: DictConfig) -> str:
     naming task.data and the local-file alternative), the model's settings (`preflight`). -> the data source."""
     t = cfg.task
     if cfg.model.get("streaming"):
-        from mla_quant.models.streaming import check_streaming
-
-        check_streaming(cfg.model, t.name)
         check_streamed(cfg)
     chunk = t.get("chunk")
     if chunk is not None and int(chunk) < 1:
@@ -181,7 +179,7 @@ def streamed(cfg: DictConfig, run_dir: Path, source: str) -> StageResult:
     both caches' hidden states go through each decoder layer while it is resident; the same metrics as in memory,
     plus the stream's figures (streaming/...)."""
     from mla_quant.cache import layer_factory
-    from mla_quant.models.streaming import HostStore, drop_cache_slots, head_logits, layer_arguments, run_layer
+    from mla_quant.models.streaming import drop_cache_slots, head_logits, layer_arguments, run_layer
     from mla_quant.prepare import prepare_streamed
     from mla_quant.quant.formats import as_spec
 
@@ -190,7 +188,7 @@ def streamed(cfg: DictConfig, run_dir: Path, source: str) -> StageResult:
     model, tokenizer, dims, fmt, device = stream.model, prep.tokenizer, prep.dims, prep.fmt, stream.device
     ids, scored = held_out_ids(t.data, source, tokenizer, int(text_config(model.config).vocab_size))
     factory = layer_factory(as_spec(fmt, int(dims["layers"]))) if fmt is not None else None
-    store = HostStore(float(cfg.model.streaming_host_gb) * 1e9, pin=device.type == "cuda", scratch=run_dir)
+    store = stream.host_store(run_dir)
     batch = int(t.batch_size)
     starts = list(range(0, len(ids), batch))
     streams = {"ref": None, "quant": factory}

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from mla_quant.metrics import layer_key, sweep_key
 from mla_quant.models.absorbed import new_cache  # noqa: E402
-from mla_quant.prepare import check_context, model_dims, preflight, prepare_model  # noqa: E402
+from mla_quant.prepare import check_context, model_dims, preflight, prepare_model, refuse_unstreamed  # noqa: E402
 from mla_quant.quant.formats import PATHS  # noqa: E402
 from mla_quant.stages import StageResult, refuse_overrides  # noqa: E402
 from mla_quant.record import atomic_path, progress, write_text_atomic  # noqa: E402
@@ -106,12 +106,7 @@ def _rows(errors: dict, **key) -> list[dict]:
 def check(cfg: DictConfig) -> list[float]:
     """Everything this stage refuses, before any weight is read: the study's options, then the model's settings
     (`preflight`). -> the NMSE targets."""
-    if cfg.model.get("streaming"):
-        from mla_quant.models.streaming import check_streaming
-        from mla_quant.prepare import refuse_unstreamed
-
-        check_streaming(cfg.model, cfg.task.name)
-        refuse_unstreamed(cfg, quant=cfg.task.noise == "quantizer")
+    refuse_unstreamed(cfg)  # model.streaming=true: before the study's options read the model's config
     targets = validate(cfg)
     probe = cfg.task.probe
     preflight(cfg, quant=cfg.task.noise == "quantizer", tokenizer=probe.source != "random")
@@ -214,7 +209,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                        spec_of(kw)) for i, kind, kw in todo]
         clean, errors = streamed_errors(stream, ids, new_cache(model, RecordingLatentLayer),
                                         [new_cache(model, injection_factory(sp)) for *_, sp in specs_todo],
-                                        float(cfg.model.streaming_host_gb), run_dir)
+                                        scratch=run_dir)
         stream.close()
         for (i, kind, kw, group, sp), err in zip(specs_todo, errors):
             streamed[i] = result(kw, kind, group, sp, err)
