@@ -412,8 +412,16 @@ def prepare_streamed(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = T
         for i, (attn, lt) in enumerate(zip(modules, tset.layers)):
             check_layer_transform(family.mla_weights(attn), lt, f"layer {i}")
 
+        from mla_quant.models import fp8
+        from mla_quant.transforms.fold import rewritten_linears
+
+        names = {id(m): n for n, m in stream.model.named_modules()}
+
         def fold(j, blocks):
-            for i, attn in blocks:
+            for i, attn in blocks:  # FP8 kept: the projections a fold rewrites become full-precision linears first
+                rewritten = fp8.dense(attn, rewritten_linears(attn, tset.layers[i]), stream.dtype)
+                stream.model.mla_dequantized = sorted(set(getattr(stream.model, "mla_dequantized", []))
+                                                      | {f"{names[id(attn)]}.{n}" for n in rewritten})
                 fold_layer(family.mla_weights(attn), tset.layers[i], f"layer {i}")
 
         stream.after_load.append(fold)

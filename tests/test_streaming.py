@@ -1,6 +1,7 @@
 """Streamed models (model.streaming=true): one decoder layer resident at a time, read from the checkpoint's shards;
 the streamed stages give what the in-memory stages give."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -249,8 +250,6 @@ def test_streamed_allocation_and_codebooks_equal_in_memory(quant, tmp_path):
     the clean one) and lloyd codebooks, each fitted through streamed passes over the layers with a transform folded
     as they are read: the same allocation or codebooks, and the same quality, as in memory; the fingerprint of the
     transformed weights is the same, so both are stored under one name."""
-    import json
-
     folder = _checkpoint("tiny_deepseek_v3", tmp_path / "checkpoint")
     mixed = quant[0] == "quant=mixed"
     key = "alloc/file" if mixed else "cache/codebooks"
@@ -281,3 +280,116 @@ def test_streamed_allocation_and_codebooks_equal_in_memory(quant, tmp_path):
             torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-6, msg=f"{i} {p}")
     for k in QUALITY:
         assert runs[True][k] == pytest.approx(runs[False][k], rel=1e-5, abs=1e-9), k
+
+
+def _fp8_checkpoint(folder: Path, block: list[int]) -> Path:
+    """A tiny DeepSeek-V3 in DeepSeek-V3's layout: every decoder layer's linear in block FP8, the rest in BF16
+    (experiment=write_checkpoint task.fp8_block)."""
+    from mla_quant.stages import write_checkpoint
+
+    cfg = compose(["experiment=write_checkpoint", "task.like=small_deepseek_v3", "task.dtype=bfloat16",
+                   f"task.fp8_block=[{block[0]},{block[1]}]", f"task.out={folder}", "task.gsm8k_problems=1",
+                   "logger=none"])
+    write_checkpoint.run(cfg, folder.parent)
+    return folder
+
+
+def test_streamed_block_fp8_equals_in_memory(tmp_path):
+    """A block-FP8 checkpoint streams with each layer's (codes, scales) pairs dequantized into the compute dtype as
+    they are read: the same quality as transformers' own loading in memory (which dequantizes the same way on the
+    CPU), bit for bit."""
+    from safetensors import safe_open
+
+    folder = _fp8_checkpoint(tmp_path / "checkpoint", [8, 8])
+    assert json.loads((folder / "config.json").read_text())["quantization_config"]["weight_block_size"] == [8, 8]
+    with safe_open(str(next(folder.glob("*.safetensors"))), "pt") as f:
+        stored = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert stored["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == "F8_E4M3"
+    assert stored["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"] == "F32"
+    assert stored["model.layers.0.input_layernorm.weight"] == "BF16"
+    runs = {}
+    for streaming in (False, True):
+        (tmp_path / str(streaming)).mkdir()
+        runs[streaming] = quality.run(_quality_cfg("tiny_deepseek_v3", folder, f"model.streaming={streaming}"),
+                                      tmp_path / str(streaming)).metrics
+    assert runs[False]["quality/kl"] > 0
+    for key in QUALITY:
+        assert runs[True][key] == runs[False][key], key
+
+
+def test_partial_fp8_blocks_stream_and_are_refused_in_memory_on_the_cpu(tmp_path):
+    """DeepSeek-V3's kv_a_proj_with_mqa is 576 rows in blocks of 128: a partial last block, which transformers'
+    dequantizer refuses; in memory on the CPU that is refused by name before loading, and streamed it runs, equal
+    to the in-memory run of the same weights dequantized (codes x their block's scale) into a float32 folder."""
+    from safetensors.torch import load_file, save_file
+
+    from mla_quant.models.fp8 import dequantize_blocks
+
+    folder = _fp8_checkpoint(tmp_path / "checkpoint", [16, 16])  # kv_a_proj_with_mqa: 40 rows
+    with pytest.raises(ValueError, match=r"kv_a_proj_with_mqa\.weight is 40 x 64, not whole blocks of \[16, 16\]"):
+        quality.run(_quality_cfg("tiny_deepseek_v3", folder, "model.streaming=false"), tmp_path)
+    plain = tmp_path / "dequantized"
+    plain.mkdir()
+    for file in folder.iterdir():
+        if file.suffix == ".safetensors":
+            state = load_file(file)
+            for key in [k for k in state if k.endswith("_scale_inv")]:
+                weight = key.removesuffix("_scale_inv")
+                state[weight] = dequantize_blocks(state[weight], state.pop(key), (16, 16), torch.float32)
+            save_file({k: v.float() for k, v in state.items()}, plain / file.name)
+        elif file.is_file():
+            (plain / file.name).write_bytes(file.read_bytes())
+    config = json.loads((plain / "config.json").read_text())
+    del config["quantization_config"]
+    (plain / "config.json").write_text(json.dumps(config))
+    (tmp_path / "fp8").mkdir()
+    (tmp_path / "plain").mkdir()
+    streamed = quality.run(_quality_cfg("tiny_deepseek_v3", folder, "model.streaming=true"), tmp_path / "fp8").metrics
+    loaded = quality.run(_quality_cfg("tiny_deepseek_v3", plain), tmp_path / "plain").metrics
+    for key in QUALITY:
+        assert streamed[key] == pytest.approx(loaded[key], rel=1e-6, abs=1e-9), key
+
+
+def test_fp8_kept_where_the_device_runs_it(tmp_path, monkeypatch):
+    """Where FP8 runs (a GPU of compute capability >= 8.9; its answers to transformers simulated here, the layers
+    placed on the CPU), a streamed layer keeps the checkpoint's codes and block scales bit for bit (transformers'
+    FP8Linear and FP8 experts), as from_pretrained does there; a folded transform makes the projections it rewrites
+    full precision first (the same weights as where FP8 is dequantized), in every pass, and names them for export."""
+    from safetensors.torch import load_file
+
+    from mla_quant.models import fp8
+    from mla_quant.prepare import prepare_streamed
+
+    folder = _fp8_checkpoint(tmp_path / "checkpoint", [8, 8])
+    stored = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
+    cfg = compose([*_quality_overrides("tiny_deepseek_v3", folder, "model.streaming=true", "transform=quarot",
+                                       f"transform.fit.cache_dir={tmp_path / 'store'}"), "experiment=quality"])
+    folded = {}
+    for kept in (False, True):
+        with monkeypatch.context() as m:
+            if kept:
+                m.setattr(torch.cuda, "is_available", lambda: True)
+                m.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+            stream, _ = prepare_streamed(cfg, tokenizer=False)
+        assert stream.fp8 == ("kept" if kept else "dequantized")
+        for _ in range(2):  # a later pass reads the rewritten projections into full-precision linears again
+            for j, layer in stream.layers():
+                attn, name = layer.self_attn, f"model.layers.{j}.self_attn"
+                for proj in ("kv_a_proj_with_mqa", "kv_b_proj"):  # rewritten by the rotation
+                    w = getattr(attn, proj)
+                    assert not fp8.is_fp8(w) and w.weight.dtype == torch.float32
+                    if kept:
+                        torch.testing.assert_close(w.weight, folded[j, proj], rtol=0, atol=0)
+                    else:
+                        folded[j, proj] = w.weight.detach().clone()
+                assert fp8.is_fp8(attn.o_proj) == kept  # untouched by the fold
+                if kept:
+                    assert torch.equal(attn.o_proj.weight.view(torch.uint8),
+                                       stored[f"{name}.o_proj.weight"].view(torch.uint8))
+                    assert torch.equal(attn.o_proj.weight_scale_inv, stored[f"{name}.o_proj.weight_scale_inv"])
+                    codes = [p for p in layer.mlp.parameters() if p.dtype in fp8.FP8_DTYPES]
+                    assert codes and all(p.device.type == "cpu" for p in codes)
+        if kept:
+            assert sorted(stream.model.mla_dequantized) == [f"model.layers.{j}.self_attn.{p}" for j in range(2)
+                                                            for p in ("kv_a_proj_with_mqa", "kv_b_proj")]
+        stream.close()

@@ -295,6 +295,35 @@ def check_finite(model: nn.Module, source: str) -> None:
                          f"refusing to run with them")
 
 
+def refuse_partial_fp8_blocks(config, files: list[Path] | None, device_map) -> None:
+    """A block-FP8 checkpoint that transformers would dequantize on load (no GPU, or one below compute capability
+    8.9, runs FP8) whose weights end in a partial block (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows in blocks of
+    128) is refused before loading: transformers' dequantizer (5.25) needs whole blocks and fails there. Streaming
+    (model.streaming=true) dequantizes partial blocks; a GPU that runs FP8 keeps them as FP8."""
+    qc = getattr(config, "quantization_config", None)
+    qc = qc if isinstance(qc, Mapping) or qc is None else qc.to_dict()
+    if not qc or qc.get("quant_method") != "fp8" or not qc.get("weight_block_size") or not files:
+        return
+    runs_fp8 = (device_map not in (None, "cpu") and torch.cuda.is_available()
+                and torch.cuda.get_device_capability() >= (8, 9) and not qc.get("dequantize"))
+    if runs_fp8:
+        return
+    bn, bk = qc["weight_block_size"]
+    for file in files:
+        if not file.name.endswith(".safetensors"):
+            continue
+        header = check_safetensors(file)
+        for key in header:
+            if key.endswith(".weight_scale_inv") and key.removesuffix("_scale_inv") in header:
+                rows, cols = header[key.removesuffix("_scale_inv")]["shape"][-2:]
+                if rows % bn or cols % bk:
+                    raise ValueError(
+                        f"{key.removesuffix('_scale_inv')} is {rows} x {cols}, not whole blocks of {[bn, bk]}: "
+                        "transformers cannot dequantize a partial FP8 block on load, which it does without a GPU "
+                        "that runs FP8 (compute capability >= 8.9). Run it with model.streaming=true (partial "
+                        "blocks dequantized layer by layer) or on such a GPU")
+
+
 def pretrained_model(
     family: str,
     hf_id: str,
@@ -326,6 +355,7 @@ def pretrained_model(
     hf_config = pretrained_config(family, hf_id, revision, path, config)
     files = checkpoint_files(hf_id, revision, path)
     hashes = verify_weight_files(files, sha256) if files is not None else None
+    refuse_partial_fp8_blocks(hf_config, files, device_map)
     model, info = fam.model_class.from_pretrained(
         source,
         config=hf_config,

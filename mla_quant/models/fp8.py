@@ -54,15 +54,22 @@ def check_block_size(name: str, size) -> tuple[int, int]:
 
 def dequantize(module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The full-precision weight (out, in) of an FP8 linear: codes x their block's scale, in `dtype`."""
-    codes, scale = module.weight, module.weight_scale_inv.float()
-    size = block_size(module)
+    return dequantize_blocks(module.weight, module.weight_scale_inv, block_size(module), dtype, type(module).__name__)
+
+
+def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, size, dtype: torch.dtype = torch.float32,
+                      what: str = "weight") -> torch.Tensor:
+    """Block-FP8 codes (out, in) x the float32 scale of their [bn, bk] block (a last partial block keeps its own
+    scale: DeepSeek-V3's kv_a_proj_with_mqa, 576 rows in blocks of 128), in `dtype`. `size` None, or a single
+    scale: one scale for the whole weight."""
+    scale = scale.float()
     w = codes.float()
     if size is None or scale.numel() == 1:
         return (w * scale.reshape(())).to(dtype)
-    bn, bk = check_block_size(type(module).__name__, list(size))
+    bn, bk = check_block_size(what, list(size))
     out, inp = w.shape
     if tuple(scale.shape) != scale_shape((out, inp), (bn, bk)):
-        raise ValueError(f"FP8 weight_scale_inv has shape {list(scale.shape)}, expected "
+        raise ValueError(f"{what}: FP8 weight_scale_inv has shape {list(scale.shape)}, expected "
                          f"{list(scale_shape((out, inp), (bn, bk)))} for a weight of shape {[out, inp]} in blocks of "
                          f"{[bn, bk]}")
     full = scale.repeat_interleave(bn, 0)[:out].repeat_interleave(bk, 1)[:, :inp]  # (out, in)

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from mla_quant.memory import hand_back_freed
+from mla_quant.models.fp8 import FP8_DTYPES, dequantize_blocks
 from mla_quant.models.absorbed import CACHE_KEYWORD, absorb, decoder_layers
 from mla_quant.models.families import MLAFamily, family_for_config
 
@@ -117,15 +118,44 @@ class Shards:
 FLOATING = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
+def _recast(name: str, p: torch.Tensor) -> bool:
+    """Whether a parameter takes the model's floating dtype: not block-FP8 codes, nor their scales."""
+    return p.is_floating_point() and p.dtype not in FP8_DTYPES and not name.endswith("scale_inv")
+
+
+def _fp8_loading(config, folder, device: torch.device):
+    """How a checkpoint's block-FP8 weights load, as from_pretrained decides for `device`: -> (transformers' quantizer
+    where FP8 is kept (a GPU of compute capability >= 8.9: the linears become FP8Linear), "kept" | "dequantized" |
+    None (a full-precision checkpoint), the block size). Dequantized weights are codes x block scale into the compute
+    dtype through `mla_quant.models.fp8.dequantize_blocks` (transformers' dequantizer refuses DeepSeek-V3's partial
+    blocks). Any other quantization is refused by name."""
+    quant = getattr(config, "quantization_config", None)
+    if not quant:
+        return None, None, None
+    method = quant.get("quant_method") if isinstance(quant, Mapping) else getattr(quant, "quant_method", quant)
+    if method != "fp8":
+        raise ValueError(f"model.streaming=true: the checkpoint at {str(folder)!r} is quantized with "
+                         f"quantization_config quant_method {method!r}; streaming reads full-precision and block-FP8 "
+                         "(quant_method 'fp8') shards: run it without streaming (model.device_map=auto)")
+    from transformers.quantizers.auto import get_hf_quantizer
+
+    quantizer, _, _ = get_hf_quantizer(config, None, {"": str(device)}, True, {})
+    qc = quantizer.quantization_config
+    size = None if qc.weight_block_size is None else tuple(int(v) for v in qc.weight_block_size)
+    if qc.dequantize:
+        return None, "dequantized", size
+    return quantizer, "kept", size
+
+
 def _to_meta(module: nn.Module, recurse: bool = True, dtype: torch.dtype | None = None) -> None:
     """Return a module's parameters and persistent buffers (its submodules' too where `recurse`) to the meta device
     (what a checkpoint holds), floating parameters as `dtype` where given; non-persistent buffers (computed from the
     config) stay."""
     for sub in (module.modules() if recurse else [module]):
         for name, p in list(sub._parameters.items()):
-            if p is not None and (p.device.type != "meta" or (dtype is not None and p.is_floating_point())):
+            if p is not None and (p.device.type != "meta" or (dtype is not None and _recast(name, p))):
                 sub._parameters[name] = nn.Parameter(torch.empty_like(
-                    p, device="meta", dtype=dtype if dtype is not None and p.is_floating_point() else p.dtype),
+                    p, device="meta", dtype=dtype if dtype is not None and _recast(name, p) else p.dtype),
                     requires_grad=False)
         for name, b in list(sub._buffers.items()):
             if b is not None and name not in sub._non_persistent_buffers_set and b.device.type != "meta":
@@ -246,29 +276,29 @@ class StreamedModel:
         self.dtype = dtype
         self.host_gb = float(host_gb)  # the hidden states' host memory before they spill (model.streaming_host_gb)
         self.shards = Shards(folder)
-        quant = getattr(config, "quantization_config", None)
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, Mapping) else getattr(quant, "quant_method", quant)
-            raise ValueError(f"model.streaming=true: the checkpoint at {str(folder)!r} is quantized "
-                             f"(quantization_config quant_method {method!r}); streaming reads full-precision "
-                             "shards only for now: run it without streaming (model.device_map=auto)")
         config._attn_implementation = config._attn_implementation or "eager"
+        quantizer, self.fp8, self.fp8_block = _fp8_loading(config, folder, self.device)
         with init_empty_weights():
             model = model_class(config)
+            if quantizer is not None:  # FP8 kept (a GPU that runs it): the linears become FP8Linear, on meta
+                quantizer.preprocess_model(model=model, dtype=dtype, device_map={"": str(self.device)},
+                                           checkpoint_files=[str(self.shards.folder / f) for f in
+                                                             sorted(set(self.shards.where.values()))])
         model.eval()
         # Parameters are read in the checkpoint's own dtype (a BF16 layer is converted, experts merged, at half the
         # bytes) and cast to the compute dtype parameter by parameter after: a layer's peak is its stored bytes plus
-        # its computing bytes, not several computing copies.
-        self.storage_dtype = self.shards.floating_dtype() or dtype
+        # its computing bytes, not several computing copies. Block-FP8 weights dequantized on load are written
+        # straight in the compute dtype (as from_pretrained does), so the skeleton of an FP8 checkpoint holds it.
+        self.storage_dtype = dtype if self.fp8 else (self.shards.floating_dtype() or dtype)
         _to_meta(model, dtype=self.storage_dtype)
         self.model = absorb(model, blocks)
         model.mla_streamed = (dtype, self.device)  # what its resident layers compute in (the skeleton's meta dtype
         # is the checkpoint's)
         self.family = family_for_config(model.config)
         self._layers = decoder_layers(model)
-        mapping = get_model_conversion_mapping(model, None, None)
+        mapping = get_model_conversion_mapping(model, None, quantizer)
         self._load_config = LoadStateDictConfig(dtype=self.storage_dtype, device_map={"": str(self.device)},
-                                                weight_mapping=mapping)
+                                                weight_mapping=mapping, hf_quantizer=quantizer)
         # Which decoder layer each checkpoint tensor belongs to, by its name in the model (after transformers'
         # renamings); None: outside the decoder layers (embedding, final norm, LM head, a wrapper's other towers).
         meta = model.state_dict()
@@ -326,7 +356,15 @@ class StreamedModel:
         then cast each parameter to the compute dtype, one at a time."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
-        bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        # Each (codes, scales) pair -> the weight in the compute dtype, then freed: all of them where FP8 does not
+        # run, else those of the linears a fold made full precision (`fp8.dense`); FP8Linear keeps its pairs.
+        for key in [k for k in tensors if k.endswith(".weight_scale_inv")] if self.fp8 else ():
+            weight = key.removesuffix("_scale_inv")
+            if self.fp8 == "dequantized" or not self._holds_fp8(weight):
+                tensors[weight] = dequantize_blocks(tensors[weight], tensors.pop(key), self.fp8_block, self.dtype,
+                                                    weight)
+        bad = [k for k, t in tensors.items() if t.is_floating_point() and t.dtype not in FP8_DTYPES
+               and not bool(torch.isfinite(t).all())]
         if bad:
             raise ValueError(f"checkpoint {str(self.shards.folder)!r}: {what} holds NaN or inf in {bad[:3]}; "
                              "refusing to run with them")
@@ -341,10 +379,19 @@ class StreamedModel:
             for name in list(module._parameters):  # autograd graph may hold a released layer's weights)
                 p = module._parameters[name]
                 if p is not None and p.device.type != "meta" and (p.requires_grad or (
-                        p.is_floating_point() and p.dtype != self.dtype)):
-                    module._parameters[name] = nn.Parameter(p.detach().to(self.dtype) if p.is_floating_point()
+                        _recast(name, p) and p.dtype != self.dtype)):
+                    module._parameters[name] = nn.Parameter(p.detach().to(self.dtype) if _recast(name, p)
                                                             else p.detach(), requires_grad=False)
                 del p
+
+    def _holds_fp8(self, key: str) -> bool:
+        """Whether the skeleton's module of checkpoint tensor `key` holds FP8 codes (an FP8Linear, FP8 experts)."""
+        path = self._renamed.get(key, key).rsplit(".", 1)[0]
+        try:
+            module = self.model.get_submodule(path)
+        except AttributeError:  # a per-expert name merged into a fused experts module: FP8 experts
+            return True
+        return any(p.dtype in FP8_DTYPES for p in module.parameters(recurse=False))
 
     def load_outer(self) -> None:
         """The tensors outside the decoder layers (embedding, final norm, LM head), kept until `release_outer`; the
@@ -448,12 +495,20 @@ class StreamedModel:
         for _, layer in self.layers():
             writer.add(_state(self.model, [layer], recurse=True))
         config = self.model.config
-        stored = getattr(config, "dtype", None)
+        stored = getattr(config, "dtype", None), getattr(config, "quantization_config", None)
         config.dtype = self.dtype  # what the shards hold now
+        if self.fp8 == "dequantized":  # every weight written in full precision, as save_pretrained does then
+            config.quantization_config = None
+            del config.quantization_config
+        elif self.fp8 == "kept":  # the projections a fold rewrote are full precision: listed as not converted
+            qc = stored[1].to_dict() if hasattr(stored[1], "to_dict") else dict(stored[1])
+            rewritten = sorted(getattr(self.model, "mla_dequantized", []) or [])
+            qc["modules_to_not_convert"] = sorted(set(qc.get("modules_to_not_convert") or []) | set(rewritten))
+            config.quantization_config = qc
         try:
             written = writer.finish(config)
         finally:
-            config.dtype = stored
+            config.dtype, config.quantization_config = stored
         if getattr(self.model, "generation_config", None) is not None:
             self.model.generation_config.save_pretrained(out)
         return written
@@ -610,10 +665,14 @@ class ShardWriter:
     checkpoint layout as save_pretrained does (`revert_weight_conversion`: fused experts back to per-expert
     tensors) and appended to safetensors shards of at most `shard_bytes`; `finish` names the shards
     model-0000i-of-0000n, writes model.safetensors.index.json and config.json. Shards of an earlier write in the
-    folder are removed first."""
+    folder are removed first. `fp8_block` (rows, columns): every decoder layer's linear weight (`*_proj.weight`, the
+    layout DeepSeek-V3 and Kimi-K2 ship) stored as e4m3 codes with a float32 `weight_scale_inv` per block, and the
+    config's `quantization_config` says so."""
 
-    def __init__(self, model: nn.Module, out: str | Path, shard_bytes: int):
+    def __init__(self, model: nn.Module, out: str | Path, shard_bytes: int, fp8_block: tuple[int, int] | None = None):
         self.model, self.out, self.shard_bytes = model, Path(out), int(shard_bytes)
+        self.fp8_block = fp8_block
+        self._fp8_key = re.compile(r"(^|\.)layers\.\d+\..*_proj(_with_mqa)?\.weight$")
         self.out.mkdir(parents=True, exist_ok=True)
         for old in self.out.glob("*.safetensors"):
             old.unlink()
@@ -627,7 +686,7 @@ class ShardWriter:
         from transformers.core_model_loading import revert_weight_conversion
 
         self.parameters += sum(v.numel() for v in state.values())
-        for key, tensor in revert_weight_conversion(self.model, state).items():
+        for key, tensor in self._stored(revert_weight_conversion(self.model, state)):
             tensor = tensor.detach().contiguous()
             size = tensor.numel() * tensor.element_size()
             if self.pending and self.pending_bytes + size > self.shard_bytes:
@@ -637,6 +696,17 @@ class ShardWriter:
             self.pending_bytes += size
             self.weight_map[key] = self.files
             self.total_bytes += size
+
+    def _stored(self, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        from mla_quant.models.fp8 import quantize_blocks
+
+        for key, tensor in state.items():
+            if self.fp8_block is None or tensor.dim() != 2 or not self._fp8_key.search(key):
+                yield key, tensor
+                continue
+            codes, scale = quantize_blocks(tensor, self.fp8_block)
+            yield key, codes
+            yield f"{key}_scale_inv", scale
 
     def _flush(self) -> None:
         from safetensors.torch import save_file
@@ -655,6 +725,9 @@ class ShardWriter:
         index = {"metadata": {"total_size": self.total_bytes},
                  "weight_map": {k: names[i] for k, i in sorted(self.weight_map.items())}}
         (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        if self.fp8_block is not None:
+            config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "weight_block_size": list(self.fp8_block)}
         config.save_pretrained(self.out)
         return {"shards": names, "total_bytes": self.total_bytes, "parameters": self.parameters}
 
@@ -687,19 +760,19 @@ def _outer_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def write_random_checkpoint(model_class, config, out: str | Path, dtype: torch.dtype, shard_bytes: int,
-                            seed: int = 0) -> dict:
+                            seed: int = 0, fp8_block: tuple[int, int] | None = None) -> dict:
     """A Hugging Face checkpoint folder of `config`'s model with random weights, written one decoder layer at a time
     (a model larger than memory: only one layer's weights exist at once): the skeleton on the meta device; the
     outer tensors and then each layer materialized on the CPU, initialised by the model's own `_init_weights`
-    (seeded per layer), cast to `dtype` and appended to the shards (`ShardWriter`), then released.
-    -> {"shards": [...], "total_bytes": N, "parameters": P}."""
+    (seeded per layer), cast to `dtype` and appended to the shards (`ShardWriter`; `fp8_block`: the layers' linear
+    weights in block FP8), then released. -> {"shards": [...], "total_bytes": N, "parameters": P}."""
     from accelerate import init_empty_weights
     from tqdm.auto import tqdm
 
     with init_empty_weights():
         model = model_class(config)
     initializer = _initializers(model)
-    writer = ShardWriter(model, out, shard_bytes)
+    writer = ShardWriter(model, out, shard_bytes, fp8_block)
     outer = _outer_modules(model)
     torch.manual_seed(seed * 1_000_003)
     for module in outer:

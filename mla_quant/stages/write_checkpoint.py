@@ -12,7 +12,8 @@ d_nope, d_v, q LoRA, YaRN; `deepseek_v2_lite_full`: the whole of DeepSeek-V2-Lit
 drawn by the model's own initialisation), written one decoder layer at a time (`write_random_checkpoint`: a folder
 larger than memory is written within one layer's memory) as safetensors shards of at most `task.shard_mb` MB in the
 checkpoint layout save_pretrained writes, with config.json and the shipped toy tokenizer beside them (its 1024-token
-vocabulary is the folder's vocab_size).
+vocabulary is the folder's vocab_size). `task.fp8_block=[128,128]` stores every decoder layer's linear weight as
+block-FP8 codes and scales, the layout of DeepSeek-V3's and Kimi-K2's checkpoints.
 """
 
 from __future__ import annotations
@@ -76,6 +77,12 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     int_setting(task.gsm8k_problems, "task.gsm8k_problems", allowed="a positive integer")
     if isinstance(task.shard_mb, bool) or not isinstance(task.shard_mb, (int, float)) or task.shard_mb <= 0:
         raise ValueError(f"task.shard_mb={task.shard_mb!r}: a positive size in MB")
+    fp8_block = None
+    if task.get("fp8_block") is not None:
+        from mla_quant.models.fp8 import check_block_size
+
+        fp8_block = check_block_size("task.fp8_block", OmegaConf.to_container(task.fp8_block)
+                                     if OmegaConf.is_config(task.fp8_block) else task.fp8_block)
     from mla_quant.models.build import torch_dtype
     from mla_quant.models.families import get_family
     from mla_quant.models.streaming import write_random_checkpoint
@@ -98,7 +105,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     out = Path(task.out) if task.out else run_dir / "checkpoint"
     # one decoder layer in memory at a time, whatever the folder's size (a full-size shape is larger than memory)
     written = write_random_checkpoint(get_family(source.family).model_class, config, out, dtype,
-                                      int(task.shard_mb * 1e6), int(cfg.seed))
+                                      int(task.shard_mb * 1e6), int(cfg.seed), fp8_block)
     tokenizer.save_pretrained(out)
     data = write_gsm8k_format(out / "data" / "gsm8k", int(task.gsm8k_problems), int(cfg.seed))
     text_files = write_text_files(out / "data" / "text", int(cfg.seed))
@@ -108,6 +115,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     description = {"like": task.like, "run_as": run_as, "family": source.family,
                    "layers": int(text.num_hidden_layers), "bytes": written["total_bytes"],
                    "random_weights_seed": int(cfg.seed), "dtype": task.dtype, "parameters": params, "shards": shards,
+                   "fp8_block": list(fp8_block) if fp8_block else None,
                    "attention": {k: getattr(text, k, None) for k in (
                        "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
                        "q_lora_rank", "hidden_size", "max_position_embeddings")},
@@ -116,7 +124,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                    if source.config.get("rope_parameters") is not None else None}
     write_json_atomic(out / "mla_quant_rehearsal.json", description)
     print(f"[write_checkpoint] {out}: {task.like}-shaped {source.family}, {description['layers']} layers, "
-          f"{params / 1e6:.1f}M random parameters ({task.dtype}, {written['total_bytes'] / 1e9:.2f} GB) in "
+          f"{params / 1e6:.1f}M random parameters ({task.dtype}{', block FP8 linears' if fp8_block else ''}, "
+          f"{written['total_bytes'] / 1e9:.2f} GB) in "
           f"{len(shards)} shard(s); attention {json.dumps(description['attention'])}")
     print(f"  run it as a real checkpoint: python run.py model={run_as} model.path={out} model.dtype=float32 "
           f"model.device_map=null ...")
