@@ -191,6 +191,31 @@ def test_one_layer_resident_and_hidden_states_spilled(tmp_path):
     assert not any(p.name.startswith("mla_quant_stream_") for p in (tmp_path / "b0").iterdir())  # scratch removed
 
 
+def test_a_folder_larger_than_the_memory_it_is_run_in(tmp_path):
+    """`python run.py experiment=quality ... model.streaming=true` over a 16-layer folder: the run's peak of
+    allocated memory above its start (its record's memory.peak_added_allocated_gb: the C allocator's bytes in use,
+    exact) stays within two decoder layers in float32 (one resident, the next being read) and 64 MB, a fraction of
+    the folder."""
+    import subprocess
+    import sys
+
+    layers = 16
+    folder = _checkpoint("tiny_deepseek_v3", tmp_path / "checkpoint", num_hidden_layers=layers, hidden_size=1024,
+                         intermediate_size=2048, first_k_dense_replace=layers)
+    folder_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "run.py", *_quality_overrides("tiny_deepseek_v3", folder),
+                          "experiment=quality", "model.streaming=true", "task.data.source=random",
+                          "task.data.samples=2", "task.data.seq_len=64", f"hydra.run.dir={run}"],
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    record = json.loads((run / "record.json").read_text())
+    layer_bytes = (folder_bytes - 2 * 1024 * 512 * 4) / layers  # the embedding and LM head (512 x 1024) aside
+    added = record["memory"]["peak_added_allocated_gb"] * 1e9
+    assert folder_bytes > 350e6 and record["metrics"]["streaming/read_ratio"] <= 1.1
+    assert added <= 2 * layer_bytes + 64e6, (added / 1e6, layer_bytes / 1e6, folder_bytes / 1e6)
+
+
 @pytest.mark.parametrize("extra,match", [
     (["transform=quantmla", "objective.rope.kind=next_token_kl"], "objective.rope.kind=next_token_kl reruns"),
     (["task.chunk=8"], "task.chunk=8 is not streamed"),

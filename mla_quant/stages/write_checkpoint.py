@@ -7,8 +7,8 @@ rehearsing the real-checkpoint path (`model=<real> model.path=<folder>`) on a ma
         model.device_map=null task.data.source=random
 
 `task.like` picks one of `task.shapes` (model YAMLs holding the family's exact attention config: heads, d_c, d_r,
-d_nope, d_v, q LoRA, YaRN; `deepseek_v2_lite_full`: the whole of DeepSeek-V2-Lite's config); `task.layers` and
-`task.experts` shrink the depth and the experts (null: the shape's own); the weights are random (seeded per layer,
+d_nope, d_v, q LoRA, YaRN; `deepseek_v2_lite_full` and `deepseek_v3_full`: the model's whole config); `task.layers`
+and `task.experts` shrink the depth and the experts (null: the shape's own); the weights are random (seeded per layer,
 drawn by the model's own initialisation), written one decoder layer at a time (`write_random_checkpoint`: a folder
 larger than memory is written within one layer's memory) as safetensors shards of at most `task.shard_mb` MB in the
 checkpoint layout save_pretrained writes, with config.json and the shipped toy tokenizer beside them (its 1024-token
@@ -98,10 +98,20 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         if task.layers is not None:
             source.config.num_hidden_layers = int(task.layers)
         if task.experts is not None and "n_routed_experts" in source.config:
-            source.config.n_routed_experts = int(task.experts)
-            source.config.num_experts_per_tok = min(int(source.config.num_experts_per_tok), int(task.experts))
+            experts = int(task.experts)
+            source.config.n_routed_experts = experts
+            per_token = min(int(source.config.num_experts_per_tok), experts)
+            if "n_group" in source.config:  # grouped routing (V3): the top-2 of each group needs 2 experts in it
+                groups = max([g for g in range(1, int(source.config.n_group) + 1)
+                              if experts % g == 0 and experts // g >= 2] or [1])
+                source.config.n_group = groups
+                source.config.topk_group = min(int(source.config.topk_group), groups)
+                per_token = min(per_token, source.config.topk_group * experts // groups)
+            source.config.num_experts_per_tok = per_token
     config = model_config(source)
     config.dtype = dtype
+    if getattr(config, "quantization_config", None) is not None:  # the shape's own (DeepSeek-V3's block FP8): the
+        del config.quantization_config                             # folder's is what task.fp8_block writes
     out = Path(task.out) if task.out else run_dir / "checkpoint"
     # one decoder layer in memory at a time, whatever the folder's size (a full-size shape is larger than memory)
     written = write_random_checkpoint(get_family(source.family).model_class, config, out, dtype,
