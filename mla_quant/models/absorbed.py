@@ -251,9 +251,7 @@ def cached_latents(model: nn.Module, ids: torch.Tensor, batch: int = 8, desc: st
     from tqdm.auto import tqdm
 
     if stream is not None:
-        from mla_quant.models.streaming import streamed_latents
-
-        yield from streamed_latents(stream, ids, batch, desc)
+        yield from stream.cached_latents(ids, batch, desc)
         return
     for start in tqdm(range(0, ids.shape[0], batch), desc=desc, unit="batch"):
         cache = new_cache(model)

@@ -300,9 +300,10 @@ def refuse_partial_fp8_blocks(config, files: list[Path] | None, device_map) -> N
     8.9, runs FP8) whose weights end in a partial block (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows in blocks of
     128) is refused before loading: transformers' dequantizer (5.25) needs whole blocks and fails there. Streaming
     (model.streaming=true) dequantizes partial blocks; a GPU that runs FP8 keeps them as FP8."""
-    qc = getattr(config, "quantization_config", None)
-    qc = qc if isinstance(qc, Mapping) or qc is None else qc.to_dict()
-    if not qc or qc.get("quant_method") != "fp8" or not qc.get("weight_block_size") or not files:
+    from mla_quant.models.fp8 import block_fp8_config
+
+    qc = block_fp8_config(config)
+    if qc is None or not qc.get("weight_block_size") or not files:
         return
     runs_fp8 = (device_map not in (None, "cpu") and torch.cuda.is_available()
                 and torch.cuda.get_device_capability() >= (8, 9) and not qc.get("dequantize"))

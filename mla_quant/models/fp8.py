@@ -14,12 +14,14 @@ and multiplies by the dequantized weight elsewhere (transformers' FP8 kernel nee
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+# The quantization_config DeepSeek-V3 and Kimi-K2 ship (with their weight_block_size).
+FP8_CHECKPOINT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz") if hasattr(torch, n))
 # The MLA projections a fold may rewrite (content: kv_a, kv_b; RoPE: kv_a, the query's output projection).
 MLA_LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "q_gate_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
@@ -130,14 +132,25 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
     return model.get_input_embeddings().weight.dtype
 
 
+def quantization_config(config) -> dict | None:
+    """A checkpoint config's `quantization_config` as a dict (None: a full-precision checkpoint)."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    return dict(qc) if isinstance(qc, Mapping) else qc.to_dict()
+
+
+def block_fp8_config(config) -> dict | None:
+    """The `quantization_config` of a block-FP8 checkpoint (quant_method fp8) as a dict; None for any other."""
+    qc = quantization_config(config)
+    return qc if qc is not None and qc.get("quant_method") == "fp8" else None
+
+
 def check_fp8_config(config) -> None:
     """A checkpoint config's block-FP8 `quantization_config`, checked before any weight is read: fp8 with a
     weight_block_size of two positive integers."""
-    qc = getattr(config, "quantization_config", None)
+    qc = block_fp8_config(config)
     if qc is None:
-        return
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
-    if qc.get("quant_method") != "fp8":
         return
     if qc.get("weight_block_size") is not None:
         check_block_size("quantization_config", qc["weight_block_size"])

@@ -29,7 +29,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,8 +37,9 @@ import torch
 from torch import nn
 
 from mla_quant.memory import hand_back_freed
-from mla_quant.models.fp8 import FP8_DTYPES, dequantize_blocks
-from mla_quant.models.absorbed import CACHE_KEYWORD, absorb, decoder_layers
+from mla_quant.models.fp8 import (FP8_CHECKPOINT_CONFIG, FP8_DTYPES, block_fp8_config, dequantize_blocks,
+                                  quantization_config)
+from mla_quant.models.absorbed import CACHE_KEYWORD, absorb, decoder_layers, new_cache
 from mla_quant.models.families import MLAFamily, family_for_config
 
 # The stages that run a streamed model; the others load the whole model (model.device_map spreads it over GPUs).
@@ -129,14 +130,14 @@ def _fp8_loading(config, folder, device: torch.device):
     None (a full-precision checkpoint), the block size). Dequantized weights are codes x block scale into the compute
     dtype through `mla_quant.models.fp8.dequantize_blocks` (transformers' dequantizer refuses DeepSeek-V3's partial
     blocks). Any other quantization is refused by name."""
-    quant = getattr(config, "quantization_config", None)
+    quant = quantization_config(config)
     if not quant:
         return None, None, None
-    method = quant.get("quant_method") if isinstance(quant, Mapping) else getattr(quant, "quant_method", quant)
-    if method != "fp8":
+    if block_fp8_config(config) is None:
         raise ValueError(f"model.streaming=true: the checkpoint at {str(folder)!r} is quantized with "
-                         f"quantization_config quant_method {method!r}; streaming reads full-precision and block-FP8 "
-                         "(quant_method 'fp8') shards: run it without streaming (model.device_map=auto)")
+                         f"quantization_config quant_method {quant.get('quant_method')!r}; streaming reads "
+                         "full-precision and block-FP8 (quant_method 'fp8') shards: run it without streaming "
+                         "(model.device_map=auto)")
     from transformers.quantizers.auto import get_hf_quantizer
 
     quantizer, _, _ = get_hf_quantizer(config, None, {"": str(device)}, True, {})
@@ -447,6 +448,10 @@ class StreamedModel:
         inside = {id(m) for m in self._layers[j].modules()}
         return [(i, a) for i, a in enumerate(self.family.attention_modules(self.model)) if id(a) in inside]
 
+    def cached_latents(self, ids: torch.Tensor, batch: int, desc: str = "cache latents"):
+        """`mla_quant.models.absorbed.cached_latents` streamed (`streamed_latents`)."""
+        return streamed_latents(self, ids, batch, desc)
+
     def weights_sha256(self, after_load: bool = False) -> str:
         """The fingerprint `mla_quant.calibration.weights_sha256` gives the whole model in memory, from each layer's
         attention tensors alone (read layer by layer, the rest of each layer not read). after_load=True: of the
@@ -581,8 +586,6 @@ def streamed_latents(stream: StreamedModel, ids: torch.Tensor, batch: int, desc:
     layer while it is resident, into an unquantized cache per batch; yields (cache layer i, (content, rope)) of each
     batch once its decoder layer has run them all, then frees that layer's slots."""
     from tqdm.auto import tqdm
-
-    from mla_quant.models.absorbed import new_cache
 
     model, device = stream.model, stream.device
     starts = list(range(0, ids.shape[0], batch))
@@ -726,8 +729,7 @@ class ShardWriter:
                  "weight_map": {k: names[i] for k, i in sorted(self.weight_map.items())}}
         (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         if self.fp8_block is not None:
-            config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                          "weight_block_size": list(self.fp8_block)}
+            config.quantization_config = FP8_CHECKPOINT_CONFIG | {"weight_block_size": list(self.fp8_block)}
         config.save_pretrained(self.out)
         return {"shards": names, "total_bytes": self.total_bytes, "parameters": self.parameters}
 
