@@ -123,15 +123,19 @@ def test_streamed_calibration_equals_in_memory(tiny, tmp_path):
     assert runs[True]["calib/file"].rsplit("/", 1)[1] == runs[False]["calib/file"].rsplit("/", 1)[1]
 
 
-def test_streamed_export_equals_in_memory(tmp_path):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_streamed_export_equals_in_memory(fp8, tmp_path):
     """experiment=export streamed (QuantMLA folded into each layer as it is read, each layer written as it is done)
-    writes the same tensors as the in-memory export, and transformers loads the folder with the same logits."""
+    writes the same tensors and config as the in-memory export, and transformers loads the folder with the same
+    logits; from a block-FP8 checkpoint dequantized on load, both write full precision without its
+    quantization_config."""
     from safetensors.torch import load_file
 
     from mla_quant.models.families import get_family
     from mla_quant.stages import export
 
-    folder = _checkpoint("tiny_deepseek_v3", tmp_path / "checkpoint")
+    folder = (_fp8_checkpoint(tmp_path / "checkpoint", [8, 8]) if fp8
+              else _checkpoint("tiny_deepseek_v3", tmp_path / "checkpoint"))
     fit = ["transform=quantmla", "transform.fit.steps=3", "calib.source=random", "calib.samples=4", "calib.seq_len=24",
            "calib.batch_size=2", f"transform.fit.cache_dir={tmp_path / 'calibration'}"]
     tensors, files, models = {}, {}, {}
@@ -147,6 +151,8 @@ def test_streamed_export_equals_in_memory(tmp_path):
         models[streaming] = get_family("deepseek_v3").model_class.from_pretrained(
             out, dtype=torch.float32, attn_implementation="eager").eval()
     assert files[True] == files[False] and len([f for f in files[True] if f.endswith(".safetensors")]) > 1
+    configs = [json.loads((tmp_path / str(s) / "checkpoint" / "config.json").read_text()) for s in (False, True)]
+    assert "quantization_config" not in configs[0] and "quantization_config" not in configs[1]
     assert tensors[True].keys() == tensors[False].keys()
     for key, value in tensors[False].items():
         assert torch.equal(tensors[True][key], value), key

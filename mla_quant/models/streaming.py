@@ -513,7 +513,9 @@ class StreamedModel:
         try:
             written = writer.finish(config)
         finally:
-            config.dtype, config.quantization_config = stored
+            config.dtype = stored[0]
+            if stored[1] is not None:
+                config.quantization_config = stored[1]
         if getattr(self.model, "generation_config", None) is not None:
             self.model.generation_config.save_pretrained(out)
         return written
