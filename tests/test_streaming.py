@@ -385,7 +385,8 @@ def test_fp8_kept_where_the_device_runs_it(tmp_path, monkeypatch):
     """Where FP8 runs (a GPU of compute capability >= 8.9; its answers to transformers simulated here, the layers
     placed on the CPU), a streamed layer keeps the checkpoint's codes and block scales bit for bit (transformers'
     FP8Linear and FP8 experts), as from_pretrained does there; a folded transform makes the projections it rewrites
-    full precision first (the same weights as where FP8 is dequantized), in every pass, and names them for export."""
+    full precision first (the same weights as where FP8 is dequantized), in every pass, and names them for export,
+    which keeps the rest in FP8: transformers loads it with the logits of the export written where FP8 does not run."""
     from safetensors.torch import load_file
 
     from mla_quant.models import fp8
@@ -423,4 +424,22 @@ def test_fp8_kept_where_the_device_runs_it(tmp_path, monkeypatch):
         if kept:
             assert sorted(stream.model.mla_dequantized) == [f"model.layers.{j}.self_attn.{p}" for j in range(2)
                                                             for p in ("kv_a_proj_with_mqa", "kv_b_proj")]
+        stream.export(tmp_path / f"export_{kept}", 200_000)
         stream.close()
+    # exported: what the fold left untouched keeps the checkpoint's codes (FP8 kept) and the rewritten projections are
+    # full precision, listed as not converted; transformers loads both exports with the same logits
+    written = {k: v for f in (tmp_path / "export_True").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert torch.equal(written["model.layers.1.mlp.experts.3.up_proj.weight"].view(torch.uint8),
+                       stored["model.layers.1.mlp.experts.3.up_proj.weight"].view(torch.uint8))
+    assert written["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.float32
+    assert "model.layers.1.self_attn.kv_b_proj.weight_scale_inv" not in written
+    qc = json.loads((tmp_path / "export_True" / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa" in qc["modules_to_not_convert"]
+    from mla_quant.models.families import get_family
+
+    ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = [get_family("deepseek_v3").model_class.from_pretrained(tmp_path / f"export_{kept}",
+                                                                        dtype=torch.float32)(ids).logits
+                  for kept in (False, True)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-6, atol=1e-6)
