@@ -390,12 +390,11 @@ def prepare_streamed(cfg: DictConfig, *, quant: bool = True, tokenizer: bool = T
     streamed sweep and folded into each layer as it is read; quant=mixed allocated and lloyd codebooks fitted
     through streamed passes over the transformed layers. -> (the StreamedModel, a Prepared whose model is its
     skeleton)."""
-    from mla_quant.models.build import resolve_device
-    from mla_quant.models.streaming import StreamedModel
+    from mla_quant.models.build import resolve_device, streamed_model
 
     dims, fmt, _ = preflight(cfg, quant=quant, tokenizer=tokenizer, calib_report=calib_report)
     tok = load_tokenizer(cfg.model) if tokenizer or needs_tokenizer(cfg, calib_report) else None
-    stream = StreamedModel.from_config(cfg.model, resolve_device(str(cfg.get("device", "auto"))),
+    stream = streamed_model(cfg.model, resolve_device(str(cfg.get("device", "auto"))),
                                        attention_blocks(cfg.get("attention")))
     spec = fmt if isinstance(fmt, MixedSpec) else None
     run_format = fmt if spec is None else as_spec(spec.budget_format, dims["layers"])  # mixed: fit for the budget's

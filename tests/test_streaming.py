@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import compose, options
 
-from mla_quant.models.streaming import StreamedModel, layer_arguments
+from mla_quant.models.build import streamed_model
+from mla_quant.models.streaming import layer_arguments
 from mla_quant.models.absorbed import decoder_layers, new_cache
 from mla_quant.prepare import build_model, preflight
 from mla_quant.stages import quality, sensitivity
@@ -166,7 +167,7 @@ def test_one_layer_resident_and_hidden_states_spilled(tmp_path):
     exactly once, and with no host budget every hidden state goes through the scratch folder, results unchanged."""
     folder = _checkpoint("tiny_deepseek_v3", tmp_path / "checkpoint", num_hidden_layers=6)
     cfg = _quality_cfg("tiny_deepseek_v3", folder, "model.streaming=true")
-    stream = StreamedModel.from_config(cfg.model, "cpu")
+    stream = streamed_model(cfg.model, "cpu")
     ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
     stream.load_outer()
     hidden, arguments = layer_arguments(stream.model, ids, new_cache(stream.model))
@@ -348,17 +349,17 @@ def test_streamed_block_fp8_equals_in_memory(tmp_path):
         assert runs[True][key] == runs[False][key], key
 
 
-def test_partial_fp8_blocks_stream_and_are_refused_in_memory_on_the_cpu(tmp_path):
+def test_partial_fp8_blocks_are_read_by_the_projects_own_accessor(tmp_path, monkeypatch):
     """DeepSeek-V3's kv_a_proj_with_mqa is 576 rows in blocks of 128: a partial last block, which transformers'
-    dequantizer refuses; in memory on the CPU that is refused by name before loading, and streamed it runs, equal
-    to the in-memory run of the same weights dequantized (codes x their block's scale) into a float32 folder."""
+    dequantizer refuses. Where transformers would dequantize (here the CPU), the in-memory model is read one layer at
+    a time through the streamed loading instead, and both it and the streamed run equal the same weights dequantized
+    (codes x their block's scale) into a float32 folder that transformers loads. model.device_map=auto on a GPU that
+    does not run FP8 (an A100's answers simulated) is refused by name before any weight is read."""
     from safetensors.torch import load_file, save_file
 
     from mla_quant.models.fp8 import dequantize_blocks
 
     folder = _fp8_checkpoint(tmp_path / "checkpoint", [16, 16])  # kv_a_proj_with_mqa: 40 rows
-    with pytest.raises(ValueError, match=r"kv_a_proj_with_mqa\.weight is 40 x 64, not whole blocks of \[16, 16\]"):
-        quality.run(_quality_cfg("tiny_deepseek_v3", folder, "model.streaming=false"), tmp_path)
     plain = tmp_path / "dequantized"
     plain.mkdir()
     for file in folder.iterdir():
@@ -373,12 +374,19 @@ def test_partial_fp8_blocks_stream_and_are_refused_in_memory_on_the_cpu(tmp_path
     config = json.loads((plain / "config.json").read_text())
     del config["quantization_config"]
     (plain / "config.json").write_text(json.dumps(config))
-    (tmp_path / "fp8").mkdir()
-    (tmp_path / "plain").mkdir()
-    streamed = quality.run(_quality_cfg("tiny_deepseek_v3", folder, "model.streaming=true"), tmp_path / "fp8").metrics
-    loaded = quality.run(_quality_cfg("tiny_deepseek_v3", plain), tmp_path / "plain").metrics
+    runs = {}
+    for name, path, extra in (("plain", plain, []), ("memory", folder, []),
+                              ("streamed", folder, ["model.streaming=true"])):
+        (tmp_path / name).mkdir()
+        runs[name] = quality.run(_quality_cfg("tiny_deepseek_v3", path, *extra), tmp_path / name).metrics
     for key in QUALITY:
-        assert streamed[key] == pytest.approx(loaded[key], rel=1e-6, abs=1e-9), key
+        assert runs["memory"][key] == pytest.approx(runs["plain"][key], rel=1e-6, abs=1e-9), key
+        assert runs["streamed"][key] == pytest.approx(runs["plain"][key], rel=1e-6, abs=1e-9), key
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    with pytest.raises(ValueError, match=r"kv_a_proj_with_mqa\.weight is 40 x 64, not whole blocks of \[16, 16\].*"
+                                         r"model\.device_map=cuda:0"):
+        build_model(compose(_quality_overrides("tiny_deepseek_v3", folder, "model.device_map=auto")).model)
 
 
 def test_fp8_kept_where_the_device_runs_it(tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ from torch import nn
 
 from mla_quant.models.absorbed import absorb
 from mla_quant.models.families import family_for_config, get_family
+from mla_quant.models.safetensors_files import SAFETENSORS_BYTES, check_safetensors  # noqa: F401 (re-exported)
 from mla_quant.record import progress
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -238,54 +239,6 @@ def verify_weight_files(files: list[Path], expected: Mapping[str, str] | None = 
     return digests
 
 
-SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "U16": 2,
-                     "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
-
-
-def check_safetensors(file: Path) -> dict:
-    """Refuse a .safetensors file whose header or size is not what the format says (corrupt or truncated), naming
-    the file and what is wrong, before transformers reads it. -> the header ({tensor: {dtype, shape, data_offsets}},
-    and __metadata__)."""
-    import json
-    import struct
-
-    size = file.stat().st_size
-
-    def bad(why: str):
-        return ValueError(f"weight file {file} is not a valid safetensors file: {why}; it is corrupt or incompletely "
-                          f"copied: replace it")
-
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise bad(f"{size} bytes, shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100_000_000:
-            raise bad(f"its header claims {n} bytes, the file has {size}")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise bad(f"its {n}-byte header is not JSON ({err})") from None
-    end = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, stop = info["data_offsets"]
-            numel = 1
-            for dim in info["shape"]:
-                numel *= int(dim)
-            expected = numel * SAFETENSORS_BYTES.get(info["dtype"], 0)
-        except (KeyError, TypeError, ValueError):
-            raise bad(f"tensor {name!r} has no valid dtype/shape/data_offsets") from None
-        if info["dtype"] in SAFETENSORS_BYTES and stop - begin != expected:
-            raise bad(f"tensor {name!r} ({info['dtype']} {info['shape']}) spans {stop - begin} bytes, needs {expected}")
-        end = max(end, stop)
-    if 8 + n + end != size:
-        raise bad(f"its tensors end at byte {8 + n + end} but the file has {size} bytes")
-    return header
-
-
 def check_finite(model: nn.Module, source: str) -> None:
     """Refuse loaded weights holding NaN or inf (offloaded tensors on the meta device are not read)."""
     bad = [name for name, t in model.state_dict().items()
@@ -295,11 +248,10 @@ def check_finite(model: nn.Module, source: str) -> None:
                          f"refusing to run with them")
 
 
-def refuse_partial_fp8_blocks(config, files: list[Path] | None, device_map) -> None:
-    """A block-FP8 checkpoint that transformers would dequantize on load (no GPU, or one below compute capability
-    8.9, runs FP8) whose weights end in a partial block (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows in blocks of
-    128) is refused before loading: transformers' dequantizer (5.25) needs whole blocks and fails there. Streaming
-    (model.streaming=true) dequantizes partial blocks; a GPU that runs FP8 keeps them as FP8."""
+def partial_fp8_blocks(config, files: list[Path] | None, device_map) -> str | None:
+    """Where transformers would dequantize a block-FP8 checkpoint on load (no GPU, or one below compute capability
+    8.9, runs FP8), the first weight that ends in a partial block (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows in
+    blocks of 128), described; None otherwise. transformers' dequantizer (5.25) needs whole blocks and fails there."""
     from mla_quant.models.fp8 import block_fp8_config
 
     qc = block_fp8_config(config)
@@ -308,7 +260,7 @@ def refuse_partial_fp8_blocks(config, files: list[Path] | None, device_map) -> N
     runs_fp8 = (device_map not in (None, "cpu") and torch.cuda.is_available()
                 and torch.cuda.get_device_capability() >= (8, 9) and not qc.get("dequantize"))
     if runs_fp8:
-        return
+        return None
     bn, bk = qc["weight_block_size"]
     for file in files:
         if not file.name.endswith(".safetensors"):
@@ -318,11 +270,42 @@ def refuse_partial_fp8_blocks(config, files: list[Path] | None, device_map) -> N
             if key.endswith(".weight_scale_inv") and key.removesuffix("_scale_inv") in header:
                 rows, cols = header[key.removesuffix("_scale_inv")]["shape"][-2:]
                 if rows % bn or cols % bk:
-                    raise ValueError(
-                        f"{key.removesuffix('_scale_inv')} is {rows} x {cols}, not whole blocks of {[bn, bk]}: "
-                        "transformers cannot dequantize a partial FP8 block on load, which it does without a GPU "
-                        "that runs FP8 (compute capability >= 8.9). Run it with model.streaming=true (partial "
-                        "blocks dequantized layer by layer) or on such a GPU")
+                    return f"{key.removesuffix('_scale_inv')} is {rows} x {cols}, not whole blocks of {[bn, bk]}"
+    return None
+
+
+def streamed_model(model_cfg, device: str, blocks=None):
+    """The `StreamedModel` of a checkpoint model YAML (`pretrained_model`'s settings, model.path a local folder),
+    checked first (`check_streaming`)."""
+    from mla_quant.models.streaming import StreamedModel, check_streaming
+
+    check_streaming(model_cfg)
+    config = pretrained_config(model_cfg.family, model_cfg.hf_id, model_cfg.get("revision"), model_cfg.path,
+                               model_cfg.get("config"))
+    config._attn_implementation = model_cfg.get("attn_implementation") or "eager"
+    return StreamedModel(get_family(model_cfg.family).model_class, config, model_cfg.path, torch_dtype(model_cfg.dtype),
+                         device, blocks, host_gb=float(model_cfg.get("streaming_host_gb", 8.0)))
+
+
+def read_layer_by_layer(fam, config, folder: Path, dtype: str, device_map, why: str) -> nn.Module:
+    """The whole checkpoint read into memory one decoder layer at a time through the streamed model's loading
+    (`StreamedModel.materialize`: block-FP8 pairs dequantized with the project's accessor), where transformers'
+    loading cannot read it (`why`). On one device: `device_map` null/cpu (or auto without a GPU), or one device."""
+    from mla_quant.models.streaming import StreamedModel
+
+    if device_map == "auto" and torch.cuda.is_available():
+        raise ValueError(f"{why}: transformers cannot dequantize a partial FP8 block on load, which it does without a "
+                         "GPU that runs FP8 (compute capability >= 8.9), and model.device_map=auto would need it. "
+                         "Give one device (model.device_map=cuda:0), or stream it (model.streaming=true)")
+    device = "cpu" if device_map in (None, "cpu", "auto") else str(device_map)
+    warnings.warn(f"{why}: transformers cannot dequantize a partial FP8 block on load; the checkpoint is read one "
+                  "decoder layer at a time and dequantized by the project's own accessor instead", stacklevel=3)
+    stream = StreamedModel(fam.model_class, config, folder, torch_dtype(dtype), device, prefetch=False,
+                           absorbed=False)
+    try:
+        return stream.materialize()
+    finally:
+        stream.close()
 
 
 def pretrained_model(
@@ -356,7 +339,12 @@ def pretrained_model(
     hf_config = pretrained_config(family, hf_id, revision, path, config)
     files = checkpoint_files(hf_id, revision, path)
     hashes = verify_weight_files(files, sha256) if files is not None else None
-    refuse_partial_fp8_blocks(hf_config, files, device_map)
+    partial = partial_fp8_blocks(hf_config, files, device_map)
+    if partial is not None:
+        model = read_layer_by_layer(fam, hf_config, files[0].parent, dtype, device_map, partial)
+        check_finite(model, source)
+        progress().note("weights", hashes)
+        return absorb(model) if absorbed else model
     model, info = fam.model_class.from_pretrained(
         source,
         config=hf_config,

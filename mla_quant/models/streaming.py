@@ -7,7 +7,7 @@ placed on the compute device, run over every sequence of the stage, then returne
 layer's tensors are read by a background thread meanwhile. The hidden states of every sequence wait on the host
 between layers (pinned on a GPU box), spilled to a scratch folder beyond `model.streaming_host_gb`.
 
-    stream = StreamedModel.from_config(cfg.model, device="cpu")
+    stream = streamed_model(cfg.model, device="cpu")                     # mla_quant.models.build
     stream.load_outer()
     hidden, arguments = layer_arguments(stream.model, ids, cache)        # layer 0's input, every layer's arguments
     stream.release_outer()
@@ -71,7 +71,7 @@ class Shards:
         self.where: dict[str, str] = {}
         self.nbytes: dict[str, int] = {}
         self.dtypes: dict[str, str] = {}
-        from mla_quant.models.build import check_safetensors
+        from mla_quant.models.safetensors_files import check_safetensors
 
         for name in files:  # each shard's header, checked as a loaded checkpoint's files are
             for key, info in check_safetensors(self.folder / name).items():
@@ -267,7 +267,7 @@ class StreamedModel:
     """A checkpoint's model with one decoder layer resident at a time (module docstring)."""
 
     def __init__(self, model_class, config, folder: str | Path, dtype: torch.dtype, device: str | torch.device,
-                 blocks=None, prefetch: bool = True, host_gb: float = 8.0):
+                 blocks=None, prefetch: bool = True, host_gb: float = 8.0, absorbed: bool = True):
         from accelerate import init_empty_weights
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, rename_source_key
@@ -292,7 +292,7 @@ class StreamedModel:
         # straight in the compute dtype (as from_pretrained does), so the skeleton of an FP8 checkpoint holds it.
         self.storage_dtype = dtype if self.fp8 else (self.shards.floating_dtype() or dtype)
         _to_meta(model, dtype=self.storage_dtype)
-        self.model = absorb(model, blocks)
+        self.model = absorb(model, blocks) if absorbed else model
         model.mla_streamed = (dtype, self.device)  # what its resident layers compute in (the skeleton's meta dtype
         # is the checkpoint's)
         self.family = family_for_config(model.config)
@@ -332,19 +332,6 @@ class StreamedModel:
         self.passes = 0  # passes over the decoder layers begun (prepare's fits, then the stage's own)
         self.wait_seconds = 0.0
         self.outer_loaded = False
-
-    @classmethod
-    def from_config(cls, model_cfg, device: str, blocks=None) -> "StreamedModel":
-        """From a checkpoint model YAML (`pretrained_model`'s settings, model.path a local folder)."""
-        from mla_quant.models.build import pretrained_config, torch_dtype
-        from mla_quant.models.families import get_family
-
-        check_streaming(model_cfg)
-        config = pretrained_config(model_cfg.family, model_cfg.hf_id, model_cfg.get("revision"), model_cfg.path,
-                                   model_cfg.get("config"))
-        config._attn_implementation = model_cfg.get("attn_implementation") or "eager"
-        return cls(get_family(model_cfg.family).model_class, config, model_cfg.path, torch_dtype(model_cfg.dtype),
-                   device, blocks, host_gb=float(model_cfg.get("streaming_host_gb", 8.0)))
 
     def host_store(self, scratch: str | Path | None = None) -> "HostStore":
         """A store for the hidden states waiting between layers: `host_gb` in host memory (pinned on a GPU), the
@@ -393,6 +380,24 @@ class StreamedModel:
         except AttributeError:  # a per-expert name merged into a fused experts module: FP8 experts
             return True
         return any(p.dtype in FP8_DTYPES for p in module.parameters(recurse=False))
+
+    def materialize(self) -> nn.Module:
+        """The whole model read into memory through the same per-layer loading, every layer kept (the in-memory model
+        where transformers' own loading cannot read the checkpoint: block FP8 with partial blocks, dequantized).
+        A weight the checkpoint lacks is refused by name. -> the model (no longer a streamed skeleton)."""
+        self.load_outer()
+        for j in range(self.num_layers):
+            self._load(self.shards.read(self.groups[j]), f"decoder layer {j}")
+            for hook in self.after_load:
+                hook(j, self.blocks(j))
+        missing = [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()] if t.is_meta]
+        if missing:
+            raise ValueError(f"checkpoint {str(self.shards.folder)!r} lacks {len(missing)} weight(s) of the model, "
+                             f"e.g. {missing[:3]}: refusing to run with randomly initialised weights")
+        del self.model.mla_streamed
+        if self.fp8 == "dequantized":  # full precision now, as transformers leaves a model it dequantized
+            del self.model.config.quantization_config
+        return self.model
 
     def load_outer(self) -> None:
         """The tensors outside the decoder layers (embedding, final norm, LM head), kept until `release_outer`; the

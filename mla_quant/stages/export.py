@@ -112,14 +112,13 @@ def streamed_export(cfg: DictConfig, out: Path):
 
 def streamed_check(cfg: DictConfig, out: Path, ids: torch.Tensor) -> float:
     """The exported folder's logits against the original checkpoint's, both streamed (relative error)."""
-    from mla_quant.models.build import resolve_device
-    from mla_quant.models.streaming import StreamedModel
+    from mla_quant.models.build import resolve_device, streamed_model
 
     device = resolve_device(str(cfg.get("device", "auto")))
     logits = []
     for path in (cfg.model.path, out):
         node = OmegaConf.merge(cfg.model, {"path": str(path)})
-        stream = StreamedModel.from_config(node, device)
+        stream = streamed_model(node, device)
         try:
             logits.append(stream.logits(ids).cpu())
         finally:
