@@ -296,8 +296,10 @@ def active_progress(p: RunProgress):
 def prior_runs(root: str | Path, identity: str, run_dir: str | Path) -> tuple[Path | None, Path | None]:
     """Earlier runs of `identity` under `root`: (a complete record, the progress to continue from), each or None.
 
-    Complete = a record with status ok. The progress to continue from is the run's own (a requeued job) or else
-    the newest progress.json of an unfinished run of the same identity (killed, timed out, interrupted)."""
+    Complete = a record with status ok whose products written outside its metrics (a `<stage>/path` metric: the
+    checkpoint folder of experiment=write_checkpoint or export) still exist; one whose product is gone is run again.
+    The progress to continue from is the run's own (a requeued job) or else the newest progress.json of an unfinished
+    run of the same identity (killed, timed out, interrupted)."""
     root, run_dir = Path(root), Path(run_dir).resolve()
     complete, partial = None, []
     if not root.is_dir():
@@ -310,6 +312,11 @@ def prior_runs(root: str | Path, identity: str, run_dir: str | Path) -> tuple[Pa
         rec = read_json(path)
         if rec and rec.get("status") == "ok" and isinstance(rec.get("config"), Mapping) and \
                 (rec.get("identity") or run_identity(rec["config"])) == identity:
+            gone = [v for k, v in (rec.get("metrics") or {}).items()
+                    if k.endswith("/path") and isinstance(v, str) and not Path(v).exists()]
+            if gone:
+                print(f"[mla-quant] {path} is complete but its product {gone[0]} is gone: running it again")
+                continue
             complete = path
             break
     for path in found(PROGRESS_NAME):

@@ -1,6 +1,7 @@
 """Fault injection: runs and sweeps that are terminated, rerun, resumed; corrupted checkpoints; unreachable trackers."""
 
 import json
+import shutil
 import os
 import signal
 import socket
@@ -470,3 +471,19 @@ def test_slurm_job_script_takes_the_models_resources(tmp_path, monkeypatch, mode
 def test_resources_override_outside_a_sweep_is_refused():
     out = _run([*SENSITIVITY, "model.resources.gpus=2", "hydra.run.dir=/tmp/unused-resources-run"])
     assert out.returncode != 0 and "model.resources" in out.stderr and "--multirun" in out.stderr
+
+
+def test_a_complete_run_whose_product_is_gone_runs_again(tmp_path, monkeypatch, capsys):
+    """experiment=write_checkpoint writes its folder outside its run dir (task.out): with that folder deleted, the
+    same configuration is not skipped for its complete record but writes the folder again."""
+    root = tmp_path / "outputs"
+    monkeypatch.setattr(runner, "output_root", lambda run_dir: root)
+    out = tmp_path / "ckpt"
+    cfg = compose(["experiment=write_checkpoint", "task.like=small_deepseek_v3", f"task.out={out}",
+                   "task.gsm8k_problems=1", "logger=none"])
+    runner.main(cfg, root / "a")
+    assert runner.main(cfg, root / "b").reused == str(root / "a" / "record.json")  # the folder is there: skipped
+    shutil.rmtree(out)
+    again = runner.main(cfg, root / "c")
+    assert again.reused is None and (out / "config.json").is_file()
+    assert f"its product {out} is gone: running it again" in capsys.readouterr().out
