@@ -248,7 +248,7 @@ def check_finite(model: nn.Module, source: str) -> None:
                          f"refusing to run with them")
 
 
-def partial_fp8_blocks(config, files: list[Path] | None, device_map) -> str | None:
+def partial_fp8_blocks(config, files: list[Path] | None) -> str | None:
     """Where transformers would dequantize a block-FP8 checkpoint on load (no GPU, or one below compute capability
     8.9, runs FP8), the first weight that ends in a partial block (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows in
     blocks of 128), described; None otherwise. transformers' dequantizer (5.25) needs whole blocks and fails there."""
@@ -256,10 +256,10 @@ def partial_fp8_blocks(config, files: list[Path] | None, device_map) -> str | No
 
     qc = block_fp8_config(config)
     if qc is None or not qc.get("weight_block_size") or not files:
-        return
-    runs_fp8 = (device_map not in (None, "cpu") and torch.cuda.is_available()
-                and torch.cuda.get_device_capability() >= (8, 9) and not qc.get("dequantize"))
-    if runs_fp8:
+        return None
+    # transformers' own rule (its FP8 quantizer's validate_environment): FP8 is kept wherever a GPU that runs it is
+    # present, whatever the device_map; only then does it not dequantize
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9) and not qc.get("dequantize"):
         return None
     bn, bk = qc["weight_block_size"]
     for file in files:
@@ -339,7 +339,7 @@ def pretrained_model(
     hf_config = pretrained_config(family, hf_id, revision, path, config)
     files = checkpoint_files(hf_id, revision, path)
     hashes = verify_weight_files(files, sha256) if files is not None else None
-    partial = partial_fp8_blocks(hf_config, files, device_map)
+    partial = partial_fp8_blocks(hf_config, files)
     if partial is not None:
         model = read_layer_by_layer(fam, hf_config, files[0].parent, dtype, device_map, partial)
         check_finite(model, source)
