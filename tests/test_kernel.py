@@ -77,6 +77,20 @@ FORMATS = {
 }
 
 
+# the engines' formats (floating-point byte codes, read in channel order): e4m3 and e2m1 codes, scales of every kind
+ENGINE_FORMATS = {
+    "fp8_ds_mla: e4m3 g32 fp32 + bf16 rope, protected": {"option": "fp8_ds_mla", "content": {"group_size": 32},
+                                                          "protected": {"n_sink": 2, "recent": 16}},
+    "e4m3 per token pow2 + e4m3 g8 bf16": {"option": "fp8_ds_mla", "content": {"group_size": None,
+                                                                               "scale_dtype": "pow2"},
+                                           "rope": {"format": "fp8", "bits": 8, "group_size": 8, "symmetric": True,
+                                                    "scale_dtype": "bf16"}},
+    "mxfp8: e8m0 per 32, the rope's one short block": {"option": "mxfp8"},
+    "nvfp4_ds_mla: e2m1 + e4m3 scales, unscaled e4m3 rope": {"option": "nvfp4_ds_mla"},
+    "fp4_e2m1: e2m1 + e8m0 per 16": {"option": "fp4_e2m1", "protected": {"n_sink": 0, "recent": 16}},
+    "turboquant_k8v4: unscaled e4m3 + per-token fp16": {"option": "turboquant_k8v4"},
+}
+
 @pytest.mark.parametrize("name", list(FORMATS))
 @pytest.mark.parametrize("heads", [1, 4, 20])
 def test_kernel_matches_reference(name, heads):
@@ -91,6 +105,95 @@ def test_kernel_matches_reference(name, heads):
     ref = latent_decode_reference(q_latent, q_rope, 0.12, segments)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}, {heads} heads: {m}")
     torch.testing.assert_close(ref, dense_attention(layer, q_latent, q_rope, 0.12), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(ENGINE_FORMATS))
+def test_kernel_reads_the_engines_byte_codes(name):
+    """e4m3 / e2m1 codes with their scales (float, pow2, E8M0, e4m3, none), read in place against the reference, which
+    decodes them with the format's own codec (`PagedPath.decode`), and the layer's own decoded tokens."""
+    layer = filled_layer(dict(ENGINE_FORMATS[name]), d_c=96, d_r=16, batch=3, tokens=190, pads=(0, 9, 77))
+    assert layer.n_quantized > 0
+    segments = layer.segments()
+    assert segments[0].content.codes in ("e4m3", "e2m1")
+    g = torch.Generator().manual_seed(1)
+    q_latent, q_rope = torch.randn(3, 5, 96, generator=g).to(DEVICE), torch.randn(3, 5, 16, generator=g).to(DEVICE)
+    out = latent_decode(q_latent, q_rope, 0.12, segments, block_n=16, split_tokens=48)
+    ref = latent_decode_reference(q_latent, q_rope, 0.12, segments)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(ref, dense_attention(layer, q_latent, q_rope, 0.12), rtol=1e-4, atol=1e-5)
+
+
+def test_e4m3_codes_of_a_width_that_is_not_whole_words_are_read_a_byte_at_a_time():
+    """d_c 90 (groups of 30) and d_r 14: a token's e4m3 bytes are not whole int32 words, so the kernel reads them a
+    byte per value (`_codes_constexpr`); the same output as the reference."""
+    from mla_quant.kernels.latent_decode import _codes_constexpr
+
+    quant = {"option": "fp8_ds_mla", "content": {"group_size": 30},
+             "rope": {"format": "fp8", "bits": 8, "group_size": None, "symmetric": True, "scale_dtype": "fp16"}}
+    layer = filled_layer(quant, d_c=90, d_r=14, batch=2, tokens=150, pads=(0, 31))
+    segments = layer.segments()
+    assert (_codes_constexpr(segments[0].content, 90), _codes_constexpr(segments[0].rope, 14)) == (1, 1)
+    g = torch.Generator().manual_seed(3)
+    q_latent, q_rope = torch.randn(2, 4, 90, generator=g).to(DEVICE), torch.randn(2, 4, 14, generator=g).to(DEVICE)
+    out = latent_decode(q_latent, q_rope, 0.1, segments, block_n=16, split_tokens=48)
+    torch.testing.assert_close(out, latent_decode_reference(q_latent, q_rope, 0.1, segments), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, dense_attention(layer, q_latent, q_rope, 0.1), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("option", ["nvfp4_ds_mla", "mxfp8"])
+def test_engine_formats_decode_through_the_triton_kernel_as_torch_does(option):
+    """quant.backend=triton on an engine's format: decode steps read its pages through the kernel, with the outputs
+    of the PyTorch layer over the same stored tokens; the C++ kernel refuses it by name."""
+    from mla_quant.cache import layer_factory
+    from mla_quant.quant.formats import cache_format
+
+    g = torch.Generator().manual_seed(5)
+    c, r = torch.randn(2, 150, 96, generator=g).to(DEVICE), (3 * torch.randn(2, 150, 16, generator=g)).to(DEVICE)
+    q = torch.randn(2, 4, 1, 96, generator=g).to(DEVICE), torch.randn(2, 4, 1, 16, generator=g).to(DEVICE)
+    outs = {}
+    for backend in ("torch", "triton"):
+        layer = layer_factory(cache_format(OmegaConf.merge(load_quant_option(option), {"backend": backend}), 96, 16))()
+        layer.append(c[:, :140], r[:, :140])
+        outs[backend] = [layer.attend(*q, c[:, i : i + 1], r[:, i : i + 1], 0.1, None) for i in range(140, 143)]
+        assert layer.backend_steps[("decode", backend)] == 3
+    for got, want in zip(outs["triton"], outs["torch"]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"quant.content.format=\w+ \(floating-point byte codes: the Triton kernel"):
+        cache_layer_factory(OmegaConf.merge(load_quant_option(option), {"backend": "cpu"}), 96, 16)
+
+
+def test_every_e4m3_and_e2m1_code_and_scale_byte_reads_as_torch_casts_it():
+    """All 254 finite e4m3 codes (both zeros, the subnormals), all 16 e2m1 codes, and E8M0 / e4m3 scale bytes across
+    their range: one token per code, attended by one-hot queries, returns each value exactly."""
+    from mla_quant.kernels.layout import PagedPath, Segment
+    from mla_quant.quant.codecs.nvfp4 import e2m1_values
+    from mla_quant.quant.quantizers import FP8_DTYPE
+
+    e4m3 = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7F, 0xFF: NaN
+    cases = [  # (codes per token (n, row), scales (n, 1) or None, scales_as, codes kind, expected first value)
+        (e4m3[:, None], None, None, "e4m3", e4m3.view(FP8_DTYPE).float()),
+        (torch.arange(16, dtype=torch.uint8)[:, None], torch.full((16, 1), 127, dtype=torch.uint8), "e8m0", "e2m1",
+         e2m1_values(torch.arange(16, dtype=torch.uint8))),
+        (torch.full((254, 1), 0x38, dtype=torch.uint8), torch.arange(254, dtype=torch.uint8)[:, None], "e8m0",
+         "e4m3", torch.exp2(torch.arange(254).double() - 127).float()),  # e4m3 1.0 times 2^(s - 127), s = 0 too
+        (torch.full((254, 1), 0x38, dtype=torch.uint8), e4m3[:, None], "e4m3", "e4m3",
+         e4m3.view(FP8_DTYPE).float()),
+    ]
+    for codes, scales, scales_as, kind, want in cases:
+        n = codes.shape[0]
+        pages = codes.reshape(n, 1, 1).to(DEVICE)  # one token per block; d = 1 channel (2 for e2m1's byte)
+        sc = None if scales is None else scales.reshape(n, 1, 1).to(DEVICE)
+        path = PagedPath(pages, sc, None, 8 if kind == "e4m3" else 4, 1, True, codes=kind, scales_as=scales_as)
+        rope = PagedPath(torch.zeros(n, 1, 1, device=DEVICE))
+        table = torch.arange(n, dtype=torch.int32, device=DEVICE)[None, :]
+        seg = Segment(path, rope, table, torch.tensor([n], dtype=torch.int32, device=DEVICE))
+        q = torch.zeros(1, 1, 1, device=DEVICE)  # equal scores: the output is the mean of the values
+        for i in range(0, n, 97):  # the value of token i alone: a block table of that one block
+            one = Segment(path, rope, table[:, i:i + 1].contiguous(), torch.ones(1, dtype=torch.int32, device=DEVICE))
+            got = latent_decode(q, torch.zeros(1, 1, 1, device=DEVICE), 1.0, [one])
+            assert got.item() == want[i].item(), (kind, scales_as, i, got.item(), want[i].item())
+        got = latent_decode(q, torch.zeros(1, 1, 1, device=DEVICE), 1.0, [seg])
+        torch.testing.assert_close(got[0, 0, 0].double(), want.double().mean(), rtol=1e-6, atol=0)
 
 
 def test_kernel_with_128_heads_small_dims():
@@ -196,7 +299,7 @@ def test_kernel_reads_bits_per_group_of_rope_pairs(layout, bits, symmetric, scal
 
 @pytest.mark.parametrize("option, override, match", [
     ("int4_joint", {"content": {"bits": 3, "group_size": 32}}, r"quant.content.bits=3.*\[2, 4, 8\].*backend=torch"),
-    ("fp8_ds_mla", {"content": {"group_size": 32}}, r"quant.content.format=fp8.*quant.backend=torch"),
+    ("fp8_flat", {}, r"quant.content.granularity=tensor \(a scale per sequence\).*quant.backend=torch"),
 ])
 def test_formats_the_kernel_cannot_read_are_named(option, override, match):
     cfg = OmegaConf.merge(load_quant_option(option), override, {"backend": "triton"})
@@ -218,7 +321,8 @@ def test_no_gpu_and_no_interpreter_is_a_clear_error(monkeypatch):
     ("int4_joint", {"content": {"group_size": 32}}, "triton", CPU_DECODE),
     ("bf16", {}, "triton", CPU_DECODE),
     ("int4_joint", {"content": {"bits": 3, "group_size": 32}}, "torch", "torch"),  # a width no kernel unpacks
-    ("fp8_ds_mla", {"content": {"group_size": 32}}, "torch", "torch"),
+    ("fp8_ds_mla", {"content": {"group_size": 32}}, "triton", "torch"),  # e4m3 byte codes: not the C++ kernel
+    ("fp8_flat", {}, "torch", "torch"),  # a scale per sequence
     ("int4_joint", {"content": {"group_size": 32}, "rope": {"bits": [8, 4]}}, "triton", "torch"),  # pair widths
 ])
 def test_backend_auto_picks_the_kernel_of_the_device(option, override, cuda_decode, cpu_decode):

@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import HAS_CXX
-from test_kernel import FORMATS, filled_layer
+from test_kernel import ENGINE_FORMATS, FORMATS, filled_layer
 
 from mla_quant.kernels.latent_decode import latent_decode
 from mla_quant.kernels.ops import decode_op, flatten, unflatten
 
 CASES = ["int4 g32 + int4 rope", "int4 g32 + pairs rope [8, 3, 2, 16]", "int2 g32 lloyd + int4 rope lloyd",
-         "bf16 (plain layer)"]
+         "bf16 (plain layer)", "nvfp4_ds_mla: e2m1 + e4m3 scales, unscaled e4m3 rope"]
+FORMATS = {**FORMATS, **ENGINE_FORMATS}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -28,7 +29,7 @@ def test_operators_equal_their_kernels_and_have_fake_implementations(name):
     assert torch.equal(decode_op("triton")(q, qr, 0.2, segments), latent_decode(q, qr, 0.2, segments))
     checks = ("test_schema", "test_faketensor")
     torch.library.opcheck(torch.ops.mla_quant.latent_decode.default, (q, qr, 0.2, tensors, meta), test_utils=checks)
-    if HAS_CXX and "pairs" not in name:  # the C++ kernel reads one width per path
+    if HAS_CXX and "pairs" not in name and name not in ENGINE_FORMATS:  # the C++ kernel: int words, one width
         from mla_quant.kernels.cpu_decode import operator_arguments
 
         torch.library.opcheck(torch.ops.mla_quant_cpu.latent_decode.default,

@@ -282,6 +282,11 @@ def read_path(fmt, d: int, layout: PageLayout, pages: torch.Tensor,
         return PagedPath(pages, pairs=desc, parts=views, decode=lambda parts: fmt.decode(parts, d, torch.float32))
     k = fmt.kernel_spec(d)
     data = views["values"] if k["bits"] == 0 else views["codes"]
+    codes = k.get("codes", "words")
+    if codes != "words":  # an engine's floating-point byte codes: the PyTorch paths read them through the codec
+        return PagedPath(data, views.get("scales"), None, k["bits"], k["group"], True, k["pow2"], codes=codes,
+                         scales_as=k.get("scales_as"), parts=views,
+                         decode=lambda parts: fmt.decode(parts, d, torch.float32))
     return PagedPath(data, views.get("scales"), views.get("zeros"), k["bits"], k["group"], k["symmetric"], k["pow2"],
                      fmt.codebook(required=True, device=data.device))
 

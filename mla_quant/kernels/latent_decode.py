@@ -46,8 +46,8 @@ import triton.language as tl
 
 from mla_quant.kernels.decode_plan import launch_config, next_pow2, num_sms, split_plan
 from mla_quant.kernels.layout import (  # noqa: F401 (Segment, the checks: part of this API)
-    FLOAT_DTYPES, KERNEL_BITS, POW2_CODE, PagedPath, Segment, WordLayout, check_inputs, flat_pairs,
-    rows_contiguous,
+    CODES, FLOAT_DTYPES, KERNEL_BITS, POW2_CODE, SCALE_KINDS, PagedPath, Segment, WordLayout, check_inputs,
+    flat_pairs, rows_contiguous, scale_kind,
 )
 
 DOTS = ("auto", "ieee", "bf16")
@@ -64,10 +64,18 @@ def require_triton(what: str = "quant.backend=triton", hint: str = "") -> None:
 
 # ------------------------------------------------------------------------------------------------------ kernel
 @triton.jit
-def _layout(D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _layout(D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr, CODES: tl.constexpr):
     """Positions of a path's tile in its storage order and the channel each holds: position k * BLOCK_W + j is
-    field k of word j, channel k W + j (WordLayout; float values: P = 1, the identity). Returns (channel, valid)."""
-    if BITS == 0:
+    field k of word j, channel k W + j (WordLayout; float values and byte codes read bytewise: the identity; byte
+    codes read as int32 words, CODES 3 and 4: field k of word j holds channel P j + k). Returns (channel, valid)."""
+    if CODES >= 3:
+        P: tl.constexpr = 32 // BITS
+        BLOCK_W_: tl.constexpr = BLOCK_D // P
+        pos = tl.arange(0, BLOCK_D)
+        j = pos % BLOCK_W_
+        ch = j * P + pos // BLOCK_W_
+        ok = ch < D
+    elif BITS == 0 or CODES != 0:
         ch = tl.arange(0, BLOCK_D)
         ok = ch < D
     else:
@@ -82,9 +90,94 @@ def _layout(D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _e4m3(b):
+    """e4m3fn bits (int32, 0..255) -> their float32 values, exactly: the exponent and mantissa fields moved into a
+    float32's (normal values), m 2^-9 (subnormal). No NaN is ever stored (the encoders saturate at +-448)."""
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((b & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def _e2m1(c):
+    """e2m1 codes (int32, 0..15: bit 3 the sign) -> their float32 values 0, 0.5, 1, 1.5, 2, 3, 4, 6 (signed)."""
+    e = (c >> 1) & 3
+    man = (c & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * man, (2.0 + man) * (1 << e).to(tl.float32) * 0.25)
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _scale_values(s, SKIND: tl.constexpr):
+    """Stored scales -> float32 by their kind (`SCALE_KINDS`): a float dtype, int8 power-of-two exponents (2^s),
+    E8M0 bytes (2^(s - 127), 0 -> 2^-127), e4m3 bytes."""
+    if SKIND == 1:
+        out = tl.exp2(s.to(tl.float32))
+    elif SKIND == 2:
+        e = s.to(tl.int32) & 255
+        out = tl.where(e == 0, 1 << 22, e << 23).to(tl.float32, bitcast=True)
+    elif SKIND == 3:
+        out = _e4m3(s.to(tl.int32) & 255)
+    else:
+        out = s.to(tl.float32)
+    return out
+
+
+@triton.jit
+def _byte_tile(base, sc_base, blk, slot, ok_t, stride, sc_stride, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               GROUP: tl.constexpr, SKIND: tl.constexpr, CODES: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] float32 tile of a path of floating-point byte codes (the engines' formats): e4m3 (CODES 1
+    and 3, one byte per value) or e2m1 (CODES 2 and 4, two per byte, the even value in the low nibble), times a scale
+    per group of GROUP values (the last group may be shorter: ceil(D / GROUP) per token) of kind SKIND, or none
+    (SKIND=4). CODES 1, 2: in channel order, a byte per value. CODES 3, 4 (a token's bytes a whole number of int32
+    words, a group a whole number of words): one load of the tile's words, a broadcast shift and mask into (N, P,
+    BLOCK_W) fields (field k of word j: channel P j + k, `_layout`), the scale one per token and word."""
+    if CODES >= 3:
+        BITS: tl.constexpr = 8 if CODES == 3 else 4
+        P: tl.constexpr = 32 // BITS
+        W: tl.constexpr = D // P
+        BLOCK_W: tl.constexpr = BLOCK_D // P
+        j = tl.arange(0, BLOCK_W)
+        k = tl.arange(0, P)
+        w_ok = ok_t[:, None] & (j < W)[None, :]
+        words = tl.load(base.to(tl.pointer_type(tl.int32)) + (blk * (stride // 4) + slot * W)[:, None] + j[None, :],
+                        mask=w_ok, other=0)
+        f = (words[:, None, :] >> (k * BITS)[None, :, None]) & ((1 << BITS) - 1)  # [N, P, BLOCK_W]
+        if CODES == 3:
+            v = _e4m3(f)
+        else:
+            v = _e2m1(f)
+        if SKIND != 4:
+            G: tl.constexpr = (D + GROUP - 1) // GROUP
+            s = tl.load(sc_base + (blk * sc_stride + slot * G)[:, None] + ((j * P) // GROUP)[None, :], mask=w_ok,
+                        other=0)
+            v = v * _scale_values(s, SKIND)[:, None, :]
+        x = tl.reshape(v, [v.shape[0], BLOCK_D])
+    else:
+        ch = tl.arange(0, BLOCK_D)
+        m = ok_t[:, None] & (ch < D)[None, :]
+        if CODES == 1:
+            b = tl.load(base + (blk * stride + slot * D)[:, None] + ch[None, :], mask=m, other=0).to(tl.int32)
+            v = _e4m3(b & 255)
+        else:
+            ROW: tl.constexpr = (D + 1) // 2
+            b = tl.load(base + (blk * stride + slot * ROW)[:, None] + (ch // 2)[None, :], mask=m,
+                        other=0).to(tl.int32)
+            v = _e2m1((b >> ((ch % 2) * 4)[None, :]) & 15)
+        if SKIND != 4:
+            G: tl.constexpr = (D + GROUP - 1) // GROUP
+            s = tl.load(sc_base + (blk * sc_stride + slot * G)[:, None] + (ch // GROUP)[None, :], mask=m, other=0)
+            v = v * _scale_values(s, SKIND)
+        x = v
+    return x
+
+
+@triton.jit
 def _dequant_tile(base, sc_base, z_base, lv_base, blk, slot, ok_t, stride, sc_stride, z_stride, D: tl.constexpr,
                   BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SYM: tl.constexpr,
-                  POW2: tl.constexpr, CB: tl.constexpr):
+                  SKIND: tl.constexpr, CB: tl.constexpr, CODES: tl.constexpr):
     """[BLOCK_N, BLOCK_D] float32 tile of one path for the tokens in slots `slot` of blocks `blk` (int64), in the
     path's storage order (`_layout`). Each tensor has its own block stride (`stride`, `sc_stride`, `z_stride`: a page
     when they are views of one page pool) and contiguous rows, so a token's words start at blk * stride + slot * W, its
@@ -92,9 +185,11 @@ def _dequant_tile(base, sc_base, z_base, lv_base, blk, slot, ok_t, stride, sc_st
     Codes: one load of the tile's int32 words, a broadcast shift and mask into (N, P, BLOCK_W) runs of channels, the
     scale and zero applied per run where a run lies in one group (per value otherwise), flattened in place.
     CB: a codebook of 2^BITS levels at lv_base; code q reads levels[q] (a select over levels held in registers at
-    2 and 4 bits, a gather at 8)."""
-    if BITS == 0:
-        ch, ch_ok = _layout(D, BITS, BLOCK_D)
+    2 and 4 bits, a gather at 8). CODES != 0: floating-point byte codes (`_byte_tile`), in channel order."""
+    if CODES != 0:
+        x = _byte_tile(base, sc_base, blk, slot, ok_t, stride, sc_stride, D, BLOCK_D, GROUP, SKIND, CODES)
+    elif BITS == 0:
+        ch, ch_ok = _layout(D, BITS, BLOCK_D, CODES)
         x = tl.load(base + (blk * stride + slot * D)[:, None] + ch[None, :], mask=ok_t[:, None] & ch_ok[None, :],
                     other=0.0).to(tl.float32)
     else:
@@ -124,11 +219,7 @@ def _dequant_tile(base, sc_base, z_base, lv_base, blk, slot, ok_t, stride, sc_st
             ch = k[:, None] * W + j[None, :]  # [PW, BW]
             g = (ch // GROUP)[None, :, :]
             g_ok = ok_t[:, None, None] & ((j < W)[None, :] & (ch < D))[None, :, :]
-        s = tl.load(sc_base + s_row + g, mask=g_ok, other=0)
-        if POW2:
-            s = tl.exp2(s.to(tl.float32))
-        else:
-            s = s.to(tl.float32)
+        s = _scale_values(tl.load(sc_base + s_row + g, mask=g_ok, other=0), SKIND)
         if SYM:
             x = (q - (1 << (BITS - 1))) * s
         else:
@@ -255,16 +346,18 @@ def _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_
     C_BITS: tl.constexpr = FMT[0]
     C_GROUP: tl.constexpr = FMT[1]
     C_SYM: tl.constexpr = FMT[2]
-    C_POW2: tl.constexpr = FMT[3]
+    C_SKIND: tl.constexpr = FMT[3]
     R_BITS: tl.constexpr = FMT[4]
     R_GROUP: tl.constexpr = FMT[5]
     R_SYM: tl.constexpr = FMT[6]
-    R_POW2: tl.constexpr = FMT[7]
+    R_SKIND: tl.constexpr = FMT[7]
     C_CB: tl.constexpr = FMT[8]
     R_CB: tl.constexpr = FMT[9]
     R_PAIRS: tl.constexpr = FMT[10]
-    dc, dc_ok = _layout(DC, C_BITS, BLOCK_DC)
-    dr, dr_ok = _layout(DR, R_BITS, BLOCK_DR)
+    C_CODES: tl.constexpr = FMT[11]
+    R_CODES: tl.constexpr = FMT[12]
+    dc, dc_ok = _layout(DC, C_BITS, BLOCK_DC, C_CODES)
+    dr, dr_ok = _layout(DR, R_BITS, BLOCK_DR, R_CODES)
     q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + dc[None, :],
                 mask=h_ok[:, None] & dc_ok[None, :], other=0.0).to(tl.float32)
     qr = tl.load(QR + b.to(tl.int64) * stride_qrb + h[:, None] * stride_qrh + dr[None, :],
@@ -282,12 +375,12 @@ def _split_partial(Q, QR, stride_qb, stride_qh, stride_qrb, stride_qrh, b, h, h_
         blk = tl.load(TABLE + b.to(tl.int64) * TABLE_W + tok // BS, mask=tok_ok, other=0).to(tl.int64)
         slot = (tok % BS).to(tl.int64)
         c = _dequant_tile(C, C_SC, C_Z, C_LV, blk, slot, tok_ok, C_ST, C_SC_ST, C_Z_ST, DC, BLOCK_DC, C_BITS,
-                          C_GROUP, C_SYM, C_POW2, C_CB)
+                          C_GROUP, C_SYM, C_SKIND, C_CB, C_CODES)
         if R_PAIRS[0] == 1:  # bits per group of RoPE pairs: the tile from the path's pages, in channel order
             r = _pairs_tile(R, blk, slot, tok_ok, R_ST, DR, BLOCK_DR, R_PAIRS)
         else:
             r = _dequant_tile(R, R_SC, R_Z, R_LV, blk, slot, tok_ok, R_ST, R_SC_ST, R_Z_ST, DR, BLOCK_DR, R_BITS,
-                              R_GROUP, R_SYM, R_POW2, R_CB)
+                              R_GROUP, R_SYM, R_SKIND, R_CB, R_CODES)
         c, r = _operand(c, DOT_MODE), _operand(r, DOT_MODE)  # the tile both products read, in their dtype once
         s = (_dot(q, tl.trans(c), DOT_MODE) + _dot(qr, tl.trans(r), DOT_MODE)) * scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
@@ -349,14 +442,30 @@ def _merge_kernel(O_PART, LSE_PART, OUT, stride_ob, stride_os, stride_oh, stride
     tl.store(OUT + b * stride_outb + h * stride_outh + dc, acc, mask=dc < DC)
 
 
-def _format_constexprs(seg: Segment) -> tuple:
-    """A segment's formats, compile-time: per path bits, group, symmetric, pow2 scales (content, then rope), whether
-    each path reads a codebook, then the RoPE pairs descriptor ((0,): none)."""
+def _codes_constexpr(p: PagedPath, d: int) -> int:
+    """How the kernel reads a path's codes: 0 int32 words or float values; floating-point byte codes as int32 words
+    (3 e4m3, 4 e2m1) where a token's bytes are whole words, every group whole words and the tensor word-aligned, else
+    a byte per value (1 e4m3, 2 e2m1)."""
+    kind = CODES.index(p.codes)
+    if kind == 0:
+        return 0
+    per_word = 32 // p.bits
+    group = p.group if p.scales is not None else d
+    aligned = p.data.stride(0) % 4 == 0 and p.data.data_ptr() % 4 == 0
+    return kind + 2 if d % per_word == 0 and group % per_word == 0 and aligned else kind
+
+
+def _format_constexprs(seg: Segment, d_c: int, d_r: int) -> tuple:
+    """A segment's formats, compile-time: per path bits, group, symmetric, the scales' kind (`scale_kind`; content,
+    then rope), whether each path reads a codebook, the RoPE pairs descriptor ((0,): none), then how each path's
+    codes are read (`_codes_constexpr`)."""
     out = []
     for p in (seg.content, seg.rope):
-        out += [p.bits, p.group if p.bits else 1, bool(p.symmetric or p.bits == 0), bool(p.pow2 and p.bits > 0)]
+        out += [p.bits, p.group if p.bits else 1, bool(p.symmetric or p.bits == 0),
+                scale_kind(p) if p.bits > 0 else 0]
     out += [p.levels is not None and p.bits > 0 for p in (seg.content, seg.rope)]
     out.append(flat_pairs(seg.rope.pairs) if seg.rope.pairs is not None else (0,))
+    out += [_codes_constexpr(seg.content, d_c), _codes_constexpr(seg.rope, d_r)]
     return tuple(out)
 
 
@@ -366,7 +475,8 @@ def _descriptor(seg: Segment, first: int, plan: tuple[int, int], dummy: torch.Te
     segment's first split and its number of splits, then each path's codebook levels."""
     tensors = []
     for p in (seg.content, seg.rope):
-        tensors += [p.data, None if p.bits == 0 else p.scales, None if p.bits == 0 or p.symmetric else p.zeros]
+        tensors += [p.data, None if p.bits == 0 else p.scales,
+                    None if p.bits == 0 or p.symmetric or p.codes != "words" else p.zeros]
     strides = [0 if t is None else t.stride(0) for t in tensors]
     lengths = seg.lengths if seg.lengths.dtype == torch.int32 else seg.lengths.to(torch.int32)
     tokens_per_split, splits = plan
@@ -412,7 +522,7 @@ def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, se
         o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
         lse_part.stride(1), float(scale), h,
         tuple(_descriptor(seg, first, p, dummy) for seg, first, p in zip(segments, firsts, plan)),
-        tuple(_format_constexprs(seg) for seg in segments),
+        tuple(_format_constexprs(seg, d_c, d_r) for seg in segments),
         NSEG=len(segments), DC=d_c, DR=d_r, BLOCK_H=cfg["block_h"], BLOCK_DC=next_pow2(d_c),
         BLOCK_DR=next_pow2(d_r), BLOCK_N=cfg["block_n"], DOT_MODE=dot_mode, num_warps=cfg["num_warps"], **extra,
     )

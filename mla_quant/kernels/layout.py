@@ -44,6 +44,13 @@ SCALE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.flo
 ZERO_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "pow2": torch.float16}
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.int8: 3}  # the kernels' typed reads
 POW2_CODE = DTYPE_CODES[SCALE_DTYPES["pow2"]]  # int8 scales are power-of-two exponents
+# How a path's codes are stored (`PagedPath.codes`): int32 words (WordLayout; also float values), or the engines'
+# floating-point byte codes: e4m3 (one byte per value) and e2m1 (two per byte, the even value in the low nibble).
+CODES = ("words", "e4m3", "e2m1")
+CODE_BITS = {"e4m3": 8, "e2m1": 4}
+# What a stored scale is (`scale_kind`): a float dtype, an int8 power-of-two exponent (pow2), an E8M0 byte
+# (2^(s - 127)), e4m3 bits, or no scale at all.
+SCALE_KINDS = ("float", "pow2", "e8m0", "e4m3", "none")
 
 
 @dataclass(frozen=True)
@@ -251,7 +258,11 @@ class PagedPath:
     lloyd quantizer): code q reads levels[q] in place of q, x = levels[q] s + z.
     A path stored in parts of several widths (the RoPE key with bits per group of frequency pairs): `data` is its
     page pool (num_blocks, page bytes) uint8, `pairs` the kernel's static description of a page (the codec's
-    `kernel_pairs`), `parts` its parts' page views and `decode` their rows -> values (..., d)."""
+    `kernel_pairs`), `parts` its parts' page views and `decode` their rows -> values (..., d).
+    Floating-point byte codes (the engines' formats, `codes` "e4m3" or "e2m1" at bits 8 or 4): `data` is uint8
+    (.., ceil(d bits / 8)) in channel order, `scales` (.., ceil(d / group)) one per group (the last group may be
+    shorter) of kind `scales_as` ("e8m0", "e4m3": uint8 bytes; None: a float dtype) or None (unscaled), x = value
+    times scale; `parts` and `decode` give the PyTorch paths the codec's own decoding."""
 
     data: torch.Tensor
     scales: torch.Tensor | None = None
@@ -264,6 +275,8 @@ class PagedPath:
     pairs: tuple | None = None
     parts: dict[str, torch.Tensor] | None = None
     decode: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
+    codes: str = "words"
+    scales_as: str | None = None
 
 
 @dataclass
@@ -288,6 +301,42 @@ class Segment:
         if self.max_len is not None:
             return self.max_len
         return int(self.lengths.max()) if self.lengths.numel() else 0
+
+
+def scale_kind(p: PagedPath) -> int:
+    """The index in `SCALE_KINDS` of what a path's stored scales are."""
+    if p.codes != "words" and p.scales is None:
+        return SCALE_KINDS.index("none")
+    if p.scales_as is not None:
+        return SCALE_KINDS.index(p.scales_as)
+    return SCALE_KINDS.index("pow2" if p.pow2 else "float")
+
+
+def _check_byte_codes(p: PagedPath, d: int, name: str, blocks: tuple[int, int]) -> list[tuple[str, torch.Tensor]]:
+    """The checks of a path of floating-point byte codes (`PagedPath`); returns its (part, tensor) pairs."""
+    if p.codes not in CODE_BITS or p.bits != CODE_BITS[p.codes]:
+        raise ValueError(f"{name}.codes={p.codes!r} with bits={p.bits}; allowed: {CODE_BITS} (codes: bits)")
+    row = -(-d * p.bits // 8)
+    if p.data.dtype != torch.uint8 or p.data.shape[-1] != row:
+        raise ValueError(f"{name}.data: uint8 {p.codes} codes (.., {row}) expected, got {p.data.dtype} "
+                         f"{tuple(p.data.shape)}")
+    if not p.symmetric or p.levels is not None or p.zeros is not None:
+        raise ValueError(f"{name}: {p.codes} codes take no zeros and no codebook (symmetric=True, zeros=None, "
+                         f"levels=None)")
+    if p.group <= 0:
+        raise ValueError(f"{name}.group={p.group}: must be a positive number of values per scale")
+    parts = [("data", p.data)]
+    if p.scales is not None:
+        groups = -(-d // p.group)
+        if tuple(p.scales.shape) != blocks + (groups,):
+            raise ValueError(f"{name}.scales must be (num_blocks, block_size, {groups}), got shape "
+                             f"{tuple(p.scales.shape)}")
+        wanted = {None: (torch.int8,) if p.pow2 else FLOAT_DTYPES, "e8m0": (torch.uint8,), "e4m3": (torch.uint8,)}
+        if p.scales_as not in wanted or p.scales.dtype not in wanted[p.scales_as]:
+            raise ValueError(f"{name}.scales: {p.scales.dtype} as {p.scales_as!r} (pow2={p.pow2}); allowed: a float "
+                             f"dtype (None), int8 exponents (None, pow2=True), or uint8 bytes as 'e8m0' or 'e4m3'")
+        parts.append(("scales", p.scales))
+    return parts
 
 
 # ---------------------------------------------------------------------------------- what every decode kernel checks
@@ -315,7 +364,11 @@ def _check_path(p: PagedPath, d: int, name: str, blocks: tuple[int, int], device
     if p.data.dim() != 3 or tuple(p.data.shape[:2]) != blocks:
         raise ValueError(f"{name}.data must be (num_blocks, block_size, *) = {blocks + ('*',)}, "
                          f"got {tuple(p.data.shape)}")
-    if p.bits == 0:
+    if p.codes not in CODES:
+        raise ValueError(f"{name}.codes={p.codes!r}; allowed: {list(CODES)}")
+    if p.codes != "words":
+        parts = _check_byte_codes(p, d, name, blocks)
+    elif p.bits == 0:
         if p.data.dtype not in FLOAT_DTYPES or p.data.shape[-1] != d:
             raise ValueError(f"{name}.data: float values (.., {d}) in one of {[str(t) for t in FLOAT_DTYPES]} "
                              f"expected for bits=0, got {p.data.dtype} {tuple(p.data.shape)}")

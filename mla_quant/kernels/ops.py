@@ -7,7 +7,7 @@ captures it.
 
 An operator takes tensors and numbers only: `flatten(segments)` lays each `Segment` out as a list of tensors (None
 where a part is absent, `SEGMENT_TENSORS` per segment) and a list of ints (per segment: each path's bits, group,
-symmetric and pow2, the longest length (-1: none), whether it is dense rows, then the RoPE pairs descriptor
+symmetric, pow2, its codes and what its scales are (`layout.CODES`, `layout.SCALE_KINDS`), the longest length (-1: none), whether it is dense rows, then the RoPE pairs descriptor
 (`layout.flat_pairs`) after its length, 0 for none), and the Triton operator's
 implementation rebuilds the segments (`unflatten`) to launch the kernel. The C++ kernel registers its own operator
 (kernels/csrc/latent_decode_cpu.cpp); kernels/cpu_decode.py registers its fake implementation once it is loaded.
@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from mla_quant.kernels.layout import PagedPath, Segment, flat_pairs, nested_pairs
+from mla_quant.kernels.layout import CODES, SCALE_KINDS, PagedPath, Segment, flat_pairs, nested_pairs
 
 SEGMENT_TENSORS = 10  # per segment: content data, scales, zeros, levels; rope the same; block table; lengths
-_PATH_META = 4  # per path: bits, group, symmetric, pow2
+_PATH_META = 6  # per path: bits, group, symmetric, pow2, codes, what its scales are (-1: a float or pow2 dtype)
 
 
 def _path_meta(p: PagedPath) -> list[int]:
-    return [int(p.bits), int(p.group), int(bool(p.symmetric)), int(bool(p.pow2))]
+    return [int(p.bits), int(p.group), int(bool(p.symmetric)), int(bool(p.pow2)), CODES.index(p.codes),
+            -1 if p.scales_as is None else SCALE_KINDS.index(p.scales_as)]
 
 
 def flatten(segments) -> tuple[list[torch.Tensor | None], list[int]]:
@@ -41,8 +42,9 @@ def flatten(segments) -> tuple[list[torch.Tensor | None], list[int]]:
 
 
 def _path(parts: list, meta: list[int], pairs: tuple | None = None) -> PagedPath:
-    bits, group, sym, pow2 = meta
-    return PagedPath(parts[0], parts[1], parts[2], bits, group, bool(sym), bool(pow2), parts[3], pairs)
+    bits, group, sym, pow2, codes, scales_as = meta
+    return PagedPath(parts[0], parts[1], parts[2], bits, group, bool(sym), bool(pow2), parts[3], pairs,
+                     codes=CODES[codes], scales_as=None if scales_as < 0 else SCALE_KINDS[scales_as])
 
 
 def unflatten(tensors: list[torch.Tensor | None], meta: list[int]) -> list[Segment]:

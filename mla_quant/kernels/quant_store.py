@@ -93,7 +93,7 @@ def _quantize_append_kernel(X, stride_x, ROWS, POS, TABLE, TABLE_W, BS, CODES, S
     NG: tl.constexpr = D // GROUP
     s_dest = SCALES + blk * stride_s + slot * NG  # the token's first scale (zero): its block's page, its slot
     z_dest = ZEROS + blk * stride_z + slot * NG
-    ch, ok = _layout(D, BITS, BLOCK_D)  # the token in its storage order
+    ch, ok = _layout(D, BITS, BLOCK_D, 0)  # the token in its storage order (int32 words)
     x = tl.load(X + i * stride_x + ch, mask=ok, other=0.0).to(tl.float32)
     gid = ch // GROUP
     s_of = tl.zeros_like(x)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from mla_quant.kernels.layout import SCALE_DTYPES, WORD_BITS, ZERO_DTYPES
+from mla_quant.kernels.layout import CODE_BITS, SCALE_DTYPES, WORD_BITS, ZERO_DTYPES
 from mla_quant.quant import quantizers
 
 GRANULARITIES = ("group", "tensor")
@@ -107,6 +107,12 @@ class Codec:
     def kernel_spec(self, fmt: "PathFormat", d: int) -> dict:
         """The kernel's compile-time description of the stored tensors (see kernels/latent_decode.py)."""
         raise NotImplementedError
+
+    @staticmethod
+    def byte_codes_spec(codes: str, group: int, scales_as: str | None = None, pow2: bool = False) -> dict:
+        """`kernel_spec` of an engine format stored as floating-point byte codes (`PagedPath`, kernels/layout.py):
+        e4m3 or e2m1 codes, one scale per `group` values (none when the format stores none) of kind `scales_as`."""
+        return dict(bits=CODE_BITS[codes], group=group, symmetric=True, pow2=pow2, codes=codes, scales_as=scales_as)
 
     def describe(self, fmt: "PathFormat") -> str:
         return self.name

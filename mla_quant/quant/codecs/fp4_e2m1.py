@@ -70,6 +70,12 @@ class Fp4E2m1Codec(Codec):
     def decode(self, fmt, parts, d, dtype, tensor_scale):
         return fp4_e2m1_decode(parts, d, dtype)
 
+    def kernel_unsupported(self, fmt, d):
+        return None
+
+    def kernel_spec(self, fmt, d):
+        return self.byte_codes_spec("e2m1", BLOCK, "e8m0")
+
     def describe(self, fmt):
         return "fp4 e2m1 g=16 e8m0 scales"
 

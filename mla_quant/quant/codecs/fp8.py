@@ -56,6 +56,12 @@ class Fp8Codec(Codec):
             return (x * tensor_scale.float().reshape(*x.shape[:-1], 1)).to(dtype)
         return fp8_dequantize(parts["codes"], parts["scales"], dtype)
 
+    def kernel_unsupported(self, fmt, d):
+        return "granularity=tensor (a scale per sequence)" if fmt.granularity == "tensor" else None
+
+    def kernel_spec(self, fmt, d):
+        return self.byte_codes_spec("e4m3", fmt.group_size or d, pow2=fmt.scale_dtype == "pow2")
+
     def describe(self, fmt):
         if fmt.granularity == "unscaled":
             return "fp8 e4m3, unscaled"

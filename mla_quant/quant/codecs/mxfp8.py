@@ -82,5 +82,11 @@ class Mxfp8Codec(Codec):
     def decode(self, fmt, parts, d, dtype, tensor_scale):
         return mxfp8_decode(parts, d, dtype)
 
+    def kernel_unsupported(self, fmt, d):
+        return None
+
+    def kernel_spec(self, fmt, d):
+        return self.byte_codes_spec("e4m3", BLOCK, "e8m0")
+
     def describe(self, fmt):
         return "mxfp8 e4m3 g=32 e8m0 scales"

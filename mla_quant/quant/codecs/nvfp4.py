@@ -103,6 +103,12 @@ class Nvfp4Codec(Codec):
     def decode(self, fmt, parts, d, dtype, tensor_scale):
         return nvfp4_decode(parts, d, dtype)
 
+    def kernel_unsupported(self, fmt, d):
+        return None
+
+    def kernel_spec(self, fmt, d):
+        return self.byte_codes_spec("e2m1", BLOCK, "e4m3")
+
     def describe(self, fmt):
         return "nvfp4 e2m1 g=16 e4m3 scales"
 

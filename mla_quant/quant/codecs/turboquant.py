@@ -173,6 +173,14 @@ class TurboQuantCodec(Codec):
             return fp8_decode(parts, dtype)
         return tq_decode(parts, d, fmt.bits, dtype)
 
+    def kernel_unsupported(self, fmt, d):
+        if fmt.bits != FP8_BITS:  # the codes index levels of the rotated vector, in a 3/4-bit stream
+            return f"bits={fmt.bits} (the decode kernels read format=turboquant at {FP8_BITS} bits, e4m3)"
+        return None
+
+    def kernel_spec(self, fmt, d):
+        return self.byte_codes_spec("e4m3", d)
+
     def describe(self, fmt):
         if fmt.bits == FP8_BITS:
             return "turboquant fp8 e4m3" + (", unscaled" if fmt.granularity == "unscaled" else ", fp16 scale per token")
