@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import HAS_CXX
 from omegaconf import OmegaConf
-from test_kernel import FORMATS, dense_attention, filled_layer
+from test_kernel import ENGINE_FORMATS, FORMATS, dense_attention, filled_layer
 
 from mla_quant.cache import cache_layer_factory
 from mla_quant.cache.bytes import load_quant_option
@@ -23,6 +23,7 @@ from mla_quant.models.absorbed import cache_kwargs, quantized_cache
 
 # Where a C++ compiler exists the kernel must build (a build that fails fails these tests); without one they skip.
 pytestmark = pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
+FORMATS = {**FORMATS, **ENGINE_FORMATS}
 READ = [name for name in FORMATS if "pairs" not in name]  # every format but the RoPE key of several widths
 
 
@@ -45,6 +46,37 @@ def test_cpu_kernel_matches_reference(name, heads):
     ref = latent_decode_reference(q_latent, q_rope, 0.12, segments)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}, {heads} heads: {m}")
     torch.testing.assert_close(out, dense_attention(layer, q_latent, q_rope, 0.12), rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_kernel_reads_every_e4m3_code_and_odd_widths():
+    """Every finite e4m3 byte as a token's value (scaled by E8M0 bytes), and e4m3 / e2m1 paths whose width is not a
+    multiple of the group (one shorter group) or odd (e2m1: the last byte half used), against the reference."""
+    from mla_quant.kernels.layout import PagedPath, Segment
+
+    n = 254
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    g = torch.Generator().manual_seed(7)
+    for kind, d, group, scales_as in (("e4m3", 5, 2, "e8m0"), ("e2m1", 5, 4, "e4m3"), ("e4m3", 3, 3, None)):
+        row = -(-d * (8 if kind == "e4m3" else 4) // 8)
+        data = torch.randint(0, 256, (n, 1, row), generator=g, dtype=torch.uint8)
+        if kind == "e4m3":
+            data[:, 0, 0] = codes  # every finite e4m3 code in channel 0
+            data[data == 0x7F] = 0x7E  # no NaN elsewhere either
+            data[data == 0xFF] = 0xFE
+        groups = -(-d // group)
+        if scales_as == "e8m0":
+            scales = torch.randint(100, 150, (n, 1, groups), generator=g, dtype=torch.uint8)
+        elif scales_as == "e4m3":
+            scales = torch.randint(0x20, 0x60, (n, 1, groups), generator=g, dtype=torch.uint8)
+        else:
+            scales = torch.rand(n, 1, groups, generator=g).half()
+        path = PagedPath(data, scales, None, 8 if kind == "e4m3" else 4, group, True, codes=kind, scales_as=scales_as)
+        rope = PagedPath(torch.randn(n, 1, 2, generator=g))
+        seg = Segment(path, rope, torch.arange(n, dtype=torch.int32)[None, :], torch.tensor([n], dtype=torch.int32))
+        q_latent, q_rope = queries(1, 3, d, 2)
+        torch.testing.assert_close(latent_decode_cpu(q_latent, q_rope, 0.3, [seg]),
+                                   latent_decode_reference(q_latent, q_rope, 0.3, [seg]), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{kind} d={d} g={group} {scales_as}: {m}")
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -142,8 +142,8 @@ def test_e4m3_codes_of_a_width_that_is_not_whole_words_are_read_a_byte_at_a_time
 
 @pytest.mark.parametrize("option", ["nvfp4_ds_mla", "mxfp8"])
 def test_engine_formats_decode_through_the_triton_kernel_as_torch_does(option):
-    """quant.backend=triton on an engine's format: decode steps read its pages through the kernel, with the outputs
-    of the PyTorch layer over the same stored tokens; the C++ kernel refuses it by name."""
+    """quant.backend=triton (and cpu, the C++ kernel, where it builds) on an engine's format: decode steps read its
+    pages through the kernel, with the outputs of the PyTorch layer over the same stored tokens."""
     from mla_quant.cache import layer_factory
     from mla_quant.quant.formats import cache_format
 
@@ -151,15 +151,14 @@ def test_engine_formats_decode_through_the_triton_kernel_as_torch_does(option):
     c, r = torch.randn(2, 150, 96, generator=g).to(DEVICE), (3 * torch.randn(2, 150, 16, generator=g)).to(DEVICE)
     q = torch.randn(2, 4, 1, 96, generator=g).to(DEVICE), torch.randn(2, 4, 1, 16, generator=g).to(DEVICE)
     outs = {}
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", *(("cpu",) if HAS_CXX else ())):
         layer = layer_factory(cache_format(OmegaConf.merge(load_quant_option(option), {"backend": backend}), 96, 16))()
         layer.append(c[:, :140], r[:, :140])
         outs[backend] = [layer.attend(*q, c[:, i : i + 1], r[:, i : i + 1], 0.1, None) for i in range(140, 143)]
         assert layer.backend_steps[("decode", backend)] == 3
-    for got, want in zip(outs["triton"], outs["torch"]):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match=r"quant.content.format=\w+ \(floating-point byte codes: the Triton kernel"):
-        cache_layer_factory(OmegaConf.merge(load_quant_option(option), {"backend": "cpu"}), 96, 16)
+    for backend in set(outs) - {"torch"}:
+        for got, want in zip(outs[backend], outs["torch"]):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{backend}: {m}")
 
 
 def test_every_e4m3_and_e2m1_code_and_scale_byte_reads_as_torch_casts_it():
@@ -321,7 +320,7 @@ def test_no_gpu_and_no_interpreter_is_a_clear_error(monkeypatch):
     ("int4_joint", {"content": {"group_size": 32}}, "triton", CPU_DECODE),
     ("bf16", {}, "triton", CPU_DECODE),
     ("int4_joint", {"content": {"bits": 3, "group_size": 32}}, "torch", "torch"),  # a width no kernel unpacks
-    ("fp8_ds_mla", {"content": {"group_size": 32}}, "triton", "torch"),  # e4m3 byte codes: not the C++ kernel
+    ("fp8_ds_mla", {"content": {"group_size": 32}}, "triton", CPU_DECODE),  # e4m3 byte codes
     ("fp8_flat", {}, "torch", "torch"),  # a scale per sequence
     ("int4_joint", {"content": {"group_size": 32}, "rope": {"bits": [8, 4]}}, "triton", "torch"),  # pair widths
 ])

@@ -43,3 +43,17 @@ def test_kernels_compile_for_ampere_and_hopper(tmp_path):
     assert df.shared_ok.all() and (df.blocks_per_sm >= 1).all()
     assert (df[df.kernel != "decode_stage1"].stack_B == 0).all()  # the merge and the store keep to registers
     assert (stage1.mma_ops > 0).all()  # bfloat16 activations: the products a GPU launch runs on tensor cores
+
+
+def test_a_format_the_kernel_does_not_read_is_refused_by_name():
+    """kivi_int2 (its content per channel over blocks of tokens) has no kernel specialization to compile: refused
+    before anything compiles, naming the option and why."""
+    import pytest
+    from conftest import compose
+
+    from mla_quant.stages import kernel_report
+
+    kernel_report.check(compose(["experiment=kernel_report"]))  # the default list: every option the kernel reads
+    with pytest.raises(ValueError, match=r"task.formats: kivi_int2 \(quant.content.format=channel_block\) is not "
+                                         r"read by the Triton decode kernel"):
+        kernel_report.check(compose(["experiment=kernel_report", "task.formats=[int4_joint,kivi_int2]"]))

@@ -86,12 +86,14 @@ def _int_bits() -> list[int]:
 DECODE_BACKENDS: dict[str, DecodeBackend] = {
     b.name: b for b in (
         DecodeBackend("triton", ("cuda",), lambda fmt: fmt.kernel_unsupported(),
-                      f"bf16 paths, int with bits {_int_bits()}, or widths per group of RoPE pairs",
+                      f"bf16 paths, int with bits {_int_bits()}, widths per group of RoPE pairs, or the engines' e4m3 "
+                      f"and e2m1 codes",
                       _triton_unavailable, _require_triton,
                       "use quant.backend=auto, or cpu for the C++ kernel; TRITON_INTERPRET=1 before starting runs "
                       "the Triton kernel in its CPU interpreter", stores=True, interpreter="TRITON_INTERPRET"),
         DecodeBackend("cpu", ("cpu",), lambda fmt: fmt.cpu_kernel_unsupported(),
-                      f"bf16 paths or int with bits {_int_bits()}, one width per path",
+                      f"bf16 paths, int with bits {_int_bits()} (one width per path), or the engines' e4m3 and e2m1 "
+                      f"codes",
                       _cpu_unavailable, _require_cpu, "use quant.backend=auto or triton on a GPU"),
     )
 }

@@ -4,7 +4,8 @@
     why = cpu_kernel_unavailable()                                    # None, or why it cannot run here
 
 The CPU counterpart of the Triton kernel (mla_quant/kernels/latent_decode.py), with its signature and its arguments
-(`Segment`s: per path a `PagedPath` of int32 code words with scales, zeros and an optional codebook, or float values;
+(`Segment`s: per path a `PagedPath` of int32 code words with scales, zeros and an optional codebook, float values, or
+the engines' e4m3 / e2m1 byte codes with their scales;
 a block table and tokens per sequence; kernels/layout.py), checked by the same `check_inputs`, and the arithmetic of
 its PyTorch reference `latent_decode_reference`. In one pass over the pages, a tile of 32 tokens at a time, it
 unpacks each token's codes, dequantizes them per group, scores them against every head's query and accumulates the
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from mla_quant.kernels.layout import check_inputs
+from mla_quant.kernels.layout import CODES, SCALE_KINDS, check_inputs
 
 SOURCE = Path(__file__).parent / "csrc" / "latent_decode_cpu.cpp"
 X86_FLAGS = ("avx2", "fma", "f16c")  # the instruction set extensions the x86-64 build is compiled for, when present
@@ -111,10 +112,13 @@ def require_cpu_kernel(what: str = "quant.backend=cpu", hint: str = ""):
 
 
 def _path_tensors(p) -> tuple[list, list[int]]:
+    """A path's 4 tensors and 5 ints: bits, group, symmetric, codes (`layout.CODES`), what uint8 scales are (0: the
+    scales' dtype says; E8M0 or e4m3 bytes: their index in `layout.SCALE_KINDS`)."""
     if p.bits == 0:
-        return [p.data, None, None, None], [0, 1, 1]
-    return ([p.data, p.scales, None if p.symmetric else p.zeros, p.levels],
-            [int(p.bits), int(p.group), int(bool(p.symmetric))])
+        return [p.data, None, None, None], [0, 1, 1, 0, 0]
+    scale_bytes = SCALE_KINDS.index(p.scales_as) if p.scales_as in ("e8m0", "e4m3") else 0
+    return ([p.data, p.scales, None if p.symmetric or p.codes != "words" else p.zeros, p.levels],
+            [int(p.bits), int(p.group), int(bool(p.symmetric)), CODES.index(p.codes), scale_bytes])
 
 
 def latent_decode_cpu(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments) -> torch.Tensor:
@@ -134,7 +138,7 @@ def latent_decode_cpu(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float
 
 
 def operator_arguments(segments) -> tuple[list, list[int]]:
-    """The operator's (tensors, meta) for `segments`: per segment and path 4 tensors and 3 ints, then its block
+    """The operator's (tensors, meta) for `segments`: per segment and path 4 tensors and 5 ints, then its block
     table and lengths."""
     tensors, meta = [], []
     for seg in segments:

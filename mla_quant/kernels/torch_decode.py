@@ -50,10 +50,12 @@ def _gather_path(p: PagedPath, table: torch.Tensor, d: int) -> torch.Tensor:
         x = t[idx]  # (B, max_blocks, block_size, *)
         return x.reshape(x.shape[0], -1, *t.shape[2:])
 
-    if p.decode is not None:  # parts of several widths (format=pairs): its codec
+    if p.decode is not None:  # parts of several widths (format=pairs), an engine's byte codes: its codec
         return p.decode({k: rows(v) for k, v in p.parts.items()}).float()
     if p.bits == 0:
         return rows(p.data).float()
+    if p.codes != "words":
+        return byte_codes(p, rows(p.data), None if p.scales is None else rows(p.scales), d)
     q = WordLayout(p.bits, d).unpack(rows(p.data))
     q = q.float() if p.levels is None else p.levels.float()[q.long()]
     s = rows(p.scales)
@@ -62,6 +64,30 @@ def _gather_path(p: PagedPath, table: torch.Tensor, d: int) -> torch.Tensor:
     if p.symmetric:
         return (q - (1 << (p.bits - 1))) * s
     return q * s + rows(p.zeros).float().repeat_interleave(p.group, dim=-1)
+
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitudes by code & 7 (code & 8: the sign)
+
+
+def byte_codes(p: PagedPath, data: torch.Tensor, scales: torch.Tensor | None, d: int) -> torch.Tensor:
+    """An engine's floating-point byte codes as stored (`PagedPath`: e4m3 bytes, or e2m1 nibbles two per byte, the
+    even value low) (..., row) uint8, and their scales (..., ceil(d / group)) of kind `p.scales_as` or None -> the
+    values (..., d) float32: the rule the kernels implement, written from torch's own e4m3 cast."""
+    if p.codes == "e4m3":
+        x = data.view(torch.float8_e4m3fn).float()
+    else:
+        nibbles = torch.stack([data & 15, data >> 4], dim=-1).flatten(-2)[..., :d].long()
+        mag = torch.tensor(E2M1, device=data.device)[nibbles & 7]
+        x = torch.where((nibbles & 8) != 0, -mag, mag)
+    if scales is None:
+        return x
+    if p.scales_as == "e8m0":
+        s = torch.exp2(scales.float() - 127)
+    elif p.scales_as == "e4m3":
+        s = scales.view(torch.float8_e4m3fn).float()
+    else:
+        s = torch.exp2(scales.float()) if p.pow2 else scales.float()
+    return x * s.repeat_interleave(p.group, dim=-1)[..., :d]
 
 
 def latent_decode_reference(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments,
@@ -98,6 +124,9 @@ class _Chunk:
             return
         if p.bits == 0:
             self.x = read(p.data).float()
+            return
+        if p.codes != "words":  # an engine's byte codes without their codec at hand
+            self.x = byte_codes(p, read(p.data), None if p.scales is None else read(p.scales), d)
             return
         layout = WordLayout(p.bits, d)
         s = read(p.scales)

@@ -95,10 +95,6 @@ class CacheFormat:
         why = self.kernel_unsupported()
         if why is None and self.rope.whole_page:
             why = f"quant.rope.format={self.rope.format}"
-        for path in PATHS:
-            fmt = self.path(path)
-            if why is None and fmt.quantized and fmt.kernel_spec(self.dim(path)).get("codes", "words") != "words":
-                why = f"quant.{path}.format={fmt.format} (floating-point byte codes: the Triton kernel reads them)"
         return why
 
     def step_backends(self, device_type: str) -> dict[str, str]:

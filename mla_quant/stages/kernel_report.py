@@ -46,6 +46,10 @@ def check(cfg: DictConfig) -> None:
             raise ValueError(f"task.dtypes: {name!r}; allowed: {list(DTYPES)}")
     for option in task.formats:
         refuse_peer(load_quant_option(option), "experiment=kernel_report (the Triton kernels)")
+        why = cache_format(_quant(option, task), task.d_c, task.d_r, context=4096).kernel_unsupported()
+        if why is not None:
+            raise ValueError(f"task.formats: {option} ({why}) is not read by the Triton decode kernel, so nothing of "
+                             f"it compiles; allowed: the options the kernel reads (`quant.backend=triton`)")
     allowed = {"block_h", "block_n", "num_warps"}
     for launch in task.launches or []:
         extra = set(launch) - allowed
@@ -53,10 +57,14 @@ def check(cfg: DictConfig) -> None:
             raise ValueError(f"task.launches: {sorted(extra)}; allowed keys: {sorted(allowed)}")
 
 
+def _quant(option: str, task) -> DictConfig:
+    return OmegaConf.merge(load_quant_option(option), {"backend": "torch"}, task.quant_overrides or {})
+
+
 def _layer(option: str, task, g: torch.Generator):
     """A layer of `option` on the CPU holding task.tokens random latents (the paged store, the sinks and the recent
     window filled), stored by the PyTorch encoder: the segments a decode step hands the kernel."""
-    quant = OmegaConf.merge(load_quant_option(option), {"backend": "torch"}, task.quant_overrides or {})
+    quant = _quant(option, task)
     tokens = max(task.tokens, 160)
     content = torch.randn(1, tokens, task.d_c, generator=g)
     rope = torch.randn(1, tokens, task.d_r, generator=g)

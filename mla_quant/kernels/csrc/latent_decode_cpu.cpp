@@ -15,8 +15,12 @@
 //     levels; block table (B, max_blocks) int32; lengths (B,) int32 or int64. A path's data is int32 code words
 //     (WordLayout: field k of word j holds channel k W + j) or float values (float32, bfloat16, float16), each
 //     tensor (num_blocks, block_size, *) with contiguous rows and any block stride. Scales: float32, bfloat16,
-//     float16, or int8 exponents (pow2: 2^e). Absent parts are None.
-//   meta: per segment, SEG_META entries: content bits, group, symmetric; rope bits, group, symmetric.
+//     float16, or int8 exponents (pow2: 2^e). Absent parts are None. The engines' formats: uint8 e4m3 codes (one
+//     byte per value) or e2m1 codes (two per byte, the even value in the low nibble) in channel order, a scale per
+//     group of `group` values (the last group may be shorter) of a float dtype, int8 pow2 exponents, uint8 E8M0
+//     bytes (2^(s - 127)) or uint8 e4m3 bytes, or no scale.
+//   meta: per segment, SEG_META entries: per path (content, then rope) bits, group, symmetric, codes (0 int32 words
+//     or float values, 1 e4m3, 2 e2m1), scale bytes (0 by dtype, 2 E8M0, 3 e4m3; layout.SCALE_KINDS).
 // Returns o_latent (B, H, d_c) float32; a sequence with no token attends to nothing (zeros).
 
 #include <ATen/ATen.h>
@@ -38,10 +42,30 @@ namespace {
 
 constexpr int64_t kTile = 32;          // tokens decoded and scored together
 constexpr int64_t kSegTensors = 10;    // tensors per segment
-constexpr int64_t kSegMeta = 6;        // ints per segment
+constexpr int64_t kPathMeta = 5;       // ints per path
+constexpr int64_t kSegMeta = 2 * kPathMeta;  // ints per segment
 constexpr int64_t kMinChunk = 128;     // fewest tokens per split
 
-enum class Kind { F32, F16, BF16, I8, I32 };
+enum class Kind { F32, F16, BF16, I8, I32, U8 };
+enum Codes { kWords = 0, kE4M3 = 1, kE2M1 = 2 };  // layout.CODES
+enum ScaleBytes { kByDtype = 0, kE8M0 = 2, kScaleE4M3 = 3 };  // layout.SCALE_KINDS
+
+// The float32 value of every e4m3fn byte (sign, 4 exponent bits of bias 7, 3 mantissa bits; m 2^-9 below the normals;
+// 0x7F / 0xFF, NaN, are never stored) and of every e2m1 nibble (0, 0.5, 1, 1.5, 2, 3, 4, 6, signed).
+struct FloatCodes {
+  float e4m3[256];
+  float e2m1[16];
+  FloatCodes() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
+      e4m3[b] = (b & 128) ? -mag : mag;
+    }
+    const float mags[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+    for (int c = 0; c < 16; ++c) e2m1[c] = (c & 8) ? -mags[c & 7] : mags[c & 7];
+  }
+};
+const FloatCodes kFloatCodes;
 
 Kind kind_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -50,6 +74,7 @@ Kind kind_of(const at::Tensor& t) {
     case at::kBFloat16: return Kind::BF16;
     case at::kChar: return Kind::I8;
     case at::kInt: return Kind::I32;
+    case at::kByte: return Kind::U8;
     default: TORCH_CHECK(false, "latent_decode_cpu: unsupported dtype ", t.scalar_type());
   }
 }
@@ -94,17 +119,36 @@ struct Path {
   const float* levels = nullptr;
   int64_t d = 0, bits = 0, group = 1, groups = 1, words = 0;
   bool symmetric = true;
+  int64_t codes = kWords, scale_bytes = kByDtype;
 
   Path(const std::optional<at::Tensor>& data_t, const std::optional<at::Tensor>& scales_t,
        const std::optional<at::Tensor>& zeros_t, const std::optional<at::Tensor>& levels_t, int64_t d_,
-       int64_t bits_, int64_t group_, bool symmetric_)
-      : d(d_), bits(bits_), group(group_), symmetric(symmetric_) {
+       const int64_t* m)
+      : d(d_), bits(m[0]), group(m[1]), symmetric(m[2] != 0), codes(m[3]), scale_bytes(m[4]) {
     TORCH_CHECK(data_t.has_value(), "latent_decode_cpu: a path without data");
     const at::Tensor& x = *data_t;
     data = static_cast<const char*>(x.data_ptr());
     data_stride = x.stride(0) * x.element_size();
     row = x.size(2) * x.element_size();
     data_kind = kind_of(x);
+    if (codes != kWords) {  // the engines' floating-point byte codes
+      TORCH_CHECK((codes == kE4M3 && bits == 8) || (codes == kE2M1 && bits == 4),
+                  "latent_decode_cpu: codes=", codes, " with bits=", bits, "; allowed e4m3 (1) at 8, e2m1 (2) at 4");
+      TORCH_CHECK(data_kind == Kind::U8 && x.size(2) == (d * bits + 7) / 8,
+                  "latent_decode_cpu: ", (d * bits + 7) / 8, " uint8 code bytes per token expected");
+      TORCH_CHECK(group > 0, "latent_decode_cpu: group=", group, " must be positive");
+      groups = (d + group - 1) / group;
+      if (scales_t.has_value()) {
+        const at::Tensor& s = *scales_t;
+        scales = static_cast<const char*>(s.data_ptr());
+        sc_stride = s.stride(0) * s.element_size();
+        sc_row = groups * s.element_size();
+        sc_kind = kind_of(s);
+        TORCH_CHECK((sc_kind == Kind::U8) == (scale_bytes == kE8M0 || scale_bytes == kScaleE4M3),
+                    "latent_decode_cpu: uint8 scales are E8M0 or e4m3 bytes, and those are uint8");
+      }
+      return;
+    }
     if (bits == 0) {
       TORCH_CHECK(x.size(2) == d, "latent_decode_cpu: ", d, " values per token expected, got ", x.size(2));
       return;
@@ -162,8 +206,43 @@ struct Path {
     }
   }
 
+  // n uint8 scale bytes (E8M0 or e4m3) or n scales of a float dtype / pow2 exponents at p -> float32.
+  void load_scales(const char* p, int64_t n, float* out) const {
+    const auto* u = reinterpret_cast<const uint8_t*>(p);
+    if (scale_bytes == kE8M0) {
+      for (int64_t i = 0; i < n; ++i) out[i] = std::ldexp(1.f, static_cast<int>(u[i]) - 127);
+    } else if (scale_bytes == kScaleE4M3) {
+      for (int64_t i = 0; i < n; ++i) out[i] = kFloatCodes.e4m3[u[i]];
+    } else {
+      load_floats(p, sc_kind, n, out);
+    }
+  }
+
+  // The engines' byte codes of one token -> out[d], each group times its scale (none: unscaled); work: groups floats.
+  void decode_bytes(int64_t blk, int64_t slot, float* __restrict__ out, float* __restrict__ work) const {
+    const auto* c = reinterpret_cast<const uint8_t*>(data + blk * data_stride + slot * row);
+    if (codes == kE4M3) {
+      for (int64_t i = 0; i < d; ++i) out[i] = kFloatCodes.e4m3[c[i]];
+    } else {
+      for (int64_t i = 0; i < d; ++i) out[i] = kFloatCodes.e2m1[(c[i / 2] >> ((i % 2) * 4)) & 15];
+    }
+    if (scales == nullptr) return;
+    load_scales(scales + blk * sc_stride + slot * sc_row, groups, work);
+    for (int64_t g = 0; g < groups; ++g) {
+      float* o = out + g * group;
+      const int64_t n = std::min(group, d - g * group);
+      const float sg = work[g];
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] *= sg;
+    }
+  }
+
   // The token in slot `slot` of block `blk` -> out[d] float32; work: 2 * groups floats.
   void decode(int64_t blk, int64_t slot, float* __restrict__ out, float* __restrict__ work) const {
+    if (codes != kWords) {
+      decode_bytes(blk, slot, out, work);
+      return;
+    }
     if (bits == 0) {
       load_floats(data + blk * data_stride + slot * row, data_kind, d, out);
       return;
@@ -329,8 +408,7 @@ at::Tensor latent_decode_cpu(const at::Tensor& q_latent, const at::Tensor& q_rop
     const at::Tensor& lengths = *t[9];
     TORCH_CHECK(table.scalar_type() == at::kInt && table.is_contiguous() && table.dim() == 2 && table.size(0) == B,
                 "latent_decode_cpu: segments[", i, "].block_table: contiguous int32 (B, max_blocks) expected");
-    Seg s{Path(t[0], t[1], t[2], t[3], dc, m[0], m[1], m[2] != 0),
-          Path(t[4], t[5], t[6], t[7], dr, m[3], m[4], m[5] != 0),
+    Seg s{Path(t[0], t[1], t[2], t[3], dc, m), Path(t[4], t[5], t[6], t[7], dr, m + kPathMeta),
           table.data_ptr<int32_t>(), table.size(1), t[0]->size(1), {}};
     const at::Tensor len64 = lengths.to(at::kLong).contiguous();
     const int64_t* lp = len64.data_ptr<int64_t>();
