@@ -17,7 +17,7 @@ from mla_quant.cache import LatentCacheLayer, cache_layer_factory
 from mla_quant.cache.bytes import load_quant_option
 from mla_quant.calibration.codebooks import fitted_on
 from mla_quant.kernels.latent_decode import latent_decode
-from mla_quant.kernels.torch_decode import latent_decode_reference
+from mla_quant.kernels.torch_decode import latent_decode_reference, segment_attention
 from mla_quant.models.absorbed import cache_kwargs, quantized_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -193,6 +193,8 @@ def test_every_e4m3_and_e2m1_code_and_scale_byte_reads_as_torch_casts_it():
             assert got.item() == want[i].item(), (kind, scales_as, i, got.item(), want[i].item())
         got = latent_decode(q, torch.zeros(1, 1, 1, device=DEVICE), 1.0, [seg])
         torch.testing.assert_close(got[0, 0, 0].double(), want.double().mean(), rtol=1e-6, atol=0)
+        for torch_path in (latent_decode_reference, segment_attention):  # the PyTorch paths' own rule for raw pages
+            torch.testing.assert_close(torch_path(q, torch.zeros(1, 1, 1, device=DEVICE), 1.0, [seg]), got)
 
 
 def test_kernel_with_128_heads_small_dims():
