@@ -161,6 +161,26 @@ def test_engine_formats_decode_through_the_triton_kernel_as_torch_does(option):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{backend}: {m}")
 
 
+def test_bad_byte_code_paths_are_named_before_launch():
+    from mla_quant.kernels.layout import PagedPath, Segment
+
+    codes = torch.zeros(2, 4, 8, dtype=torch.uint8, device=DEVICE)
+    rope = PagedPath(torch.zeros(2, 4, 2, device=DEVICE))
+    table, lengths = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE), torch.full((1,), 5, device=DEVICE)
+    q, qr = torch.zeros(1, 1, 8, device=DEVICE), torch.zeros(1, 1, 2, device=DEVICE)
+    scales = torch.zeros(2, 4, 1, dtype=torch.uint8, device=DEVICE)
+    for path, match in [
+        (PagedPath(codes, None, None, 4, 8, codes="e4m3"), r"content.codes='e4m3' with bits=4; allowed"),
+        (PagedPath(codes, None, None, 8, 8, codes="e5m2"), r"content.codes='e5m2'; allowed: \['words', 'e4m3'"),
+        (PagedPath(codes[..., :4], None, None, 8, 8, codes="e4m3"), r"content.data: uint8 e4m3 codes \(.., 8\)"),
+        (PagedPath(codes, scales, None, 8, 8, codes="e4m3"), r"content.scales: torch.uint8 as None"),
+        (PagedPath(codes, scales, None, 8, 4, codes="e4m3", scales_as="e8m0"), r"content.scales must be \(num_blocks, "
+                                                                               r"block_size, 2\)"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            latent_decode(q, qr, 1.0, [Segment(path, rope, table, lengths)])
+
+
 def test_every_e4m3_and_e2m1_code_and_scale_byte_reads_as_torch_casts_it():
     """All 254 finite e4m3 codes (both zeros, the subnormals), all 16 e2m1 codes, and E8M0 / e4m3 scale bytes across
     their range: one token per code, attended by one-hot queries, returns each value exactly."""
