@@ -276,17 +276,19 @@ def read_path(fmt, d: int, layout: PageLayout, pages: torch.Tensor,
     spec = layout.spec()
     path = layout.parts[0][0].split("/", 1)[0] if layout.parts else ""
     views = {name.split("/", 1)[1]: (layout.view(pages, name) if views is None else views[name]) for name in spec}
+    def decode(parts):  # the codec's own decoding, for the PyTorch paths
+        return fmt.decode(parts, d, torch.float32)
+
     if fmt.whole_page:
         desc = fmt.codec.kernel_pairs(fmt, d, lambda part: layout.offset(f"{path}/{part}"),
                                       lambda part: spec[f"{path}/{part}"][1])
-        return PagedPath(pages, pairs=desc, parts=views, decode=lambda parts: fmt.decode(parts, d, torch.float32))
+        return PagedPath(pages, pairs=desc, parts=views, decode=decode)
     k = fmt.kernel_spec(d)
     data = views["values"] if k["bits"] == 0 else views["codes"]
     codes = k.get("codes", "words")
     if codes != "words":  # an engine's floating-point byte codes: the PyTorch paths read them through the codec
         return PagedPath(data, views.get("scales"), None, k["bits"], k["group"], True, k["pow2"], codes=codes,
-                         scales_as=k.get("scales_as"), parts=views,
-                         decode=lambda parts: fmt.decode(parts, d, torch.float32))
+                         scales_as=k.get("scales_as"), parts=views, decode=decode)
     return PagedPath(data, views.get("scales"), views.get("zeros"), k["bits"], k["group"], k["symmetric"], k["pow2"],
                      fmt.codebook(required=True, device=data.device))
 

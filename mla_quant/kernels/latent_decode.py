@@ -46,7 +46,7 @@ import triton.language as tl
 
 from mla_quant.kernels.decode_plan import launch_config, next_pow2, num_sms, split_plan
 from mla_quant.kernels.layout import (  # noqa: F401 (Segment, the checks: part of this API)
-    CODES, FLOAT_DTYPES, KERNEL_BITS, POW2_CODE, SCALE_KINDS, PagedPath, Segment, WordLayout, check_inputs,
+    CODES, FLOAT_DTYPES, KERNEL_BITS, POW2_CODE, PagedPath, Segment, WordLayout, check_inputs,
     flat_pairs, rows_contiguous, scale_kind,
 )
 
@@ -292,11 +292,9 @@ def _pairs_group(page, slot, ok_t, m, j, PER: tl.constexpr, SYM: tl.constexpr, B
         lo = tl.load(byte, mask=m, other=0).to(tl.int32)
         hi = tl.load(byte + 1, mask=m & (at + 1 < ROW)[None, :], other=0).to(tl.int32)
         q = (((lo | (hi << 8)) >> ((j * BITS) % 8)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+        # int8 scales are power-of-two exponents (`SCALE_KINDS` 1), the others a float dtype (0)
         s = tl.load(_typed(page + AT_SC, KIND_SC) + slot, mask=ok_t, other=0)
-        if KIND_SC == _POW2:  # int8 scales: power-of-two exponents
-            s = tl.exp2(s.to(tl.float32))
-        else:
-            s = s.to(tl.float32)
+        s = _scale_values(s, 1 if KIND_SC == _POW2 else 0)
         if SYM:
             v = (q - (1 << (BITS - 1))) * s[:, None]
         else:

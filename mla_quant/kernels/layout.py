@@ -48,6 +48,7 @@ POW2_CODE = DTYPE_CODES[SCALE_DTYPES["pow2"]]  # int8 scales are power-of-two ex
 # floating-point byte codes: e4m3 (one byte per value) and e2m1 (two per byte, the even value in the low nibble).
 CODES = ("words", "e4m3", "e2m1")
 CODE_BITS = {"e4m3": 8, "e2m1": 4}
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # an e2m1 code's magnitude by code & 7; code & 8 is the sign
 # What a stored scale is (`scale_kind`): a float dtype, an int8 power-of-two exponent (pow2), an E8M0 byte
 # (2^(s - 127)), e4m3 bits, or no scale at all.
 SCALE_KINDS = ("float", "pow2", "e8m0", "e4m3", "none")

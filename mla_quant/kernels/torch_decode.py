@@ -20,7 +20,7 @@ import sys
 import torch
 
 from mla_quant.kernels.attention import reference_attention
-from mla_quant.kernels.layout import PagedPath, Segment, WordLayout, check_inputs
+from mla_quant.kernels.layout import E2M1_VALUES, PagedPath, Segment, WordLayout, check_inputs
 
 
 def bytes_read(q_latent: torch.Tensor, q_rope: torch.Tensor, segments) -> int:
@@ -66,9 +66,6 @@ def _gather_path(p: PagedPath, table: torch.Tensor, d: int) -> torch.Tensor:
     return q * s + rows(p.zeros).float().repeat_interleave(p.group, dim=-1)
 
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitudes by code & 7 (code & 8: the sign)
-
-
 def byte_codes(p: PagedPath, data: torch.Tensor, scales: torch.Tensor | None, d: int) -> torch.Tensor:
     """An engine's floating-point byte codes as stored (`PagedPath`: e4m3 bytes, or e2m1 nibbles two per byte, the
     even value low) (..., row) uint8, and their scales (..., ceil(d / group)) of kind `p.scales_as` or None -> the
@@ -77,7 +74,7 @@ def byte_codes(p: PagedPath, data: torch.Tensor, scales: torch.Tensor | None, d:
         x = data.view(torch.float8_e4m3fn).float()
     else:
         nibbles = torch.stack([data & 15, data >> 4], dim=-1).flatten(-2)[..., :d].long()
-        mag = torch.tensor(E2M1, device=data.device)[nibbles & 7]
+        mag = torch.tensor(E2M1_VALUES, device=data.device)[nibbles & 7]
         x = torch.where((nibbles & 8) != 0, -mag, mag)
     if scales is None:
         return x

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from mla_quant.kernels.layout import E2M1_VALUES  # noqa: F401 (code & 7 -> magnitude; part of this module's API)
 from mla_quant.quant import quantizers
 from mla_quant.quant.codecs.base import Codec, register
 
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code & 7; code & 8 is the sign
 E2M1_MAX = 6.0
 BLOCK = 16  # values per e4m3 scale
 MIN_SCALE = 2.0 ** -9  # the scale's floor (an all-zero block still gets a positive scale)
