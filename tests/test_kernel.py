@@ -176,6 +176,13 @@ def test_bad_byte_code_paths_are_named_before_launch():
         (PagedPath(codes, scales, None, 8, 8, codes="e4m3"), r"content.scales: torch.uint8 as None"),
         (PagedPath(codes, scales, None, 8, 4, codes="e4m3", scales_as="e8m0"), r"content.scales must be \(num_blocks, "
                                                                                r"block_size, 2\)"),
+        (PagedPath(codes[..., :6], None, None, 5, 8, codes="stream"), r"content.codes='stream' with bits=5; allowed"),
+        (PagedPath(codes[..., :3], None, None, 3, 8, codes="stream"), r"content.levels: a stream's codebook of 8 "
+                                                                      r"contiguous float32 levels expected, got None"),
+        (PagedPath(codes, None, None, 8, 8, codes="e4m3", rotation=torch.eye(8, device=DEVICE)),
+         r"content.rotation: a rotated basis is read for a stream of codebook indices only"),
+        (PagedPath(codes[..., :3], None, None, 3, 8, levels=torch.arange(8.0, device=DEVICE), codes="stream",
+                   rotation=torch.eye(4, device=DEVICE)), r"content.rotation: a contiguous \(8, 8\) float32 matrix"),
     ]:
         with pytest.raises(ValueError, match=match):
             latent_decode(q, qr, 1.0, [Segment(path, rope, table, lengths)])
@@ -215,6 +222,97 @@ def test_every_e4m3_and_e2m1_code_and_scale_byte_reads_as_torch_casts_it():
         torch.testing.assert_close(got[0, 0, 0].double(), want.double().mean(), rtol=1e-6, atol=0)
         for torch_path in (latent_decode_reference, segment_attention):  # the PyTorch paths' own rule for raw pages
             torch.testing.assert_close(torch_path(q, torch.zeros(1, 1, 1, device=DEVICE), 1.0, [seg]), got)
+
+
+TURBOQUANT = {  # TurboQuant's 3- and 4-bit presets (a power-of-two latent): codebook indices of the rotated vector
+    "turboquant_4bit_nc: 4-bit streams, read as words": {"option": "turboquant_4bit_nc"},
+    "turboquant_3bit_nc, sinks and a recent window": {"option": "turboquant_3bit_nc",
+                                                      "protected": {"n_sink": 2, "recent": 16}},
+    "turboquant_k3v4_nc, a recent window": {"option": "turboquant_k3v4_nc", "protected": {"n_sink": 0, "recent": 16}},
+}
+
+
+@pytest.mark.parametrize("name", list(TURBOQUANT))
+def test_kernels_read_turboquant_streams_in_the_rotated_basis(name):
+    """The codes index Lloyd-Max levels of the Hadamard-rotated vector: both kernels read them against the rotated
+    query and rotate their output back (`in_bases`), the protected BF16 segments in the original basis, the two
+    merged by their log-sum-exp; the output of the reference (the codec's own decoding), of the PyTorch segment path
+    and of the layer's decoded tokens."""
+    from mla_quant.kernels.latent_decode import _codes_constexpr
+
+    layer = filled_layer(dict(TURBOQUANT[name]), d_c=128, d_r=16, batch=3, tokens=190, pads=(0, 9, 77))
+    segments = layer.segments()
+    body = segments[0]
+    assert body.content.codes == body.rope.codes == "stream" and body.content.rotation is not None
+    assert _codes_constexpr(body.content, 128) == (7 if body.content.bits == 4 else 3)  # 3 bits cross bytes
+    assert len(segments) == 1 + sum(v > 0 for v in TURBOQUANT[name].get("protected", {}).values())
+    g = torch.Generator().manual_seed(1)
+    q_latent, q_rope = torch.randn(3, 5, 128, generator=g).to(DEVICE), torch.randn(3, 5, 16, generator=g).to(DEVICE)
+    ref = latent_decode_reference(q_latent, q_rope, 0.12, segments)
+    torch.testing.assert_close(ref, dense_attention(layer, q_latent, q_rope, 0.12), rtol=1e-4, atol=1e-5)
+    outs = {"triton": latent_decode(q_latent, q_rope, 0.12, segments, block_n=16, split_tokens=48),
+            "segment_attention": segment_attention(q_latent, q_rope, 0.12, segments)}
+    if HAS_CXX and DEVICE == "cpu":
+        from mla_quant.kernels.cpu_decode import latent_decode_cpu
+
+        outs["cpu"] = latent_decode_cpu(q_latent, q_rope, 0.12, segments)
+    for kernel, out in outs.items():
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}, {kernel}: {m}")
+
+
+def test_a_stream_of_codebook_indices_in_any_rotated_basis_and_its_lse():
+    """Raw pages, no codec at hand: 3- and 4-bit streams at widths whose values cross bytes and end mid-byte, a random
+    codebook, a float16 scale per group (the last one shorter), each path under a random orthogonal rotation (not
+    symmetric, so q R^T and out R cannot be confused), beside a BF16 segment in the original basis; both kernels
+    against the reference's own reading (the packing module's bit stream, x = y R), and the log-sum-exp they return
+    against the scores', -inf for a sequence with no token."""
+    from mla_quant.kernels.layout import PagedPath, Segment
+    from mla_quant.quant import packing
+
+    g = torch.Generator().manual_seed(11)
+    blocks, bs, b, h = 6, 8, 3, 4
+    dims, group = {"content": (20, 3), "rope": (6, 4)}, 8
+    paths, decoded = {}, {}
+    for name, (d, bits) in dims.items():
+        codes = torch.randint(0, 1 << bits, (blocks, bs, d), generator=g, dtype=torch.uint8)
+        levels = torch.randn(1 << bits, generator=g).sort().values
+        scales = (torch.rand(blocks, bs, -(-d // group), generator=g) + 0.5).half()
+        rot = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0].float().contiguous()
+        y = levels[codes.long()] * scales.float().repeat_interleave(group, -1)[..., :d]
+        decoded[name] = y.double() @ rot.double()  # what the tokens are, by this test's own arithmetic
+        paths[name] = PagedPath(packing.pack(codes, bits).to(DEVICE), scales.to(DEVICE), None, bits, group,
+                                levels=levels.to(DEVICE), codes="stream", rotation=rot.to(DEVICE))
+    assert (torch.linalg.matrix_norm(paths["content"].rotation - paths["content"].rotation.T) > 0.1).item()
+    table = torch.tensor([[0, 1, 2], [3, 4, 5], [5, 0, 0]], dtype=torch.int32, device=DEVICE)
+    lengths = torch.tensor([19, 24, 0], dtype=torch.int32, device=DEVICE)
+    dense_c, dense_r = torch.randn(b, 5, 20, generator=g), torch.randn(b, 5, 6, generator=g)
+    dense_len = torch.tensor([5, 2, 0], dtype=torch.int32)
+    segments = [Segment(paths["content"], paths["rope"], table, lengths),
+                Segment.dense(dense_c.to(DEVICE), dense_r.to(DEVICE), dense_len.to(DEVICE))]
+    q, qr = torch.randn(b, h, 20, generator=g), torch.randn(b, h, 6, generator=g)
+    want_out = torch.zeros(b, h, 20, dtype=torch.float64)
+    want_lse = torch.full((b, h), float("-inf"), dtype=torch.float64)
+    for i in range(b):
+        idx = (table[i].long().cpu()[:, None] * bs + torch.arange(bs)).reshape(-1)[: int(lengths[i])]
+        keys_c = torch.cat([decoded["content"].reshape(-1, 20)[idx], dense_c[i, : int(dense_len[i])].double()])
+        keys_r = torch.cat([decoded["rope"].reshape(-1, 6)[idx], dense_r[i, : int(dense_len[i])].double()])
+        if len(keys_c):
+            s = 0.3 * (q[i].double() @ keys_c.T + qr[i].double() @ keys_r.T)
+            want_lse[i] = torch.logsumexp(s, -1)
+            want_out[i] = torch.softmax(s, -1) @ keys_c
+    q, qr = q.to(DEVICE), qr.to(DEVICE)
+    torch.testing.assert_close(latent_decode_reference(q, qr, 0.3, segments).double().cpu(), want_out, rtol=1e-4,
+                               atol=1e-5)
+    runs = {"triton": lambda **kw: latent_decode(q, qr, 0.3, segments, block_n=16, split_tokens=16, **kw)}
+    if HAS_CXX and DEVICE == "cpu":
+        from mla_quant.kernels.cpu_decode import latent_decode_cpu
+
+        runs["cpu"] = lambda **kw: latent_decode_cpu(q, qr, 0.3, segments, **kw)
+    for kernel, run in runs.items():
+        out, lse = run(return_lse=True)
+        torch.testing.assert_close(out.double().cpu(), want_out, rtol=1e-4, atol=1e-5, msg=lambda m: f"{kernel}: {m}")
+        torch.testing.assert_close(lse.double().cpu(), want_lse, rtol=1e-5, atol=1e-5, msg=lambda m: f"{kernel}: {m}")
+        torch.testing.assert_close(run(), out)
 
 
 def test_kernel_with_128_heads_small_dims():

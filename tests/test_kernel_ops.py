@@ -49,11 +49,33 @@ def test_a_decode_step_around_the_cpu_operator_compiles_in_one_graph():
 
     def step(x, tensors):  # query projections, the kernel, the output projection: what a decode step does
         q, qr = (x @ w_q).view(3, 4, 96), (x @ w_r).view(3, 4, 16)
-        o = torch.ops.mla_quant_cpu.latent_decode(q, qr, 0.2, tensors, meta)
+        o, _ = torch.ops.mla_quant_cpu.latent_decode(q, qr, 0.2, tensors, meta)
         return torch.nn.functional.silu(o.flatten(1) @ w_o)
 
     compiled = torch.compile(step, fullgraph=True, backend="inductor")
     torch.testing.assert_close(compiled(x, tensors), step(x, tensors), rtol=1e-5, atol=1e-5)
+
+
+def test_segments_in_a_rotated_basis_through_the_operators_and_in_one_graph():
+    """TurboQuant's 3-bit streams (Hadamard-rotated) beside the protected BF16 segments: through each operator (the
+    rotation and the merge of the two bases around it, `in_bases`) as the reference; a decode step around the C++
+    operator compiles in one graph (fullgraph) to the eager result."""
+    from mla_quant.kernels.torch_decode import latent_decode_reference
+
+    layer = filled_layer({"option": "turboquant_3bit_nc", "protected": {"n_sink": 2, "recent": 16}}, d_c=128, d_r=16,
+                         batch=2, tokens=150, pads=(0, 9), device="cpu")
+    segments = layer.segments()
+    assert segments[0].content.rotation is not None and len(segments) == 3
+    g = torch.Generator().manual_seed(2)
+    q, qr = torch.randn(2, 4, 128, generator=g), torch.randn(2, 4, 16, generator=g)
+    ref = latent_decode_reference(q, qr, 0.2, segments)
+    torch.testing.assert_close(decode_op("triton")(q, qr, 0.2, segments), ref, rtol=1e-4, atol=1e-5)
+    if HAS_CXX:
+        op = decode_op("cpu")
+        torch.testing.assert_close(op(q, qr, 0.2, segments), ref, rtol=1e-4, atol=1e-5)
+        step = lambda q, qr: torch.nn.functional.silu(op(q, qr, 0.2, segments))  # noqa: E731
+        compiled = torch.compile(step, fullgraph=True, backend="inductor")
+        torch.testing.assert_close(compiled(q, qr), step(q, qr), rtol=1e-5, atol=1e-5)
 
 
 def test_toy_decode_through_torch_compile_gives_the_same_tokens():

@@ -286,9 +286,11 @@ def read_path(fmt, d: int, layout: PageLayout, pages: torch.Tensor,
     k = fmt.kernel_spec(d)
     data = views["values"] if k["bits"] == 0 else views["codes"]
     codes = k.get("codes", "words")
-    if codes != "words":  # an engine's floating-point byte codes: the PyTorch paths read them through the codec
-        return PagedPath(data, views.get("scales"), None, k["bits"], k["group"], True, k["pow2"], codes=codes,
-                         scales_as=k.get("scales_as"), parts=views, decode=decode)
+    if codes != "words":  # an engine's byte codes: the PyTorch paths read them through the codec
+        extra = fmt.kernel_tensors(d, data.device)  # a stream's codebook and rotation
+        return PagedPath(data, views.get("scales"), None, k["bits"], k["group"], True, k["pow2"], extra.get("levels"),
+                         codes=codes, scales_as=k.get("scales_as"), parts=views, decode=decode,
+                         rotation=extra.get("rotation"))
     return PagedPath(data, views.get("scales"), views.get("zeros"), k["bits"], k["group"], k["symmetric"], k["pow2"],
                      fmt.codebook(required=True, device=data.device))
 

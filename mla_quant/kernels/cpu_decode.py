@@ -4,8 +4,8 @@
     why = cpu_kernel_unavailable()                                    # None, or why it cannot run here
 
 The CPU counterpart of the Triton kernel (mla_quant/kernels/latent_decode.py), with its signature and its arguments
-(`Segment`s: per path a `PagedPath` of int32 code words with scales, zeros and an optional codebook, float values, or
-the engines' e4m3 / e2m1 byte codes with their scales;
+(`Segment`s: per path a `PagedPath` of int32 code words with scales, zeros and an optional codebook, float values,
+the engines' e4m3 / e2m1 byte codes with their scales, or a stream of 3- or 4-bit codebook indices;
 a block table and tokens per sequence; kernels/layout.py), checked by the same `check_inputs`, and the arithmetic of
 its PyTorch reference `latent_decode_reference`. In one pass over the pages, a tile of 32 tokens at a time, it
 unpacks each token's codes, dequantizes them per group, scores them against every head's query and accumulates the
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from mla_quant.kernels.layout import CODES, SCALE_KINDS, check_inputs
+from mla_quant.kernels.layout import CODES, SCALE_KINDS, check_inputs, in_bases
 
 SOURCE = Path(__file__).parent / "csrc" / "latent_decode_cpu.cpp"
 X86_FLAGS = ("avx2", "fma", "f16c")  # the instruction set extensions the x86-64 build is compiled for, when present
@@ -87,8 +87,9 @@ def _load() -> tuple[object | None, str | None]:
         # FakeTensorMode and torch.compile (kernels/ops.py)
         try:
             torch.library.register_fake("mla_quant_cpu::latent_decode")(
-                lambda q_latent, q_rope, scale, tensors, meta: q_latent.new_empty(q_latent.shape,
-                                                                                  dtype=torch.float32))
+                lambda q_latent, q_rope, scale, tensors, meta: (
+                    q_latent.new_empty(q_latent.shape, dtype=torch.float32),
+                    q_latent.new_empty(q_latent.shape[:2], dtype=torch.float32)))
         except RuntimeError:  # registered by an earlier load in this process
             pass
         return torch.ops.mla_quant_cpu.latent_decode, None
@@ -121,9 +122,12 @@ def _path_tensors(p) -> tuple[list, list[int]]:
             [int(p.bits), int(p.group), int(bool(p.symmetric)), CODES.index(p.codes), scale_bytes])
 
 
-def latent_decode_cpu(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments) -> torch.Tensor:
+def latent_decode_cpu(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments,
+                      return_lse: bool = False):
     """The fused CPU kernel (see the module docstring): q_latent (B, H, d_c), q_rope (B, H, d_r), segments (a list of
-    `Segment`) -> o_latent (B, H, d_c) float32. Arguments are checked before the call; errors name them."""
+    `Segment`) -> o_latent (B, H, d_c) float32 (with return_lse, also its log-sum-exp (B, H)). Paths in a rotated
+    basis are read against the rotated query (`in_bases`). Arguments are checked before the call; errors name
+    them."""
     check_inputs(q_latent, q_rope, segments)
     if q_latent.device.type != "cpu":
         raise ValueError(f"latent_decode_cpu reads CPU tensors; q_latent is on {q_latent.device} (on a GPU the "
@@ -133,8 +137,11 @@ def latent_decode_cpu(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float
             raise ValueError(f"segments[{i}].rope: a path of several widths (format=pairs) is not read by the CPU "
                              f"kernel; allowed: float values or int codes of one width (the PyTorch path, "
                              f"segment_attention, reads it)")
-    op = require_cpu_kernel("latent_decode_cpu")
-    return op(q_latent.float().contiguous(), q_rope.float().contiguous(), float(scale), *operator_arguments(segments))
+    # traced (torch.compile): the operator by name, loaded when the step's backend was chosen (a build is no graph's)
+    op = torch.ops.mla_quant_cpu.latent_decode if torch.compiler.is_compiling() else \
+        require_cpu_kernel("latent_decode_cpu")
+    return in_bases(q_latent.float(), q_rope.float(), segments,
+                    lambda ql, qr, segs: op(ql, qr, float(scale), *operator_arguments(segs)), return_lse)
 
 
 def operator_arguments(segments) -> tuple[list, list[int]]:

@@ -47,7 +47,7 @@ import triton.language as tl
 from mla_quant.kernels.decode_plan import launch_config, next_pow2, num_sms, split_plan
 from mla_quant.kernels.layout import (  # noqa: F401 (Segment, the checks: part of this API)
     CODES, FLOAT_DTYPES, KERNEL_BITS, POW2_CODE, PagedPath, Segment, WordLayout, check_inputs,
-    flat_pairs, rows_contiguous, scale_kind,
+    flat_pairs, in_bases, rows_contiguous, scale_kind,
 )
 
 DOTS = ("auto", "ieee", "bf16")
@@ -67,8 +67,8 @@ def require_triton(what: str = "quant.backend=triton", hint: str = "") -> None:
 def _layout(D: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr, CODES: tl.constexpr):
     """Positions of a path's tile in its storage order and the channel each holds: position k * BLOCK_W + j is
     field k of word j, channel k W + j (WordLayout; float values and byte codes read bytewise: the identity; byte
-    codes read as int32 words, CODES 3 and 4: field k of word j holds channel P j + k). Returns (channel, valid)."""
-    if CODES >= 3:
+    codes read as int32 words, CODES >= 5: field k of word j holds channel P j + k). Returns (channel, valid)."""
+    if CODES >= 5:
         P: tl.constexpr = 32 // BITS
         BLOCK_W_: tl.constexpr = BLOCK_D // P
         pos = tl.arange(0, BLOCK_D)
@@ -126,16 +126,28 @@ def _scale_values(s, SKIND: tl.constexpr):
 
 
 @triton.jit
-def _byte_tile(base, sc_base, blk, slot, ok_t, stride, sc_stride, D: tl.constexpr, BLOCK_D: tl.constexpr,
-               GROUP: tl.constexpr, SKIND: tl.constexpr, CODES: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] float32 tile of a path of floating-point byte codes (the engines' formats): e4m3 (CODES 1
-    and 3, one byte per value) or e2m1 (CODES 2 and 4, two per byte, the even value in the low nibble), times a scale
-    per group of GROUP values (the last group may be shorter: ceil(D / GROUP) per token) of kind SKIND, or none
-    (SKIND=4). CODES 1, 2: in channel order, a byte per value. CODES 3, 4 (a token's bytes a whole number of int32
-    words, a group a whole number of words): one load of the tile's words, a broadcast shift and mask into (N, P,
-    BLOCK_W) fields (field k of word j: channel P j + k, `_layout`), the scale one per token and word."""
-    if CODES >= 3:
-        BITS: tl.constexpr = 8 if CODES == 3 else 4
+def _levels_at(qi, lv_base, BITS: tl.constexpr):
+    """Codes (int32, < 2^BITS <= 16) -> the codebook's levels at them: a select over the levels, held in registers."""
+    q = tl.zeros(qi.shape, tl.float32)
+    for v in tl.static_range(1 << BITS):
+        q = tl.where(qi == v, tl.load(lv_base + v), q)
+    return q
+
+
+@triton.jit
+def _byte_tile(base, sc_base, lv_base, blk, slot, ok_t, stride, sc_stride, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               BITS_: tl.constexpr, GROUP: tl.constexpr, SKIND: tl.constexpr, CODES: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] float32 tile of a path of byte codes (the engines' formats): e4m3 (CODES 1 and 5, one byte
+    per value), e2m1 (CODES 2 and 6, two per byte, the even value in the low nibble) or a stream of BITS_-bit indices
+    into the codebook at lv_base (CODES 3 and 7, LSB first), times a scale per group of GROUP values (the last group
+    may be shorter: ceil(D / GROUP) per token) of kind SKIND, or none (SKIND=4). CODES 1-3: in channel order, a byte
+    per value (a stream's value from the two bytes its bits lie in; a 3-bit stream with D and GROUP multiples of 8:
+    each three bytes loaded once and cut into their eight values). CODES 5-7 (8 or 4 bits; a token's bytes a whole
+    number of int32 words, a group a whole number of words): one load of the tile's words, a broadcast shift and
+    mask into (N, P, BLOCK_W) fields (field k of word j: channel P j + k, `_layout`), the scale one per token and
+    word. A codebook's level is a gather from its 2^BITS_ levels (fewer live registers than a select over them)."""
+    if CODES >= 5:
+        BITS: tl.constexpr = 8 if CODES == 5 else 4
         P: tl.constexpr = 32 // BITS
         W: tl.constexpr = D // P
         BLOCK_W: tl.constexpr = BLOCK_D // P
@@ -145,15 +157,34 @@ def _byte_tile(base, sc_base, blk, slot, ok_t, stride, sc_stride, D: tl.constexp
         words = tl.load(base.to(tl.pointer_type(tl.int32)) + (blk * (stride // 4) + slot * W)[:, None] + j[None, :],
                         mask=w_ok, other=0)
         f = (words[:, None, :] >> (k * BITS)[None, :, None]) & ((1 << BITS) - 1)  # [N, P, BLOCK_W]
-        if CODES == 3:
+        if CODES == 5:
             v = _e4m3(f)
-        else:
+        elif CODES == 6:
             v = _e2m1(f)
+        else:
+            v = tl.load(lv_base + f)
         if SKIND != 4:
             G: tl.constexpr = (D + GROUP - 1) // GROUP
             s = tl.load(sc_base + (blk * sc_stride + slot * G)[:, None] + ((j * P) // GROUP)[None, :], mask=w_ok,
                         other=0)
             v = v * _scale_values(s, SKIND)[:, None, :]
+        x = tl.reshape(v, [v.shape[0], BLOCK_D])
+    elif CODES == 3 and BITS_ == 3 and D % 8 == 0 and GROUP % 8 == 0:
+        # 3 bits: eight values in each three bytes, each byte loaded once: (N, T, 8) fields, in channel order
+        ROW3: tl.constexpr = D * 3 // 8
+        BLOCK_T: tl.constexpr = BLOCK_D // 8
+        t = tl.arange(0, BLOCK_T)
+        t_ok = ok_t[:, None] & (t < D // 8)[None, :]
+        at = (blk * stride + slot * ROW3)[:, None] + 3 * t[None, :]
+        v24 = (tl.load(base + at, mask=t_ok, other=0).to(tl.int32) & 255) \
+            | ((tl.load(base + at + 1, mask=t_ok, other=0).to(tl.int32) & 255) << 8) \
+            | ((tl.load(base + at + 2, mask=t_ok, other=0).to(tl.int32) & 255) << 16)
+        v = tl.load(lv_base + ((v24[:, :, None] >> (3 * tl.arange(0, 8))[None, None, :]) & 7))  # [N, BLOCK_T, 8]
+        if SKIND != 4:
+            G3: tl.constexpr = (D + GROUP - 1) // GROUP
+            s = tl.load(sc_base + (blk * sc_stride + slot * G3)[:, None] + ((8 * t) // GROUP)[None, :], mask=t_ok,
+                        other=0)
+            v = v * _scale_values(s, SKIND)[:, :, None]
         x = tl.reshape(v, [v.shape[0], BLOCK_D])
     else:
         ch = tl.arange(0, BLOCK_D)
@@ -161,6 +192,13 @@ def _byte_tile(base, sc_base, blk, slot, ok_t, stride, sc_stride, D: tl.constexp
         if CODES == 1:
             b = tl.load(base + (blk * stride + slot * D)[:, None] + ch[None, :], mask=m, other=0).to(tl.int32)
             v = _e4m3(b & 255)
+        elif CODES == 3:  # value i at bits [i b, (i + 1) b): from its first byte and the next (when in the row)
+            ROW_S: tl.constexpr = (D * BITS_ + 7) // 8
+            bit = ch * BITS_
+            at = (blk * stride + slot * ROW_S)[:, None] + (bit // 8)[None, :]
+            lo = tl.load(base + at, mask=m, other=0).to(tl.int32) & 255
+            hi = tl.load(base + at + 1, mask=m & (bit // 8 + 1 < ROW_S)[None, :], other=0).to(tl.int32) & 255
+            v = tl.load(lv_base + (((lo | (hi << 8)) >> (bit % 8)[None, :]) & ((1 << BITS_) - 1)))
         else:
             ROW: tl.constexpr = (D + 1) // 2
             b = tl.load(base + (blk * stride + slot * ROW)[:, None] + (ch // 2)[None, :], mask=m,
@@ -185,9 +223,10 @@ def _dequant_tile(base, sc_base, z_base, lv_base, blk, slot, ok_t, stride, sc_st
     Codes: one load of the tile's int32 words, a broadcast shift and mask into (N, P, BLOCK_W) runs of channels, the
     scale and zero applied per run where a run lies in one group (per value otherwise), flattened in place.
     CB: a codebook of 2^BITS levels at lv_base; code q reads levels[q] (a select over levels held in registers at
-    2 and 4 bits, a gather at 8). CODES != 0: floating-point byte codes (`_byte_tile`), in channel order."""
+    2 and 4 bits, a gather at 8). CODES != 0: byte codes (`_byte_tile`)."""
     if CODES != 0:
-        x = _byte_tile(base, sc_base, blk, slot, ok_t, stride, sc_stride, D, BLOCK_D, GROUP, SKIND, CODES)
+        x = _byte_tile(base, sc_base, lv_base, blk, slot, ok_t, stride, sc_stride, D, BLOCK_D, BITS, GROUP, SKIND,
+                       CODES)
     elif BITS == 0:
         ch, ch_ok = _layout(D, BITS, BLOCK_D, CODES)
         x = tl.load(base + (blk * stride + slot * D)[:, None] + ch[None, :], mask=ok_t[:, None] & ch_ok[None, :],
@@ -204,9 +243,7 @@ def _dequant_tile(base, sc_base, z_base, lv_base, blk, slot, ok_t, stride, sc_st
         qi = (words[:, None, :] >> (k * BITS)[None, :, None]) & ((1 << BITS) - 1)  # [N, PW, BW]
         if CB:
             if BITS <= 4:
-                q = tl.zeros(qi.shape, tl.float32)
-                for v in tl.static_range(1 << BITS):
-                    q = tl.where(qi == v, tl.load(lv_base + v), q)
+                q = _levels_at(qi, lv_base, BITS)
             else:
                 q = tl.load(lv_base + qi)
         else:
@@ -419,10 +456,11 @@ def _stage1_kernel(
 
 
 @triton.jit
-def _merge_kernel(O_PART, LSE_PART, OUT, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_outb,
-                  stride_outh, n_splits, DC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
-    """Stage 2, one program per (sequence, head): out = sum_s softmax_s(lse) o_s over every split of every segment;
-    a split without tokens (lse = -inf) weighs 0, a sequence without any token gets 0."""
+def _merge_kernel(O_PART, LSE_PART, OUT, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_outb,
+                  stride_outh, n_splits, H, DC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
+    """Stage 2, one program per (sequence, head): out = sum_s softmax_s(lse) o_s over every split of every segment,
+    and its log-sum-exp (LSE (B, H)); a split without tokens (lse = -inf) weighs 0, a sequence without any token gets
+    0 and -inf."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -438,19 +476,22 @@ def _merge_kernel(O_PART, LSE_PART, OUT, stride_ob, stride_os, stride_oh, stride
         o = tl.load(O_PART + b * stride_ob + i * stride_os + h * stride_oh + dc, mask=dc < DC, other=0.0)
         acc += w * o
     tl.store(OUT + b * stride_outb + h * stride_outh + dc, acc, mask=dc < DC)
+    tl.store(LSE + b * H + h, tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
 
 
 def _codes_constexpr(p: PagedPath, d: int) -> int:
-    """How the kernel reads a path's codes: 0 int32 words or float values; floating-point byte codes as int32 words
-    (3 e4m3, 4 e2m1) where a token's bytes are whole words, every group whole words and the tensor word-aligned, else
-    a byte per value (1 e4m3, 2 e2m1)."""
+    """How the kernel reads a path's codes: 0 int32 words or float values; byte codes as int32 words (5 e4m3, 6 e2m1,
+    7 a 4-bit stream) where a token's bytes are whole words, every group whole words and the tensor word-aligned,
+    else a byte per value (1 e4m3, 2 e2m1, 3 a stream)."""
     kind = CODES.index(p.codes)
     if kind == 0:
         return 0
+    if 32 % p.bits:  # a 3-bit stream: values cross bytes
+        return kind
     per_word = 32 // p.bits
     group = p.group if p.scales is not None else d
     aligned = p.data.stride(0) % 4 == 0 and p.data.data_ptr() % 4 == 0
-    return kind + 2 if d % per_word == 0 and group % per_word == 0 and aligned else kind
+    return kind + 4 if d % per_word == 0 and group % per_word == 0 and aligned else kind
 
 
 def _format_constexprs(seg: Segment, d_c: int, d_r: int) -> tuple:
@@ -486,15 +527,28 @@ def _descriptor(seg: Segment, first: int, plan: tuple[int, int], dummy: torch.Te
 
 def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments, *,
                   block_n: int | None = None, block_h: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, split_tokens: int | None = None, dot: str = "auto") -> torch.Tensor:
+                  num_stages: int | None = None, split_tokens: int | None = None, dot: str = "auto",
+                  return_lse: bool = False):
     """Triton decode attention (see the module docstring). q_latent (B, H, d_c), q_rope (B, H, d_r), segments
-    (a list of `Segment`) -> o_latent (B, H, d_c) float32. Two launches: stage 1 over every segment, stage 2."""
+    (a list of `Segment`) -> o_latent (B, H, d_c) float32 (with return_lse, also its log-sum-exp (B, H) float32).
+    Two launches: stage 1 over every segment, stage 2; paths in a rotated basis (`PagedPath.rotation`) are read
+    against the rotated query, each rotation's segments in their own two launches (`in_bases`)."""
     require_triton()
     check_inputs(q_latent, q_rope, segments)
     if dot not in DOTS:
         raise ValueError(f"dot={dot!r}; allowed: {list(DOTS)}")
     if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n={block_n}; allowed: a power of two >= 16")
+    launch = dict(block_n=block_n, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
+                  split_tokens=split_tokens, dot=dot)
+    return in_bases(q_latent, q_rope, segments, lambda ql, qr, segs: launch_decode(ql, qr, scale, segs, **launch),
+                    return_lse)
+
+
+def launch_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments, *, block_n: int | None,
+                  block_h: int | None, num_warps: int | None, num_stages: int | None, split_tokens: int | None,
+                  dot: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two launches over checked segments with no rotation: (o_latent, lse)."""
     b, h, d_c = q_latent.shape
     d_r = q_rope.shape[-1]
     dev = q_latent.device
@@ -510,8 +564,9 @@ def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, se
     o_part = torch.empty(b, n_splits, h, d_c, device=dev, dtype=torch.float32)
     lse_part = torch.empty(b, n_splits, h, device=dev, dtype=torch.float32)
     out = torch.empty(b, h, d_c, device=dev, dtype=torch.float32)
+    lse = torch.empty(b, h, device=dev, dtype=torch.float32)
     if b == 0 or h == 0:
-        return out
+        return out, lse
     dummy = torch.zeros(1, device=dev)
     extra = {} if num_stages is None else {"num_stages": num_stages}
     firsts = [sum(n for _, n in plan[:i]) for i in range(len(segments))]
@@ -525,8 +580,8 @@ def latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, se
         BLOCK_DR=next_pow2(d_r), BLOCK_N=cfg["block_n"], DOT_MODE=dot_mode, num_warps=cfg["num_warps"], **extra,
     )
     _merge_kernel[(b, h)](
-        o_part, lse_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
-        lse_part.stride(1), out.stride(0), out.stride(1), n_splits, DC=d_c, BLOCK_S=next_pow2(n_splits, 2),
+        o_part, lse_part, out, lse, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
+        lse_part.stride(1), out.stride(0), out.stride(1), n_splits, h, DC=d_c, BLOCK_S=next_pow2(n_splits, 2),
         BLOCK_DC=next_pow2(d_c), num_warps=4,
     )
-    return out
+    return out, lse

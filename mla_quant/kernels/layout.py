@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,10 +44,12 @@ SCALE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.flo
 ZERO_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "pow2": torch.float16}
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.int8: 3}  # the kernels' typed reads
 POW2_CODE = DTYPE_CODES[SCALE_DTYPES["pow2"]]  # int8 scales are power-of-two exponents
-# How a path's codes are stored (`PagedPath.codes`): int32 words (WordLayout; also float values), or the engines'
-# floating-point byte codes: e4m3 (one byte per value) and e2m1 (two per byte, the even value in the low nibble).
-CODES = ("words", "e4m3", "e2m1")
-CODE_BITS = {"e4m3": 8, "e2m1": 4}
+# How a path's codes are stored (`PagedPath.codes`): int32 words (WordLayout; also float values), the engines'
+# floating-point byte codes: e4m3 (one byte per value) and e2m1 (two per byte, the even value in the low nibble),
+# or a stream: `bits`-bit indices into a codebook (`levels`) as one LSB-first bit stream per token
+# (mla_quant/quant/packing.py; TurboQuant's 3- and 4-bit codes).
+CODES = ("words", "e4m3", "e2m1", "stream")
+CODE_BITS = {"e4m3": (8,), "e2m1": (4,), "stream": (3, 4)}  # what each byte-code kind is read at
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # an e2m1 code's magnitude by code & 7; code & 8 is the sign
 # What a stored scale is (`scale_kind`): a float dtype, an int8 power-of-two exponent (pow2), an E8M0 byte
 # (2^(s - 127)), e4m3 bits, or no scale at all.
@@ -263,7 +265,12 @@ class PagedPath:
     Floating-point byte codes (the engines' formats, `codes` "e4m3" or "e2m1" at bits 8 or 4): `data` is uint8
     (.., ceil(d bits / 8)) in channel order, `scales` (.., ceil(d / group)) one per group (the last group may be
     shorter) of kind `scales_as` ("e8m0", "e4m3": uint8 bytes; None: a float dtype) or None (unscaled), x = value
-    times scale; `parts` and `decode` give the PyTorch paths the codec's own decoding."""
+    times scale; `parts` and `decode` give the PyTorch paths the codec's own decoding.
+    A stream (`codes` "stream", bits 3 or 4): `data` uint8 (.., ceil(d bits / 8)), value i at bits [i b, (i + 1) b)
+    of the token's bytes (LSB first), an index into `levels` (2^bits float32); x = levels[q] times its group's scale.
+    `rotation`: (d, d) float32 or None. With one, what is stored is y, the values of the path in a rotated basis, and
+    x = y @ rotation: a kernel reads y against the rotated query (q @ rotation^T) and rotates its output back
+    (`in_bases`); the codec's `decode` gives x itself."""
 
     data: torch.Tensor
     scales: torch.Tensor | None = None
@@ -278,6 +285,7 @@ class PagedPath:
     decode: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
     codes: str = "words"
     scales_as: str | None = None
+    rotation: torch.Tensor | None = None
 
 
 @dataclass
@@ -315,18 +323,27 @@ def scale_kind(p: PagedPath) -> int:
 
 def _check_byte_codes(p: PagedPath, d: int, name: str, blocks: tuple[int, int]) -> list[tuple[str, torch.Tensor]]:
     """The checks of a path of floating-point byte codes (`PagedPath`); returns its (part, tensor) pairs."""
-    if p.codes not in CODE_BITS or p.bits != CODE_BITS[p.codes]:
+    if p.codes not in CODE_BITS or p.bits not in CODE_BITS[p.codes]:
         raise ValueError(f"{name}.codes={p.codes!r} with bits={p.bits}; allowed: {CODE_BITS} (codes: bits)")
     row = -(-d * p.bits // 8)
     if p.data.dtype != torch.uint8 or p.data.shape[-1] != row:
         raise ValueError(f"{name}.data: uint8 {p.codes} codes (.., {row}) expected, got {p.data.dtype} "
                          f"{tuple(p.data.shape)}")
-    if not p.symmetric or p.levels is not None or p.zeros is not None:
-        raise ValueError(f"{name}: {p.codes} codes take no zeros and no codebook (symmetric=True, zeros=None, "
-                         f"levels=None)")
+    if not p.symmetric or p.zeros is not None:
+        raise ValueError(f"{name}: {p.codes} codes take no zeros (symmetric=True, zeros=None)")
+    if p.codes == "stream":
+        if p.levels is None or p.levels.dtype != torch.float32 or tuple(p.levels.shape) != (1 << p.bits,) or \
+                not p.levels.is_contiguous():
+            got = None if p.levels is None else f"{p.levels.dtype} {tuple(p.levels.shape)}"
+            raise ValueError(f"{name}.levels: a stream's codebook of {1 << p.bits} contiguous float32 levels "
+                             f"expected, got {got}")
+        if p.scales_as is not None or p.pow2:
+            raise ValueError(f"{name}.scales: a stream's scales are of a float dtype (scales_as=None, pow2=False)")
+    elif p.levels is not None:
+        raise ValueError(f"{name}: {p.codes} codes take no codebook (levels=None)")
     if p.group <= 0:
         raise ValueError(f"{name}.group={p.group}: must be a positive number of values per scale")
-    parts = [("data", p.data)]
+    parts = [("data", p.data)] + ([("levels", p.levels)] if p.levels is not None else [])
     if p.scales is not None:
         groups = -(-d // p.group)
         if tuple(p.scales.shape) != blocks + (groups,):
@@ -352,6 +369,14 @@ def rows_contiguous(t: torch.Tensor) -> bool:
 
 
 def _check_path(p: PagedPath, d: int, name: str, blocks: tuple[int, int], device: torch.device) -> None:
+    if p.rotation is not None:
+        r = p.rotation
+        if p.codes != "stream":
+            raise ValueError(f"{name}.rotation: a rotated basis is read for a stream of codebook indices only "
+                             f"(codes='stream'), not codes={p.codes!r}")
+        if r.dtype != torch.float32 or tuple(r.shape) != (d, d) or not r.is_contiguous() or r.device != device:
+            raise ValueError(f"{name}.rotation: a contiguous ({d}, {d}) float32 matrix on {device} expected, got "
+                             f"{r.dtype} {tuple(r.shape)} on {r.device}")
     if p.pairs is not None:  # a page pool of parts of several widths, described by `pairs`
         if p.data.dtype != torch.uint8 or p.data.dim() != 2 or p.data.shape[0] != blocks[0] or \
                 p.data.stride(1) != 1:
@@ -360,13 +385,13 @@ def _check_path(p: PagedPath, d: int, name: str, blocks: tuple[int, int], device
         if p.data.device != device:
             raise ValueError(f"{name}.data is on {p.data.device}; the queries are on {device}")
         return
-    if p.bits not in KERNEL_BITS:
+    if p.codes not in CODES:
+        raise ValueError(f"{name}.codes={p.codes!r}; allowed: {list(CODES)}")
+    if p.codes == "words" and p.bits not in KERNEL_BITS:
         raise ValueError(f"{name}.bits={p.bits}; allowed: {list(KERNEL_BITS)} (0 = float values)")
     if p.data.dim() != 3 or tuple(p.data.shape[:2]) != blocks:
         raise ValueError(f"{name}.data must be (num_blocks, block_size, *) = {blocks + ('*',)}, "
                          f"got {tuple(p.data.shape)}")
-    if p.codes not in CODES:
-        raise ValueError(f"{name}.codes={p.codes!r}; allowed: {list(CODES)}")
     if p.codes != "words":
         parts = _check_byte_codes(p, d, name, blocks)
     elif p.bits == 0:
@@ -444,3 +469,37 @@ def check_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, segments) -> None
                              f"{tuple(seg.lengths.shape)}")
         if table.device != q_latent.device or seg.lengths.device != q_latent.device:
             raise ValueError(f"segments[{i}].block_table and .lengths must be on {q_latent.device}")
+
+
+def in_bases(q_latent: torch.Tensor, q_rope: torch.Tensor, segments, run, return_lse: bool = False):
+    """Decode over segments whose paths may be stored in rotated bases (`PagedPath.rotation`, x = y @ R): the
+    segments grouped by their paths' rotations, each group read by `run(q_latent, q_rope, segments)` -> (out, lse)
+    (B, H, d_c), (B, H) float32 with the group's queries rotated (q @ R^T) and its segments' rotations dropped, its
+    output rotated back (out @ R), and the groups merged by their log-sum-exp. One group without rotation (every
+    format but TurboQuant's 3- and 4-bit codes) is one call of `run` as it is. Returns out, or (out, lse)."""
+    groups: list[list] = []
+    for seg in segments:
+        for g in groups:
+            if g[0].content.rotation is seg.content.rotation and g[0].rope.rotation is seg.rope.rotation:
+                g.append(seg)
+                break
+        else:
+            groups.append([seg])
+    results = []
+    for group in groups:
+        rc, rr = group[0].content.rotation, group[0].rope.rotation
+        ql = q_latent if rc is None else (q_latent.float() @ rc.T).to(q_latent.dtype)
+        qr = q_rope if rr is None else (q_rope.float() @ rr.T).to(q_rope.dtype)
+        if rc is not None or rr is not None:
+            group = [replace(seg, content=replace(seg.content, rotation=None), rope=replace(seg.rope, rotation=None))
+                     for seg in group]
+        out, lse = run(ql.contiguous(), qr.contiguous(), group)
+        results.append((out if rc is None else out @ rc, lse))
+    if len(results) == 1:
+        out, lse = results[0]
+    else:
+        lses = torch.stack([lse for _, lse in results])  # (groups, B, H)
+        lse = torch.logsumexp(lses, 0)
+        w = torch.exp(lses - torch.where(torch.isinf(lse), 0.0, lse)).nan_to_num(0.0)  # a group without tokens: 0
+        out = sum(w[i][..., None] * o for i, (o, _) in enumerate(results))
+    return (out, lse) if return_lse else out

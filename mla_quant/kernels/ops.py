@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from mla_quant.kernels.layout import CODES, SCALE_KINDS, PagedPath, Segment, flat_pairs, nested_pairs
+from mla_quant.kernels.layout import (
+    CODES, SCALE_KINDS, PagedPath, Segment, check_inputs, flat_pairs, in_bases, nested_pairs,
+)
 
 SEGMENT_TENSORS = 10  # per segment: content data, scales, zeros, levels; rope the same; block table; lengths
 _PATH_META = 6  # per path: bits, group, symmetric, pow2, codes, what its scales are (-1: a float or pow2 dtype)
@@ -63,24 +65,30 @@ def unflatten(tensors: list[torch.Tensor | None], meta: list[int]) -> list[Segme
 
 @torch.library.custom_op("mla_quant::latent_decode", mutates_args=())
 def _triton_latent_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float,
-                          tensors: list[torch.Tensor | None], meta: list[int]) -> torch.Tensor:
+                          tensors: list[torch.Tensor | None], meta: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     from mla_quant.kernels.latent_decode import latent_decode
 
-    return latent_decode(q_latent, q_rope, scale, unflatten(tensors, meta))
+    return latent_decode(q_latent, q_rope, scale, unflatten(tensors, meta), return_lse=True)
 
 
 @_triton_latent_decode.register_fake
 def _(q_latent, q_rope, scale, tensors, meta):
-    return q_latent.new_empty(q_latent.shape, dtype=torch.float32)
+    return (q_latent.new_empty(q_latent.shape, dtype=torch.float32),
+            q_latent.new_empty(q_latent.shape[:2], dtype=torch.float32))
 
 
 def decode_op(backend: str):
     """The decode kernel of `backend` ("triton", "cpu") as a function of (q_latent, q_rope, scale, segments) that
-    calls its operator."""
+    calls its operator (both operators return the output and its log-sum-exp; segments in a rotated basis are read
+    against the rotated query, `in_bases`, outside the operator)."""
     if backend == "triton":
-        def triton_op(q_latent, q_rope, scale, segments):
-            tensors, meta = flatten(segments)
-            return torch.ops.mla_quant.latent_decode(q_latent, q_rope, float(scale), tensors, meta)
+        def triton_op(q_latent, q_rope, scale, segments, return_lse=False):
+            def run(ql, qr, segs):
+                tensors, meta = flatten(segs)
+                return torch.ops.mla_quant.latent_decode(ql, qr, float(scale), tensors, meta)
+
+            check_inputs(q_latent, q_rope, segments)
+            return in_bases(q_latent, q_rope, segments, run, return_lse)
 
         return triton_op
     from mla_quant.kernels.cpu_decode import latent_decode_cpu

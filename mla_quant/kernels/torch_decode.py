@@ -21,6 +21,7 @@ import torch
 
 from mla_quant.kernels.attention import reference_attention
 from mla_quant.kernels.layout import E2M1_VALUES, PagedPath, Segment, WordLayout, check_inputs
+from mla_quant.quant import packing
 
 
 def bytes_read(q_latent: torch.Tensor, q_rope: torch.Tensor, segments) -> int:
@@ -67,24 +68,27 @@ def _gather_path(p: PagedPath, table: torch.Tensor, d: int) -> torch.Tensor:
 
 
 def byte_codes(p: PagedPath, data: torch.Tensor, scales: torch.Tensor | None, d: int) -> torch.Tensor:
-    """An engine's floating-point byte codes as stored (`PagedPath`: e4m3 bytes, or e2m1 nibbles two per byte, the
-    even value low) (..., row) uint8, and their scales (..., ceil(d / group)) of kind `p.scales_as` or None -> the
-    values (..., d) float32: the rule the kernels implement, written from torch's own e4m3 cast."""
-    if p.codes == "e4m3":
+    """An engine's byte codes as stored (`PagedPath`: e4m3 bytes, e2m1 nibbles two per byte, the even value low, or
+    a stream of codebook indices) (..., row) uint8, and their scales (..., ceil(d / group)) of kind `p.scales_as` or
+    None -> the values (..., d) float32, rotated back where the path is stored rotated (x = y @ rotation): the rule
+    the kernels implement, written from torch's own e4m3 cast and the packing module's bit stream."""
+    if p.codes == "stream":
+        x = p.levels.float()[packing.unpack(data, p.bits, d).long()]
+    elif p.codes == "e4m3":
         x = data.view(torch.float8_e4m3fn).float()
     else:
         nibbles = torch.stack([data & 15, data >> 4], dim=-1).flatten(-2)[..., :d].long()
         mag = torch.tensor(E2M1_VALUES, device=data.device)[nibbles & 7]
         x = torch.where((nibbles & 8) != 0, -mag, mag)
-    if scales is None:
-        return x
-    if p.scales_as == "e8m0":
-        s = torch.exp2(scales.float() - 127)
-    elif p.scales_as == "e4m3":
-        s = scales.view(torch.float8_e4m3fn).float()
-    else:
-        s = torch.exp2(scales.float()) if p.pow2 else scales.float()
-    return x * s.repeat_interleave(p.group, dim=-1)[..., :d]
+    if scales is not None:
+        if p.scales_as == "e8m0":
+            s = torch.exp2(scales.float() - 127)
+        elif p.scales_as == "e4m3":
+            s = scales.view(torch.float8_e4m3fn).float()
+        else:
+            s = torch.exp2(scales.float()) if p.pow2 else scales.float()
+        x = x * s.repeat_interleave(p.group, dim=-1)[..., :d]
+    return x if p.rotation is None else x @ p.rotation
 
 
 def latent_decode_reference(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, segments,

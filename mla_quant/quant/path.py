@@ -200,6 +200,9 @@ class PathFormat:
     def kernel_spec(self, d: int) -> dict:
         return self.codec.kernel_spec(self, d)
 
+    def kernel_tensors(self, d: int, device) -> dict[str, torch.Tensor]:
+        return self.codec.kernel_tensors(self, d, device)
+
     @property
     def quantizer_label(self) -> str:
         """" <quantizer>" where the codes are chosen otherwise than the default's min/max range, else ""."""

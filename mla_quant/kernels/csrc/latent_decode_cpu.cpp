@@ -18,10 +18,13 @@
 //     float16, or int8 exponents (pow2: 2^e). Absent parts are None. The engines' formats: uint8 e4m3 codes (one
 //     byte per value) or e2m1 codes (two per byte, the even value in the low nibble) in channel order, a scale per
 //     group of `group` values (the last group may be shorter) of a float dtype, int8 pow2 exponents, uint8 E8M0
-//     bytes (2^(s - 127)) or uint8 e4m3 bytes, or no scale.
+//     bytes (2^(s - 127)) or uint8 e4m3 bytes, or no scale. A stream: uint8 bytes holding `bits`-bit (3 or 4)
+//     indices into the path's codebook (levels), value i at bits [i bits, (i + 1) bits) LSB first, times its
+//     group's scale of a float dtype.
 //   meta: per segment, SEG_META entries: per path (content, then rope) bits, group, symmetric, codes (0 int32 words
-//     or float values, 1 e4m3, 2 e2m1), scale bytes (0 by dtype, 2 E8M0, 3 e4m3; layout.SCALE_KINDS).
-// Returns o_latent (B, H, d_c) float32; a sequence with no token attends to nothing (zeros).
+//     or float values, 1 e4m3, 2 e2m1, 3 stream), scale bytes (0 by dtype, 2 E8M0, 3 e4m3; layout.SCALE_KINDS).
+// Returns (o_latent (B, H, d_c), lse (B, H)) float32: the output and its log-sum-exp; a sequence with no token
+// attends to nothing (zeros, -inf).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,6 +38,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -47,7 +51,7 @@ constexpr int64_t kSegMeta = 2 * kPathMeta;  // ints per segment
 constexpr int64_t kMinChunk = 128;     // fewest tokens per split
 
 enum class Kind { F32, F16, BF16, I8, I32, U8 };
-enum Codes { kWords = 0, kE4M3 = 1, kE2M1 = 2 };  // layout.CODES
+enum Codes { kWords = 0, kE4M3 = 1, kE2M1 = 2, kStream = 3 };  // layout.CODES
 enum ScaleBytes { kByDtype = 0, kE8M0 = 2, kScaleE4M3 = 3 };  // layout.SCALE_KINDS
 
 // The float32 value of every e4m3fn byte (sign, 4 exponent bits of bias 7, 3 mantissa bits; m 2^-9 below the normals;
@@ -131,9 +135,16 @@ struct Path {
     data_stride = x.stride(0) * x.element_size();
     row = x.size(2) * x.element_size();
     data_kind = kind_of(x);
-    if (codes != kWords) {  // the engines' floating-point byte codes
-      TORCH_CHECK((codes == kE4M3 && bits == 8) || (codes == kE2M1 && bits == 4),
-                  "latent_decode_cpu: codes=", codes, " with bits=", bits, "; allowed e4m3 (1) at 8, e2m1 (2) at 4");
+    if (codes != kWords) {  // the engines' byte codes
+      TORCH_CHECK((codes == kE4M3 && bits == 8) || (codes == kE2M1 && bits == 4) ||
+                      (codes == kStream && (bits == 3 || bits == 4)),
+                  "latent_decode_cpu: codes=", codes, " with bits=", bits, "; allowed e4m3 (1) at 8, e2m1 (2) at 4, "
+                  "stream (3) at 3 or 4");
+      if (codes == kStream) {
+        TORCH_CHECK(levels_t.has_value() && levels_t->numel() == (int64_t{1} << bits),
+                    "latent_decode_cpu: a stream reads a codebook of 2^bits levels");
+        levels = levels_t->data_ptr<float>();
+      }
       TORCH_CHECK(data_kind == Kind::U8 && x.size(2) == (d * bits + 7) / 8,
                   "latent_decode_cpu: ", (d * bits + 7) / 8, " uint8 code bytes per token expected");
       TORCH_CHECK(group > 0, "latent_decode_cpu: group=", group, " must be positive");
@@ -223,6 +234,26 @@ struct Path {
     const auto* c = reinterpret_cast<const uint8_t*>(data + blk * data_stride + slot * row);
     if (codes == kE4M3) {
       for (int64_t i = 0; i < d; ++i) out[i] = kFloatCodes.e4m3[c[i]];
+    } else if (codes == kStream && bits == 4) {  // two per byte, the even value low
+      for (int64_t j = 0; j < d / 2; ++j) {
+        out[2 * j] = levels[c[j] & 15];
+        out[2 * j + 1] = levels[c[j] >> 4];
+      }
+      if (d % 2) out[d - 1] = levels[c[d / 2] & 15];
+    } else if (codes == kStream && d % 8 == 0) {  // 3 bits: eight values in each three bytes
+      for (int64_t j = 0; j < d / 8; ++j) {
+        const uint32_t v = c[3 * j] | (static_cast<uint32_t>(c[3 * j + 1]) << 8) |
+                           (static_cast<uint32_t>(c[3 * j + 2]) << 16);
+        float* o = out + 8 * j;
+        for (int k = 0; k < 8; ++k) o[k] = levels[(v >> (3 * k)) & 7];
+      }
+    } else if (codes == kStream) {
+      const uint32_t mask = (1u << bits) - 1u;
+      for (int64_t i = 0; i < d; ++i) {
+        const int64_t bit = i * bits, at = bit >> 3;
+        const uint32_t two = c[at] | (at + 1 < row ? static_cast<uint32_t>(c[at + 1]) << 8 : 0u);
+        out[i] = levels[(two >> (bit & 7)) & mask];
+      }
     } else {
       for (int64_t i = 0; i < d; ++i) out[i] = kFloatCodes.e2m1[(c[i / 2] >> ((i % 2) * 4)) & 15];
     }
@@ -384,8 +415,10 @@ void over_heads(int64_t H, F f) {
   for (; h < H; ++h) f(std::integral_constant<int, 1>{}, h);
 }
 
-at::Tensor latent_decode_cpu(const at::Tensor& q_latent, const at::Tensor& q_rope, double scale_,
-                             const std::vector<std::optional<at::Tensor>>& tensors, at::IntArrayRef meta) {
+std::tuple<at::Tensor, at::Tensor> latent_decode_cpu(const at::Tensor& q_latent, const at::Tensor& q_rope,
+                                                     double scale_,
+                                                     const std::vector<std::optional<at::Tensor>>& tensors,
+                                                     at::IntArrayRef meta) {
   TORCH_CHECK(q_latent.dim() == 3 && q_rope.dim() == 3, "latent_decode_cpu: q_latent (B, H, d_c) and q_rope "
               "(B, H, d_r) expected");
   TORCH_CHECK(q_latent.scalar_type() == at::kFloat && q_rope.scalar_type() == at::kFloat &&
@@ -501,7 +534,9 @@ at::Tensor latent_decode_cpu(const at::Tensor& q_latent, const at::Tensor& q_rop
   });
 
   at::Tensor out = at::zeros({B, H, dc}, q_latent.options());
+  at::Tensor lse = at::full({B, H}, -std::numeric_limits<float>::infinity(), q_latent.options());
   float* o = out.data_ptr<float>();
+  float* lo = lse.data_ptr<float>();
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t h = 0; h < H; ++h) {
@@ -519,16 +554,18 @@ at::Tensor latent_decode_cpu(const at::Tensor& q_latent, const at::Tensor& q_rop
         }
         const float inv = 1.f / total_l;
         for (int64_t c = 0; c < dc; ++c) ob[c] *= inv;
+        lo[b * H + h] = top + std::log(total_l);
       }
     }
   });
-  return out;
+  return {out, lse};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(mla_quant_cpu, m) {
-  m.def("latent_decode(Tensor q_latent, Tensor q_rope, float scale, Tensor?[] tensors, int[] meta) -> Tensor");
+  m.def("latent_decode(Tensor q_latent, Tensor q_rope, float scale, Tensor?[] tensors, int[] meta) -> "
+        "(Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mla_quant_cpu, CPU, m) { m.impl("latent_decode", &latent_decode_cpu); }

@@ -108,11 +108,19 @@ class Codec:
         """The kernel's compile-time description of the stored tensors (see kernels/latent_decode.py)."""
         raise NotImplementedError
 
+    def kernel_tensors(self, fmt: "PathFormat", d: int, device) -> dict[str, torch.Tensor]:
+        """Constant tensors a kernel reads beside the pages (a stream's codebook `levels`, its `rotation`; `PagedPath`
+        fields), on `device`; none by default."""
+        return {}
+
     @staticmethod
-    def byte_codes_spec(codes: str, group: int, scales_as: str | None = None, pow2: bool = False) -> dict:
-        """`kernel_spec` of an engine format stored as floating-point byte codes (`PagedPath`, kernels/layout.py):
-        e4m3 or e2m1 codes, one scale per `group` values (none when the format stores none) of kind `scales_as`."""
-        return dict(bits=CODE_BITS[codes], group=group, symmetric=True, pow2=pow2, codes=codes, scales_as=scales_as)
+    def byte_codes_spec(codes: str, group: int, scales_as: str | None = None, pow2: bool = False,
+                        bits: int | None = None) -> dict:
+        """`kernel_spec` of an engine format stored as byte codes (`PagedPath`, kernels/layout.py): e4m3 or e2m1 codes
+        or a stream of `bits`-bit codebook indices, one scale per `group` values (none when the format stores none)
+        of kind `scales_as`."""
+        return dict(bits=CODE_BITS[codes][0] if bits is None else bits, group=group, symmetric=True, pow2=pow2,
+                    codes=codes, scales_as=scales_as)
 
     def describe(self, fmt: "PathFormat") -> str:
         return self.name

@@ -174,12 +174,19 @@ class TurboQuantCodec(Codec):
         return tq_decode(parts, d, fmt.bits, dtype)
 
     def kernel_unsupported(self, fmt, d):
-        if fmt.bits != FP8_BITS:  # the codes index levels of the rotated vector, in a 3/4-bit stream
-            return f"bits={fmt.bits} (the decode kernels read format=turboquant at {FP8_BITS} bits, e4m3)"
         return None
 
     def kernel_spec(self, fmt, d):
-        return self.byte_codes_spec("e4m3", d)
+        if fmt.bits == FP8_BITS:
+            return self.byte_codes_spec("e4m3", d)
+        # the codes index levels of the rotated vector y = x H: a stream read in the rotated basis (x = y H)
+        return self.byte_codes_spec("stream", d, bits=fmt.bits)
+
+    def kernel_tensors(self, fmt, d, device):
+        if fmt.bits == FP8_BITS:
+            return {}
+        _, levels_bf16, h = _tables(d, fmt.bits, str(torch.device(device)))
+        return {"levels": levels_bf16, "rotation": h}
 
     def describe(self, fmt):
         if fmt.bits == FP8_BITS:
