@@ -140,19 +140,21 @@ def test_e4m3_codes_of_a_width_that_is_not_whole_words_are_read_a_byte_at_a_time
     torch.testing.assert_close(out, dense_attention(layer, q_latent, q_rope, 0.1), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("option", ["nvfp4_ds_mla", "mxfp8"])
-def test_engine_formats_decode_through_the_triton_kernel_as_torch_does(option):
+@pytest.mark.parametrize("option, d_c, extra", [("nvfp4_ds_mla", 96, {}), ("mxfp8", 96, {}),
+                                                ("turboquant_3bit_nc", 128, {"protected": {"n_sink": 2, "recent": 16}})])
+def test_engine_formats_decode_through_the_triton_kernel_as_torch_does(option, d_c, extra):
     """quant.backend=triton (and cpu, the C++ kernel, where it builds) on an engine's format: decode steps read its
     pages through the kernel, with the outputs of the PyTorch layer over the same stored tokens."""
     from mla_quant.cache import layer_factory
     from mla_quant.quant.formats import cache_format
 
     g = torch.Generator().manual_seed(5)
-    c, r = torch.randn(2, 150, 96, generator=g).to(DEVICE), (3 * torch.randn(2, 150, 16, generator=g)).to(DEVICE)
-    q = torch.randn(2, 4, 1, 96, generator=g).to(DEVICE), torch.randn(2, 4, 1, 16, generator=g).to(DEVICE)
+    c, r = torch.randn(2, 150, d_c, generator=g).to(DEVICE), (3 * torch.randn(2, 150, 16, generator=g)).to(DEVICE)
+    q = torch.randn(2, 4, 1, d_c, generator=g).to(DEVICE), torch.randn(2, 4, 1, 16, generator=g).to(DEVICE)
     outs = {}
     for backend in ("torch", "triton", *(("cpu",) if HAS_CXX else ())):
-        layer = layer_factory(cache_format(OmegaConf.merge(load_quant_option(option), {"backend": backend}), 96, 16))()
+        cfg = OmegaConf.merge(load_quant_option(option), extra, {"backend": backend})
+        layer = layer_factory(cache_format(cfg, d_c, 16))()
         layer.append(c[:, :140], r[:, :140])
         outs[backend] = [layer.attend(*q, c[:, i : i + 1], r[:, i : i + 1], 0.1, None) for i in range(140, 143)]
         assert layer.backend_steps[("decode", backend)] == 3
