@@ -266,7 +266,7 @@ def test_a_stream_of_codebook_indices_in_any_rotated_basis_and_its_lse():
     """Raw pages, no codec at hand: 3- and 4-bit streams at widths whose values cross bytes and end mid-byte, a random
     codebook, a float16 scale per group (the last one shorter), each path under a random orthogonal rotation (not
     symmetric, so q R^T and out R cannot be confused), beside a BF16 segment in the original basis; both kernels
-    against the reference's own reading (the packing module's bit stream, x = y R), and the log-sum-exp they return
+    against the reference's own reading (the stream's bits one by one, x = y R), and the log-sum-exp they return
     against the scores', -inf for a sequence with no token."""
     from mla_quant.kernels.layout import PagedPath, Segment
     from mla_quant.quant import packing

@@ -21,7 +21,6 @@ import torch
 
 from mla_quant.kernels.attention import reference_attention
 from mla_quant.kernels.layout import E2M1_VALUES, PagedPath, Segment, WordLayout, check_inputs
-from mla_quant.quant import packing
 
 
 def bytes_read(q_latent: torch.Tensor, q_rope: torch.Tensor, segments) -> int:
@@ -71,9 +70,12 @@ def byte_codes(p: PagedPath, data: torch.Tensor, scales: torch.Tensor | None, d:
     """An engine's byte codes as stored (`PagedPath`: e4m3 bytes, e2m1 nibbles two per byte, the even value low, or
     a stream of codebook indices) (..., row) uint8, and their scales (..., ceil(d / group)) of kind `p.scales_as` or
     None -> the values (..., d) float32, rotated back where the path is stored rotated (x = y @ rotation): the rule
-    the kernels implement, written from torch's own e4m3 cast and the packing module's bit stream."""
-    if p.codes == "stream":
-        x = p.levels.float()[packing.unpack(data, p.bits, d).long()]
+    the kernels implement, written from torch's own e4m3 cast and the stream's bits read one by one."""
+    if p.codes == "stream":  # value i at bits [i b, (i + 1) b) of the token's bytes, LSB first
+        bits = ((data[..., None].long() >> torch.arange(8, device=data.device)) & 1).flatten(-2)  # bit 8 j + k
+        weights = 1 << torch.arange(p.bits, device=data.device)
+        codes = (bits[..., : d * p.bits].unflatten(-1, (d, p.bits)) * weights).sum(-1)
+        x = p.levels.float()[codes]
     elif p.codes == "e4m3":
         x = data.view(torch.float8_e4m3fn).float()
     else:
