@@ -94,7 +94,8 @@ def test_serve_the_toy_in_vllm(tmp_path):
     vLLM model) scores as through the framework."""
     done = subprocess.run([sys.executable, "run.py", "experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}",
                            "+quant.layers=[null,{content:{bits:2}},null,{rope:{bits:2}}]",  # a format per layer
-                           "eval=toy", "eval.tasks=[toy_gsm8k]", "eval.limit=8", "task.concurrency=[4,32]"],
+                           "eval=toy", "eval.tasks=[toy_gsm8k]", "eval.limit=8", "task.concurrency=[4,32]",
+                           "task.repeats=1"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((tmp_path / "record.json").read_text())["metrics"]
