@@ -88,3 +88,9 @@ def alone_and_padded(model, make_cache, steps: int = 12) -> list[tuple]:
     mask = torch.ones_like(batch)
     mask[0, :9] = 0
     return greedy_alone_and_in_batch(model, short[None], batch, mask, make_cache, steps)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest tests (marked `slow`) first, so that pytest-xdist's workers start them early and finish together,
+    instead of one worker running a long test at the end while the other waits."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order

@@ -61,6 +61,7 @@ def test_bench_decode_prints_ratios(tmp_path):
         assert "bench/decode/ctx64/speed_bf16_vs_absorbed" not in rec["metrics"]
 
 
+@pytest.mark.slow
 def test_multirun_through_the_submitit_launcher(tmp_path):
     """--multirun with hydra/launcher=local runs each job through submitit (the SLURM launcher's local twin)."""
     out = run_cli("--multirun", "hydra/launcher=local", "hydra.launcher.timeout_min=10", "experiment=equivalence",

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 from conftest import REPO
 
 BUILD = """
@@ -27,6 +29,7 @@ except ValueError as err:
 """
 
 
+@pytest.mark.slow
 def test_the_installed_package_builds_a_quantized_cache_outside_the_repository(tmp_path):
     wheels = tmp_path / "wheels"
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO),

@@ -27,6 +27,7 @@ def test_the_default_run_is_the_pipeline():
     assert cfg.task.name == "pipeline" and cfg.model._target_.endswith("load_toy_model")
 
 
+@pytest.mark.slow
 def test_pipeline_runs_every_step_then_reuses_them(tmp_path):
     root = tmp_path / "outputs"
     first = _run([*SMALL, f"hydra.run.dir={root}/first"])

@@ -43,6 +43,7 @@ def test_the_folder_is_a_checkpoint(folder):
     assert meta["data_files"]["text"]["test"].endswith("data/text/test.jsonl")
 
 
+@pytest.mark.slow
 def test_the_headline_pipeline_runs_on_it_to_its_summary(folder, tmp_path):
     """`python run.py model=deepseek_v2_lite quant=int4_joint` on the folder, with its local data files: every step
     (sensitivity, cache bytes, calibration, the BF16 reference and the evaluation with the model's eval=paper, here
