@@ -19,12 +19,11 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 
-# The machine's cores shared among pytest-xdist's workers: one thread each on 2 cores (two threads each left their
-# OpenMP threads waiting on one another's cores: the suite ran 1.5x slower, the C++ kernel's tests 4x), the same for
-# the processes a test starts (OMP_NUM_THREADS), and 2 in a single process.
+# The machine's cores shared among pytest-xdist's workers: one thread each on 2 cores (with two each, their OpenMP
+# threads waited on one another's cores: test_sensitivity + test_quant_cache ran 1.4x slower, test_transforms +
+# test_cpu_kernel 4x), and 2 in a single process.
 TEST_THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 torch.set_num_threads(TEST_THREADS)
-os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)
 
 # What quant.backend=auto decodes CPU tensors with: the C++ kernel wherever a C++ compiler can build it (a build that
 # then fails fails the tests expecting it), PyTorch on a machine without a compiler.
