@@ -87,7 +87,9 @@ def decode_op(backend: str):
                 tensors, meta = flatten(segs)
                 return torch.ops.mla_quant.latent_decode(ql, qr, float(scale), tensors, meta)
 
-            check_inputs(q_latent, q_rope, segments)
+            if any(p.rotation is not None for seg in segments for p in (seg.content, seg.rope)):
+                check_inputs(q_latent, q_rope, segments)  # the rotations, before in_bases uses them (the operator
+                # checks the rest, as it does for every other step: no second check on the common path)
             return in_bases(q_latent, q_rope, segments, run, return_lse)
 
         return triton_op
