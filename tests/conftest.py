@@ -10,6 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import functools  # noqa: E402
 import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -48,6 +49,40 @@ def cfg_of():
 def options(group: str) -> list[str]:
     """Every option of a config group (file stems in conf/<group>/)."""
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@functools.cache
+def model_option(option: str):
+    """A model option's own node as its file writes it (no composition: `family`, `_target_`)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.load(CONF / "model" / f"{option}.yaml")
+    return node.model if "model" in node else node  # a real checkpoint's option is in the global package
+
+
+def real_option(tiny: str) -> str:
+    """The real checkpoint's option (loaded by `pretrained_model`) of a tiny option's family."""
+    family = model_option(tiny).family
+    return next(o for o in options("model") if not o.startswith(("tiny_", "spec_"))
+                and model_option(o).get("family") == family
+                and str(model_option(o).get("_target_", "")).endswith("pretrained_model"))
+
+
+# The families a per-family stage test (a study, an evaluation, a checkpoint load, the headline command's steps) runs
+# on by default: one for each way the model adapter reads a model (mla_quant/models/families.py) -- the plain
+# DeepSeek-V3 shape (and Kimi-K2, the same classes); DeepSeek-V2's interleaved cached RoPE key; Kimi Linear's
+# unrotated key and linear-attention layers; LongCat's two attentions per layer; Mistral Large 4's multimodal wrapper,
+# layer dims and query scale; HY v4 VL's attention sinks and output gate; dots3's normed RoPE key. The rest share
+# these code paths; `pytest --every-family` runs these tests on every family. Transformers' own forward of every
+# family is still checked by every run (test_equivalence, test_transforms).
+REPRESENTATIVE_FAMILIES = {"deepseek_v2", "deepseek_v3", "kimi_linear", "longcat_flash", "mistral_large4",
+                           "hy_v4_vl", "dots3_note"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--every-family", action="store_true",
+                     help="run the tests marked every_family on every model family (default: the families of "
+                          "tests/conftest.py's REPRESENTATIVE_FAMILIES)")
 
 
 def greedy_alone_and_in_batch(model, alone, batch, mask, make_cache, steps: int) -> list[tuple]:
@@ -90,6 +125,18 @@ def alone_and_padded(model, make_cache, steps: int = 12) -> list[tuple]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest tests (marked `slow`) first, so that pytest-xdist's workers start them early and finish together,
-    instead of one worker running a long test at the end while the other waits."""
+    """Tests marked `every_family("<argument>")` whose model option is of a family outside REPRESENTATIVE_FAMILIES
+    are deselected unless `--every-family` is given. The longest tests (marked `slow`) first, so that pytest-xdist's
+    workers start them early and finish together, instead of one worker running a long test at the end while the other
+    waits."""
+    if not config.getoption("--every-family"):
+        kept, dropped = [], []
+        for item in items:
+            marker = item.get_closest_marker("every_family")
+            option = item.callspec.params.get(marker.args[0]) if marker and hasattr(item, "callspec") else None
+            family = None if option is None else model_option(option).get("family")
+            (dropped if family is not None and family not in REPRESENTATIVE_FAMILIES else kept).append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order

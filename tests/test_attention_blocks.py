@@ -21,7 +21,8 @@ from mla_quant.models.absorbed import absorb, attention_blocks, cache_kwargs, qu
 from mla_quant.toy.model import load_toy_model
 
 BLOCKS = [AttentionBlocks(1, 1), AttentionBlocks(7, 11), AttentionBlocks(16, 5), AttentionBlocks(64, 2048)]
-SHAPES = [(2, 3, 37, 37, 24, 8), (2, 3, 5, 41, 24, 8), (1, 4, 130, 130, 16, 8), (3, 2, 1, 300, 16, 8)]
+# (B, H, queries, keys, d_c, d_r); 70 queries: past one 64-query block
+SHAPES = [(2, 3, 37, 37, 24, 8), (2, 3, 5, 41, 24, 8), (1, 4, 70, 70, 16, 8), (3, 2, 1, 300, 16, 8)]
 
 
 def rel_err(got, want, rows):

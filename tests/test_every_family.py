@@ -45,6 +45,7 @@ def _with_vocab(option: str, vocab: int):
     return compose([f"model={option}", f"model.config.{key}={vocab}"]).model
 
 
+@pytest.mark.every_family("option")
 @pytest.mark.parametrize("option", TINY)
 def test_every_family_evaluates_a_toy_suite_with_a_quantized_cache(option, tok, task_dir):
     model = build_model(_with_vocab(option, len(tok)))

@@ -20,7 +20,7 @@ from mla_quant.runner import Interrupted, StageResult
 from mla_quant.record import RunProgress, active_progress, progress, run_identity
 
 SENSITIVITY = ["experiment=sensitivity", "model=tiny_deepseek_v2", "task.seeds=2", "task.sweep_nmse=[0.005,0.02]",
-               "logger=none"]
+               "task.probe.num_sequences=2", "logger=none"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -88,7 +88,7 @@ def test_sigterm_leaves_an_interrupted_record_and_the_rerun_resumes_to_the_same_
 def test_local_sweep_with_one_job_killed_reruns_only_that_job(tmp_path):
     root = tmp_path / "multirun"
     sweep = ["--multirun", "hydra/launcher=local", "experiment=sensitivity", "task.seeds=2", "logger=none",
-             "model=tiny_deepseek_v2,tiny_deepseek_v3"]
+             "task.sweep_nmse=[0.005,0.02]", "task.probe.num_sequences=2", "model=tiny_deepseek_v2,tiny_deepseek_v3"]
     proc = subprocess.Popen([sys.executable, "run.py", *sweep, f"hydra.sweep.dir={root}/first"], cwd=REPO, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _kill_when(root / "first" / "1", 4, proc)

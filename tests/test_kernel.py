@@ -92,7 +92,7 @@ ENGINE_FORMATS = {
 }
 
 @pytest.mark.parametrize("name", list(FORMATS))
-@pytest.mark.parametrize("heads", [1, 4, 20])
+@pytest.mark.parametrize("heads", [1, 20])  # one head block, partly filled; two, the second partly filled
 def test_kernel_matches_reference(name, heads):
     layer = filled_layer(dict(FORMATS[name]), d_c=96, d_r=16, batch=3, tokens=190, pads=(0, 9, 77))
     if name != "bf16 (plain layer)":
@@ -523,7 +523,7 @@ def test_toy_model_decodes_the_same_through_the_kernel():
 
     model, tok = load_toy_model(device=DEVICE), load_toy_tokenizer()
     count = lambda s: len(tok(s).input_ids)  # noqa: E731
-    prompts = [d["prompt"] for d in niah.test_set("single_2", [200], 2, seed=3, count_tokens=count)]
+    prompts = [d["prompt"] for d in niah.test_set("single_2", [160], 2, seed=3, count_tokens=count)]
     enc = tok(prompts, return_tensors="pt", padding=True).to(DEVICE)
     assert (enc.attention_mask == 0).any()  # left padding is exercised
     for option in ("int4_joint",):

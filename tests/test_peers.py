@@ -2,6 +2,8 @@
 the peer layer gives exactly what it gives over transformers' QuantizedCache itself; a prompt scores the same alone
 and in a padded batch; bytes are what the transformers layers hold; bad settings are refused by name."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -22,6 +24,21 @@ D_C, D_R = 96, 16  # the toy's latent dims
 @pytest.fixture(scope="module")
 def toy():
     return load_toy_model()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quanto_unpacks_in_python():
+    """optimum-quanto builds a C++ extension the first time it unpacks codes on a CPU (about 100 s on 2 cores, in
+    every fresh environment); here its CPU operator unpacks as quanto's own Python one does. Both caches compared
+    below call that one operator, so they still meet bit for bit."""
+    from optimum.quanto.library.extensions import cpp
+
+    def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:  # value i of each byte into block i, as quanto's
+        return torch.cat([(packed >> (bits * i)) & ((1 << bits) - 1) for i in range(8 // bits)]).to(torch.uint8)
+
+    built, cpp.ext._lib = cpp.ext._lib, SimpleNamespace(unpack=unpack)
+    yield
+    cpp.ext._lib = built
 
 
 def peer(option: str, **settings):

@@ -113,6 +113,7 @@ def test_pipeline_mixed_steps_compose_per_method_and_budget():
     assert cfg.quant.budget == "int2_joint" and cfg.quant.protected.recent == 0
 
 
+@pytest.mark.every_family("model")
 @pytest.mark.parametrize("model", [m for m in options("model") if not m.startswith("spec_")])
 def test_the_headline_command_composes_every_step_for_every_model(model):
     """`python run.py model=<option> quant=int4_joint`: every step composes (nothing runs), each evaluation step with

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import compose, options
+from conftest import compose, options, real_option
 
 from mla_quant.prepare import build_model
 
@@ -14,14 +14,12 @@ from mla_quant.models.families import text_config
 TINY = [o for o in options("model") if o.startswith("tiny_") and "dims" not in o]
 
 
+@pytest.mark.every_family("name")
 @pytest.mark.parametrize("name", TINY)
 def test_saved_checkpoint_loads_from_model_path(name, tmp_path):
     original = build_model(compose([f"model={name}"]).model, absorbed=False)
     original.save_pretrained(tmp_path)
-    family = compose([f"model={name}"]).model.family
-    real = [o for o in options("model") if not o.startswith("tiny_")
-            and compose([f"model={o}"]).model.get("family") == family
-            and "pretrained_model" in compose([f"model={o}"]).model._target_][0]
+    real = real_option(name)
     cfg = compose([f"model={real}", f"model.path={tmp_path}", "model.dtype=float32", "model.device_map=null"])
     loaded = build_model(cfg.model)
     assert is_absorbed(loaded)

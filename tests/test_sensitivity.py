@@ -164,6 +164,7 @@ def test_recording_layer_sees_scaled_queries():
     assert (layer.q_latent_energy > 0).all()
 
 
+@pytest.mark.every_family("name")
 @pytest.mark.parametrize("name", TINY)
 def test_study_runs_on_every_family(name, tmp_path):
     seeds = 2 if name == "tiny_deepseek_v2" else 1  # the spread over seeds needs two; the rest checks the plumbing

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, options
+from conftest import compose, real_option
 
 from mla_quant.models.build import streamed_model
 from mla_quant.models.streaming import layer_arguments
@@ -21,13 +21,6 @@ from mla_quant.stages import quality, sensitivity
 FAMILIES = ["tiny_kimi_linear", "tiny_minicpm3", "tiny_hy_v4_vl"]
 
 
-def _real_option(tiny: str) -> str:
-    family = compose([f"model={tiny}"]).model.family
-    return next(o for o in options("model") if not o.startswith(("tiny_", "spec_"))
-                and compose([f"model={o}"]).model.get("family") == family
-                and compose([f"model={o}"]).model._target_.endswith("pretrained_model"))
-
-
 def _checkpoint(tiny: str, folder: Path, dtype: torch.dtype = torch.float32, **config) -> Path:
     overrides = [f"model={tiny}"] + [f"model.config.{k}={v}" for k, v in config.items()]
     model = build_model(compose(overrides).model, absorbed=False).to(dtype)
@@ -36,7 +29,7 @@ def _checkpoint(tiny: str, folder: Path, dtype: torch.dtype = torch.float32, **c
 
 
 def _quality_overrides(tiny: str, folder: Path, *extra: str) -> list[str]:
-    return [f"model={_real_option(tiny)}", f"model.path={folder}", "model.dtype=float32", "model.device_map=null",
+    return [f"model={real_option(tiny)}", f"model.path={folder}", "model.dtype=float32", "model.device_map=null",
             "model.tokenizer=null", "model.quant_group_size.wide=16", "model.quant_group_size.narrow=16",
             "quant=int4_joint", "quant.protected.n_sink=0", "quant.protected.recent=0", "device=cpu", "logger=none",
             *extra]
@@ -78,7 +71,7 @@ def test_streamed_sensitivity_equals_in_memory(tiny, tmp_path):
     folder = _checkpoint(tiny, tmp_path / "checkpoint")
     runs = {}
     for streaming in (False, True):
-        cfg = compose([f"model={_real_option(tiny)}", f"model.path={folder}", "model.dtype=float32",
+        cfg = compose([f"model={real_option(tiny)}", f"model.path={folder}", "model.dtype=float32",
                        "model.device_map=null", "model.tokenizer=null", "experiment=sensitivity",
                        "task.probe.source=random", "task.probe.num_sequences=2", "task.probe.seq_len=32",
                        "task.seeds=2", "task.sweep_nmse=[0.01]", "device=cpu", "logger=none",
@@ -242,7 +235,7 @@ def test_stages_that_load_the_whole_model_refuse_streaming(experiment, tmp_path)
     """Refused by the runner, before the stage starts, for every experiment that does not stream."""
     from mla_quant import runner
 
-    cfg = compose([f"model={_real_option('tiny_deepseek_v3')}", f"model.path={tmp_path}", "model.streaming=true",
+    cfg = compose([f"model={real_option('tiny_deepseek_v3')}", f"model.path={tmp_path}", "model.streaming=true",
                    f"experiment={experiment}", "model.quant_group_size.wide=16", "model.quant_group_size.narrow=16",
                    f"hydra.run.dir={tmp_path / 'run'}"])
     with pytest.raises(ValueError, match=f"experiment={experiment} loads the whole model"):
@@ -253,7 +246,7 @@ def test_stages_that_load_the_whole_model_refuse_streaming(experiment, tmp_path)
 
 
 def test_streamed_sensitivity_refuses_an_end_to_end_objective(tmp_path):
-    cfg = compose([f"model={_real_option('tiny_deepseek_v3')}", f"model.path={tmp_path}", "model.streaming=true",
+    cfg = compose([f"model={real_option('tiny_deepseek_v3')}", f"model.path={tmp_path}", "model.streaming=true",
                    "experiment=sensitivity", "transform=quantmla", "objective.content.kind=next_token_kl",
                    "model.quant_group_size.wide=16", "model.quant_group_size.narrow=16"])
     with pytest.raises(ValueError, match="objective.content.kind=next_token_kl reruns the whole model"):
