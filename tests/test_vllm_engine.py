@@ -3,6 +3,7 @@
 engine cannot store refused by name, and experiment=serve on the toy: the engine's greedy tokens equal the
 framework's, and vLLM's block budget counts the format's bytes."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -66,8 +67,104 @@ def test_pages_in_vllm_blocks_read_as_the_cache_reads(option, overrides, dims):
     assert exact <= pages.block_bytes < exact + 2 * 16 and pages.token_bytes * 16 >= pages.block_bytes
 
 
+def _engine_layer(fmt, block_size: int = 16, slots: int = 4):
+    """The backend's layer for one format, without an engine: what its decode reads and writes need."""
+    from mla_quant.quant.format import as_spec
+
+    impl = vllm_backend.LatentMLAImpl.__new__(vllm_backend.LatentMLAImpl)
+    impl.__dict__.update(fmt=fmt, served=as_spec(fmt), block_size=block_size, max_num_seqs=slots,
+                         act_dtype=torch.float32)
+    return impl
+
+
+@pytest.mark.parametrize("option, extra", [("int4_joint", []), ("int2_content_int4_rope", []),
+                                           ("int4_joint", ["quant.content.bits=3"])])
+def test_protected_region_in_the_engine_reads_as_the_cache_reads(option, extra):
+    """Sequences of 37, 5, 11 and 18 tokens in vLLM-shaped blocks (taken out of order) with 2 sinks and the 8 latest
+    tokens also in the protected pool, then a decode step each (its token fresh, as the engine reads it): the decode
+    segments attend exactly as the project's own cache holding the same tokens with the same protected region, through
+    the PyTorch path and the C++ kernel. A sequence whose slot was taken reads every token as stored (counted); sinks
+    that do not fit a sequence's first block are refused by name."""
+    fmt = served(option, "quant.protected.n_sink=2", "quant.protected.recent=8", *extra)  # 3-bit: no kernel reads it
+    impl, g = _engine_layer(fmt), torch.Generator().manual_seed(0)
+    lengths = [37, 5, 11, 18]
+    kv = torch.zeros(16, 1, 16, impl.pages.token_bytes, dtype=torch.uint8)
+    table = torch.tensor([[3, 7, 1], [9, 0, 0], [4, 0, 0], [12, 2, 0]], dtype=torch.int32)
+    tokens = [torch.randn(n + 1, 96 + 16, generator=g) for n in lengths]  # each with its decode step's token
+    q, q_rope = torch.randn(4, 4, 96, generator=g), torch.randn(4, 4, 16, generator=g)
+
+    def write(rows, start):  # one step: these rows' tokens at these positions (a prompt whole, or one token each)
+        pos = torch.cat([torch.arange(a, b) for a, b in rows])
+        row = torch.cat([torch.full((b - a,), r) for r, (a, b) in enumerate(rows)])
+        x = torch.cat([tokens[r][a:b] for r, (a, b) in enumerate(rows)])
+        slots = table[row, pos // 16].long() * 16 + pos % 16
+        impl.pages.write(kv, slots, {"content": x[:, :96], "rope": x[:, 96:]})
+        idx = torch.tensor(impl.pool.assign(table[:, 0].tolist(), [start] * len(rows)))
+        ends = torch.tensor([b for _, b in rows])
+        impl.pool.write(idx[row], pos, x, pos >= (ends - impl.pool.recent)[row])
+        impl._decode_slots = idx
+
+    def decode(stored, fresh=None):  # the engine's decode segments against the cache's own, row by row
+        segments = impl._protected_segments(kv, table, torch.tensor(stored), torch.float32)
+        fresh = torch.stack([tokens[r][n] for r, n in enumerate(stored)])[:, None]
+        segments.append(Segment.dense(fresh[..., :96].contiguous(), fresh[..., 96:].contiguous(),
+                                      torch.ones(4, dtype=torch.int32)))
+        got = segment_attention(q, q_rope, 0.1, segments)
+        if HAS_CXX and fmt.cpu_kernel_unsupported() is None:
+            from mla_quant.kernels.ops import decode_op
+
+            torch.testing.assert_close(decode_op("cpu")(q, q_rope, 0.1, segments), got, rtol=1e-5, atol=1e-5)
+        return got
+
+    def cache(r, n, protected=fmt, fresh=False):  # the cache's own read of n tokens (and token n read fresh)
+        layer = LatentCacheLayer(protected)
+        layer.append(tokens[r][None, :n, :96], tokens[r][None, :n, 96:])
+        held = layer.segments() if fmt.kernel_unsupported() is None else \
+            [Segment.dense(*(x.float() for x in layer.read()), torch.tensor([n]))]  # as stored, read back
+        extra = [Segment.dense(tokens[r][None, n:n + 1, :96], tokens[r][None, n:n + 1, 96:],
+                               torch.ones(1, dtype=torch.int32))] if fresh else []
+        return segment_attention(q[r:r + 1], q_rope[r:r + 1], 0.1, [*held, *extra])
+
+    write([(0, n) for n in lengths], True)  # the prompts (each with its last token: its first decode step's)
+    got = decode([n - 1 for n in lengths])
+    for r, n in enumerate(lengths):
+        torch.testing.assert_close(got[r:r + 1], cache(r, n), rtol=1e-6, atol=1e-6, msg=f"prompt {n}")
+    write([(n, n + 1) for n in lengths], False)  # one decode step each: the window moves on
+    got = decode(lengths)
+    for r, n in enumerate(lengths):
+        torch.testing.assert_close(got[r:r + 1], cache(r, n + 1), rtol=1e-6, atol=1e-6, msg=f"step at {n}")
+    assert impl.pool.misses == 0
+    impl.pool.owner[impl.pool.slot_of.pop(int(table[0, 0]))] = None  # sequence 0's slot taken while it waited
+    impl._decode_slots = torch.tensor(impl.pool.assign(table[:, 0].tolist(), [False] * 4))
+    assert impl.pool.misses == 1
+    unprotected = dataclasses.replace(fmt, n_sink=0, recent=0)
+    torch.testing.assert_close(decode(lengths)[:1], cache(0, lengths[0], unprotected, fresh=True), rtol=1e-6,
+                               atol=1e-6)
+    with pytest.raises(ValueError, match=r"quant.protected.n_sink=20 sinks do not fit a sequence's first block "
+                                         r"\(block_size 16\); allowed: n_sink <= block_size"):
+        _engine_layer(dataclasses.replace(fmt, n_sink=20)).pool
+
+
+def test_the_protected_pools_come_out_of_the_engines_budget():
+    """A layer's pool holds max_num_seqs x (n_sink + recent) tokens of d_c + d_r values in the activation dtype; the
+    engine's blocks get the KV budget less every layer's pool, and a pool that leaves them nothing is refused by
+    name."""
+    from mla_quant.quant.format import as_spec
+    from mla_quant.stages.serve import kv_blocks_budget
+
+    fmt = as_spec(served("int4_joint", "quant.protected.n_sink=2", "quant.protected.recent=8"))
+    task = compose(["experiment=serve", "task.max_num_seqs=16"]).task
+    pool = 16 * (2 + 8) * (96 + 16) * 4
+    assert _engine_layer(fmt.uniform, slots=16).pool.nbytes == pool
+    assert kv_blocks_budget(task, fmt, 4) == task.kv_budget_bytes - 4 * pool
+    assert kv_blocks_budget(task, as_spec(served("int4_joint")), 4) == task.kv_budget_bytes  # nothing protected
+    with pytest.raises(ValueError, match=rf"task.kv_budget_bytes=1048576: the protected region of quant=int4_joint "
+                                         rf"\(n_sink 2, recent 8\) takes {4 * 256 * 10 * 112 * 4} bytes for "
+                                         rf"task.max_num_seqs=256 sequences"):
+        kv_blocks_budget(compose(["experiment=serve"]).task, fmt, 4)
+
+
 @pytest.mark.parametrize("option, overrides, named", [
-    ("int4_joint", ["quant.protected.recent=128"], "quant.protected n_sink=0, recent=128"),
     ("int4_joint", ["quant.mode=simulated"], "quant.mode=simulated"),
     ("kivi_int4", [], "token_block=32"),
     ("fp8_flat", [], "granularity=tensor"),
@@ -118,6 +215,35 @@ def test_serve_the_toy_in_vllm(tmp_path):
     assert [engine_layers[f"model.layers.{i}.self_attn.attn"] for i in range(4)] == exported  # each layer its own
     framework, engine = (metrics[f"serve/suites/toy_gsm8k/exact_match/{who}"] for who in ("framework", "engine"))
     assert framework == engine and framework > 0.5
+
+
+@pytest.mark.slow
+def test_serve_the_toy_with_a_protected_region(tmp_path):
+    """experiment=serve with 2 sinks and the 8 latest tokens of each sequence kept in float32 beside vLLM's blocks
+    (INT2 on both paths): the engine gives the framework's greedy tokens (its cache protecting the same tokens) on all
+    16 prompts, where the framework's without the protected region differ on some; no sequence loses its slot, and
+    the pools' bytes (16 sequences x 10 tokens x 112 values x 4 B, in each of 4 layers) come out of the blocks'
+    budget."""
+    from mla_quant.models.absorbed import cache_kwargs, quantized_cache
+    from mla_quant.toy.model import load_toy_model
+
+    done = subprocess.run([sys.executable, "run.py", "experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}",
+                           "quant=int2_joint", "quant.protected.n_sink=2", "quant.protected.recent=8",
+                           "task.max_num_seqs=16", "task.concurrency=null", "task.repeats=1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "record.json").read_text())["metrics"]
+    pool = 4 * 16 * 10 * 112 * 4
+    assert metrics["serve/int2_joint/tokens_equal"] == 16 and metrics["serve/int2_joint/protected_misses"] == 0
+    assert metrics["serve/int2_joint/protected_pool_bytes"] == pool
+    assert metrics["serve/int2_joint/blocks"] == (1048576 - pool) // 4 // (16 * 44)
+    prompts = json.loads((tmp_path / "engine" / "framework_tokens.json").read_text())["prompts"]
+    engine = json.loads((tmp_path / "engine" / "int2_joint_result.json").read_text())["tokens"]
+    toy, quant = load_toy_model(), compose(["model=toy_mla", "quant=int2_joint", *ENGINE]).quant
+    with torch.no_grad():
+        unprotected = [toy.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False,
+                                    **cache_kwargs(quantized_cache(toy, quant)))[0, len(p):].tolist() for p in prompts]
+    assert sum(a != b for a, b in zip(unprotected, engine)) > 0
 
 
 def test_a_format_per_layer_round_trips_through_the_description():

@@ -16,10 +16,17 @@ decode with the project's decode kernels; any other model gets vLLM's own backen
   block table; a format no kernel reads (3-bit codes, fp8) is decoded by its codec into a dense buffer. As in the
   framework's `quant.mode=serving`, the step's own token is read with its fresh values, every earlier token as
   stored; prefill attends to the prompt's fresh latents (vLLM's prefill path).
-- **Refused by name** at engine start: a protected region (sinks or a recent window in full precision: the engine
-  stores every token in the format; export with `quant.protected.n_sink=0 quant.protected.recent=0`), formats
-  quantized over blocks of tokens or scaled per sequence, and `quant.mode=simulated` (an engine serves: prefill reads
-  fresh latents).
+- **The protected region** (`quant.protected`: each sequence's first `n_sink` tokens and its latest `recent`, in the
+  activation dtype): every token is written in the format into its block as above, and the protected ones also into
+  a pool beside vLLM's blocks (`ProtectedPool`), a slot per sequence the engine may run at once (`max_num_seqs`),
+  found by the sequence's first block: on vLLM's CPU platform a block has one owner (no prefix caching, no chunked
+  prefill), and a sequence keeps its first block until it ends or is preempted (then recomputed from its prompt into
+  new blocks). Decode reads the protected tokens from the pool, the rest from the blocks, as the framework's cache
+  does. vLLM does not count the pool in its blocks' budget; `experiment=serve` takes its bytes out of the KV budget it
+  gives the engine. A sequence whose slot was taken while it waited (more sequences started meanwhile than the pool
+  holds) reads its tokens as stored, and is counted (`ProtectedPool.misses`).
+- **Refused by name** at engine start: formats quantized over blocks of tokens or scaled per sequence, sinks that do
+  not fit a sequence's first block, and `quant.mode=simulated` (an engine serves: prefill reads fresh latents).
 - **A format per layer** (`quant.layers`, `quant=mixed`'s allocation, lloyd codebooks per layer): rebuilt from the
   description's layers; vLLM gives every layer of a cache group one page size, so each layer's block takes the
   largest layer's bytes (the budget counts the largest layer's bytes for every layer).
@@ -87,10 +94,6 @@ def served_format(description: dict, fitted: bool = True) -> CacheSpec:
     if fmt.mode != "serving":
         raise ValueError(f"quant={name}: quant.mode={fmt.mode}: an engine serves (prefill attends to the prompt's "
                          "fresh latents, decode reads the stored cache); export with quant.mode=serving")
-    if fmt.n_sink or fmt.recent:
-        raise ValueError(f"quant={name}: quant.protected n_sink={fmt.n_sink}, recent={fmt.recent}: the engine stores "
-                         "every token in the format (no full-precision sinks or recent window in its blocks yet); "
-                         "export with quant.protected.n_sink=0 quant.protected.recent=0")
     for i, layer in enumerate(fmt.layers):
         where = f"quant={name}" + (f", layer {i}" if fmt.uniform is None else "")
         if layer.token_block is not None:
@@ -172,19 +175,119 @@ class EnginePages:
         """The stored tokens of each sequence as a decode segment: (B, max_blocks) table, (B,) tokens. A format the
         decode kernels read stays in its pages; any other (3-bit codes, fp8, codebooks over channels) is decoded by
         its codec into a dense float32 segment of every sequence's tokens."""
-        pages = self.pages(kv_cache)
         table, lengths = block_table.to(torch.int32).contiguous(), lengths.to(torch.int32)
         if self.fmt.kernel_unsupported() is None:
+            pages = self.pages(kv_cache)
             paths = {p: read_path(self.fmt.path(p), self.fmt.dim(p), self.layouts[p], pages[p]) for p in PATHS}
             return Segment(paths["content"], paths["rope"], table, lengths)
-        pos = torch.arange(table.shape[1] * self.block_size, device=table.device)
-        blocks, slot = table.long().clamp(min=0)[:, pos // self.block_size], pos % self.block_size  # (B, L), (L,)
+        dense = self.decoded(kv_cache, table)
+        return Segment.dense(dense["content"], dense["rope"], lengths)
+
+    def decoded(self, kv_cache: torch.Tensor, block_table: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every token of the blocks of each row of `block_table` (B, n), decoded by its codec: {path: (B, n x
+        block_size, d)} float32."""
+        pages = self.pages(kv_cache)
+        pos = torch.arange(block_table.shape[1] * self.block_size, device=block_table.device)
+        blocks, slot = block_table.long().clamp(min=0)[:, pos // self.block_size], pos % self.block_size  # (B, L)
         dense = {}
         for p in PATHS:
             layout = self.layouts[p]
             parts = {name.split("/", 1)[1]: layout.view(pages[p], name)[blocks, slot] for name in layout.spec()}
             dense[p] = self.fmt.path(p).decode(parts, self.fmt.dim(p), torch.float32)
-        return Segment.dense(dense["content"], dense["rope"], lengths)
+        return dense
+
+
+def pool_bytes(fmt: CacheSpec, slots: int, act_dtype: torch.dtype, num_layers: int) -> int:
+    """The bytes of the protected region's pools of the engine's `num_layers` MLA layers (`ProtectedPool`): `slots`
+    sequences x (n_sink + recent) tokens x each layer's d_c + d_r values in the activation dtype (its positions,
+    host-side bookkeeping, not counted). A uniform spec (one entry) is every layer's."""
+    layers = fmt.layers * num_layers if len(fmt.layers) == 1 else fmt.layers
+    if len(layers) != num_layers:
+        raise ValueError(f"quant={fmt.name}: a format for each of {len(fmt.layers)} cache layers, and the model has "
+                         f"{num_layers} MLA layers")
+    tokens = fmt.layers[0].n_sink + fmt.layers[0].recent
+    return sum(slots * tokens * (f.d_c + f.d_r) * act_dtype.itemsize for f in layers)
+
+
+class ProtectedPool:
+    """One engine layer's protected region (module docstring): `slots` sequences' first `n_sink` tokens and a ring of
+    their latest `recent` (slot p % recent holds position p), in the activation dtype, with the position each ring
+    entry holds (-1: none), so that a read takes only what this sequence wrote."""
+
+    def __init__(self, n_sink: int, recent: int, width: int, slots: int, dtype: torch.dtype):
+        self.n_sink, self.recent, self.slots = n_sink, recent, slots
+        self.sinks = torch.zeros(slots, n_sink, width, dtype=dtype)
+        self.window = torch.zeros(slots, recent, width, dtype=dtype)
+        self.window_pos = torch.full((slots, recent), -1, dtype=torch.long)
+        self.sinks_held = torch.zeros(slots, dtype=torch.long)
+        self.owner: list[int | None] = [None] * slots  # the first block of the sequence in each slot
+        self.slot_of: dict[int, int] = {}
+        self.used = [0] * slots  # the step each slot was last written
+        self.step = 0
+        self.misses = 0  # sequences that came back to find their slot taken (read as stored from then on)
+
+    @property
+    def nbytes(self) -> int:
+        return self.sinks.nbytes + self.window.nbytes
+
+    def assign(self, keys: list[int], starts: list[bool]) -> list[int]:
+        """The slot of each sequence of a step, by its first block; a sequence writing its position 0 (a prompt,
+        or a preempted one recomputed) starts its slot afresh."""
+        self.step += 1
+        touched, out = set(keys), []
+        for key, start in zip(keys, starts):
+            idx = self.slot_of.get(key)
+            if idx is None:
+                idx = self._take(touched)
+                self.owner[idx], self.slot_of[key] = key, idx
+                self.misses += not start
+                start = True
+            if start:
+                self.window_pos[idx] = -1
+                self.sinks_held[idx] = 0
+            self.used[idx] = self.step
+            out.append(idx)
+        return out
+
+    def _take(self, touched: set[int]) -> int:
+        """A free slot, else the one written longest ago among those of sequences outside this step."""
+        free = [i for i, key in enumerate(self.owner) if key is None]
+        if not free:
+            free = sorted((i for i, key in enumerate(self.owner) if key not in touched), key=self.used.__getitem__)
+            if not free:
+                raise RuntimeError(f"one engine step runs more sequences than the protected region's pool holds "
+                                   f"({self.slots}, the engine's max_num_seqs)")
+            del self.slot_of[self.owner[free[0]]]
+        return free[0]
+
+    def write(self, idx: torch.Tensor, pos: torch.Tensor, x: torch.Tensor, in_window: torch.Tensor) -> None:
+        """Tokens x (N, width) at positions pos (N,) of the sequences in slots idx (N,); in_window (N,): among its
+        sequence's latest `recent` after this step (so no two of a step share a ring entry)."""
+        sink = pos < self.n_sink
+        if sink.any():
+            self.sinks[idx[sink], pos[sink]] = x[sink].to(self.sinks.dtype)
+            self.sinks_held.scatter_reduce_(0, idx[sink], pos[sink] + 1, "amax")
+        if self.recent and in_window.any():
+            i, p = idx[in_window], pos[in_window]
+            self.window[i, p % self.recent] = x[in_window].to(self.window.dtype)
+            self.window_pos[i, p % self.recent] = p
+
+    def read(self, idx: torch.Tensor, stored: torch.Tensor):
+        """For sequences in slots idx (B,) holding `stored` (B,) tokens before this step's: (sinks (B, n_sink,
+        width), their count, window (B, recent, width) oldest first, its count, lo (B,): the first position of the
+        window, miss (B,): True where the slot does not hold all of them)."""
+        length = stored + 1  # with this step's token
+        lo = torch.clamp(length - self.recent, min=self.n_sink)
+        sink_len = torch.clamp(stored, max=self.n_sink)
+        miss = self.sinks_held[idx] < sink_len
+        if not self.recent:
+            return self.sinks[idx], sink_len, self.window[idx], torch.zeros_like(stored), lo, miss
+        want = lo[:, None] + torch.arange(self.recent)  # (B, recent)
+        ring = want % self.recent
+        win_len = torch.clamp(stored - lo, min=0)
+        held = (self.window_pos[idx[:, None], ring] == want) | (want >= stored[:, None])
+        miss = miss | ~held.all(1)
+        return self.sinks[idx], sink_len, self.window[idx[:, None], ring], win_len, lo, miss
 
 
 @functools.lru_cache(maxsize=8)
@@ -261,7 +364,9 @@ class LatentMLAImpl(CPUMLAImpl):
         self.served, config = current_format()
         self.act_dtype = None if config is None else config.model_config.dtype
         self.block_size = None if config is None else config.cache_config.block_size
+        self.max_num_seqs = None if config is None else config.scheduler_config.max_num_seqs
         self._fresh: dict[str, torch.Tensor] | None = None
+        self._decode_slots: torch.Tensor | None = None  # the protected pool's slot of each decode row of this step
 
     @functools.cached_property
     def fmt(self) -> CacheFormat:
@@ -285,6 +390,75 @@ class LatentMLAImpl(CPUMLAImpl):
         return EnginePages(self.fmt, self.block_size, self.act_dtype)
 
     @functools.cached_property
+    def pool(self) -> ProtectedPool | None:
+        """This layer's protected region (None: the format protects nothing)."""
+        fmt = self.fmt
+        if not (fmt.n_sink or fmt.recent):
+            return None
+        if fmt.n_sink > self.block_size:
+            raise ValueError(f"quant={self.served.name}: quant.protected.n_sink={fmt.n_sink} sinks do not fit a "
+                             f"sequence's first block (block_size {self.block_size}); allowed: n_sink <= block_size")
+        return ProtectedPool(fmt.n_sink, fmt.recent, fmt.d_c + fmt.d_r, int(self.max_num_seqs), self.act_dtype)
+
+    def _protect(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Write this step's protected tokens x (N, d_c + d_r) (slots (N,), vLLM's) into the pool: each token's
+        sequence and position from the step's metadata (decode rows first, one token each; a prompt whole, from
+        position 0: vLLM's CPU platform runs no chunked prefill)."""
+        from vllm.forward_context import get_forward_context
+
+        meta = get_forward_context().attn_metadata  # one metadata for the engine's MLA layers (one cache group)
+        meta = next(m for m in (meta.values() if isinstance(meta, dict) else [meta])
+                    if isinstance(m, MLACommonMetadata))
+        n, d = meta.num_actual_tokens, meta.num_decodes
+        if meta.num_decode_tokens != d:
+            raise ValueError(f"quant={self.served.name}: a protected region takes one token per decode step "
+                             f"({meta.num_decode_tokens} tokens for {d} sequences: speculative decoding)")
+        if meta.prefill is not None and meta.prefill.chunked_context is not None:
+            raise ValueError(f"quant={self.served.name}: a protected region reads prompts whole (chunked prefill "
+                             "over cached context is not served)")
+        starts = meta.query_start_loc.to("cpu", torch.long)[: meta.num_reqs + 1]
+        slots, x = slots[:n].long(), x[:n]
+        row = torch.searchsorted(starts[1:], torch.arange(n), right=True)  # (N,) each token's sequence
+        keys = torch.empty(meta.num_reqs, dtype=torch.long)
+        length = starts[1:] - starts[:-1]  # a prompt's tokens
+        pos = torch.arange(n) - starts[row]
+        if d:
+            seq_lens = meta.decode.seq_lens[:d].to("cpu", torch.long)
+            keys[:d] = meta.decode.block_table[:d, 0].to("cpu", torch.long)
+            length[:d] = seq_lens
+            pos[:d] = seq_lens - 1
+        keys[d:] = slots[starts[d:-1]] // self.block_size  # a prompt's first block: its position 0's
+        idx = torch.tensor(self.pool.assign(keys.tolist(), [r >= d for r in range(meta.num_reqs)]), dtype=torch.long)
+        self._decode_slots = idx[:d]
+        self.pool.write(idx[row], pos, x, pos >= (length - self.pool.recent)[row])
+
+    def _protected_segments(self, kv_cache: torch.Tensor, table: torch.Tensor, stored: torch.Tensor,
+                            dtype: torch.dtype) -> list[Segment]:
+        """The stored tokens of each decode row as segments: its sinks and its recent window from the pool, the rest
+        from its blocks (all from its blocks for a row whose slot was taken)."""
+        pool, bs, d_c = self.pool, self.block_size, self.fmt.d_c
+        sinks, sink_len, window, win_len, lo, miss = pool.read(self._decode_slots, stored.long())
+        start = torch.where(miss, 0, pool.n_sink)  # the blocks' tokens: [start, end)
+        end = torch.where(miss, stored.long(), torch.minimum(lo, stored.long()))
+        sink_len, win_len = torch.where(miss, 0, sink_len), torch.where(miss, 0, win_len)
+        segments = []
+        if pool.n_sink:  # the first block after the sinks, decoded; the blocks after it read as they are
+            first = self.pages.decoded(kv_cache, table[:, :1])
+            at = torch.clamp(start[:, None] + torch.arange(bs), max=bs - 1)[..., None]
+            segments.append(Segment.dense(*(first[p].gather(1, at.expand(-1, -1, first[p].shape[-1])).to(dtype)
+                                            for p in PATHS),
+                                          torch.clamp(torch.clamp(end, max=bs) - start, min=0).to(torch.int32)))
+            if table.shape[1] > 1:
+                segments.append(self.pages.segment(kv_cache, table[:, 1:], torch.clamp(end - bs, min=0)))
+        else:
+            segments.append(self.pages.segment(kv_cache, table, end))
+        for held, count in ((sinks, sink_len), (window, win_len)):
+            if held.shape[1]:
+                segments.append(Segment.dense(held[..., :d_c].to(dtype).contiguous(),
+                                              held[..., d_c:].to(dtype).contiguous(), count.to(torch.int32)))
+        return segments
+
+    @functools.cached_property
     def decode_backend(self) -> str:
         return self.fmt.step_backends("cpu")["decode"]  # "cpu" (the C++ kernel) or "torch"
 
@@ -299,6 +473,8 @@ class LatentMLAImpl(CPUMLAImpl):
         ok = slots >= 0  # -1: padding
         n = slots.shape[0]
         self.pages.write(kv_cache, slots[ok], {"content": kv_c_normed[:n][ok], "rope": k_pe[:n][ok]})
+        if self.pool is not None:
+            self._protect(slots, torch.cat([kv_c_normed[:n], k_pe[:n]], dim=-1))
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         if self.served is None:
@@ -307,11 +483,15 @@ class LatentMLAImpl(CPUMLAImpl):
         q_latent, q_rope = q if isinstance(q, tuple) else q.split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
         b = q_latent.shape[0]
         lengths = decode.seq_lens[:b]
-        stored = self.pages.segment(kv_c_and_k_pe_cache, decode.block_table[:b], lengths - 1)
+        if self.pool is None:
+            stored = [self.pages.segment(kv_c_and_k_pe_cache, decode.block_table[:b], lengths - 1)]
+        else:
+            stored = self._protected_segments(kv_c_and_k_pe_cache, decode.block_table[:b], (lengths - 1).cpu(),
+                                              q_latent.dtype)
         fresh = Segment.dense(self._fresh["content"][:b, None].to(q_latent.dtype),
                               self._fresh["rope"][:b, None].to(q_latent.dtype),
                               torch.ones(b, dtype=torch.int32))
         chosen = DECODE_BACKENDS.get(self.decode_backend)
         kernel = chosen.op() if chosen is not None else segment_attention
-        out = kernel(q_latent.contiguous(), q_rope.contiguous(), self.scale, [stored, fresh])
+        out = kernel(q_latent.contiguous(), q_rope.contiguous(), self.scale, [*stored, fresh])
         return out.to(q_latent.dtype), None

@@ -10,7 +10,9 @@ result:  {"tokens": [[ids], ...] (the last run's), "runs": [{"seconds", "output_
           "ttft_s", "inter_token_s"} per repeat, from vLLM's own counters], "sweep": [{"requests", "seconds",
           "output_tokens", "preemptions"} per level], "num_blocks": n,
           "block_size": n, "page_bytes_per_block": n (one layer), "format": name or null, "decode_backend": ...,
-          "scheduler": the engine's scheduler settings, "layer_formats": {layer name: the format it stored and read}}
+          "scheduler": the engine's scheduler settings, "layer_formats": {layer name: the format it stored and read},
+          "protected": null, or the protected region's pools: {"bytes" (every layer's), "slots", "misses" (the most
+          of any layer)}}
 """
 
 from __future__ import annotations
@@ -94,9 +96,12 @@ def run_engine(request: dict) -> dict:
                       "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                       "preemptions": int(delta.get("vllm:num_preemptions", (0, 0))[0])})
     # the format each engine layer stored and read (a format per layer: found by the layer itself)
-    layers = {name: {p: module.impl.fmt.path(p).describe() for p in PATHS}
-              for name, module in config.compilation_config.static_forward_context.items()
-              if isinstance(getattr(module, "impl", None), LatentMLAImpl) and "fmt" in vars(module.impl)}
+    ours = {name: module.impl for name, module in config.compilation_config.static_forward_context.items()
+            if isinstance(getattr(module, "impl", None), LatentMLAImpl) and "fmt" in vars(module.impl)}
+    layers = {name: {p: impl.fmt.path(p).describe() for p in PATHS} for name, impl in ours.items()}
+    pools = [impl.pool for impl in ours.values() if impl.pool is not None]
+    protected = None if not pools else {"bytes": sum(pool.nbytes for pool in pools), "slots": pools[0].slots,
+                                        "misses": max(pool.misses for pool in pools)}
     sched = config.scheduler_config
     fmt = served(str(request["model"]))  # as the backend read it in this process
     block_size = int(config.cache_config.block_size)
@@ -105,7 +110,7 @@ def run_engine(request: dict) -> dict:
         page = block_size * (int(text.kv_lora_rank) + int(text.qk_rope_head_dim)) * config.model_config.dtype.itemsize
     else:
         page = block_size * page_token_bytes(fmt, block_size, config.model_config.dtype)
-    return {"tokens": tokens, "runs": runs, "sweep": sweep, "layer_formats": layers,
+    return {"tokens": tokens, "runs": runs, "sweep": sweep, "layer_formats": layers, "protected": protected,
             "num_blocks": int(config.cache_config.num_gpu_blocks),
             "block_size": block_size, "page_bytes_per_block": page, "format": None if fmt is None else fmt.name,
             "decode_backend": "vllm" if fmt is None else fmt.step_backends("cpu")["decode"],

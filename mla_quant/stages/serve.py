@@ -6,8 +6,9 @@
 1. Export: the model with its transforms fused and `mla_quant_cache.json` (as experiment=export), into
    <run_dir>/checkpoint; the same weights with the cache unquantized (quant=bf16: vLLM's own bytes per token) in
    <run_dir>/checkpoint_bf16.
-2. The framework's reference: the prepared model (absorbed, the quantized cache, `quant.mode=serving`) generates
-   greedily on the prompts.
+2. The framework's references: the prepared model (absorbed, `quant.mode=serving`) generates greedily on the
+   prompts with the format's cache, and with the unquantized cache (each engine run is checked against the
+   framework's generation with the same cache).
 3. The engine, once per cache (bf16, the format), each in its own process (`mla_quant.serving.vllm_run`) at the
    same KV memory budget (`task.kv_budget_bytes`): greedy tokens, KV blocks, page bytes, preemptions (vLLM's
    counter), output tokens/s; then the trace's prompts cycled to each of `task.concurrency` requests (a sweep).
@@ -16,8 +17,12 @@
 
 Tables in <run_dir>/serve.md; each engine run's request and result in <run_dir>/engine/.
 
+With a protected region (`quant.protected`), its pools (`task.max_num_seqs` sequences' sinks and recent windows in
+the activation dtype, beside vLLM's blocks) come out of the format's budget: vLLM's blocks get the rest.
+
 Metrics: serve/<cache>/tokens_equal (prompts whose engine tokens equal the framework's, up to and including the
-first end-of-sequence token), blocks, page_bytes_per_block, preemptions (vLLM's counter),
+first end-of-sequence token), blocks, page_bytes_per_block, preemptions (vLLM's counter), protected_pool_bytes and
+protected_misses (sequences whose pool slot was taken while they waited; 0 expected),
 tokens_per_s (mean and std over `task.repeats` runs of the trace), ttft_s, inter_token_s, and simulated_preemptions
 / simulated_recomputed_tokens: experiment=serving's simulation (vLLM's scheduler alone) over the same requests and
 blocks, so the simulation is checked against the engine; serve/suites/<task>/<metric>/{framework,engine}. The run
@@ -64,12 +69,13 @@ def prompts_of(task: DictConfig, tokenizer, vocab: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def framework_tokens(prep, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy tokens of the framework's own model and cache, each prompt alone, up to the end-of-sequence token."""
+def framework_tokens(prep, prompts: list[list[int]], max_tokens: int, quantized: bool = True) -> list[list[int]]:
+    """Greedy tokens of the framework's own model and cache (the prepared format's, or with quantized=False the
+    unquantized cache's), each prompt alone."""
     out = []
     for p in prompts:
         ids = torch.tensor([p], device=prep.model.device)
-        cache = new_cache(prep.model)
+        cache = prep.new_cache() if quantized else new_cache(prep.model)
         gen = prep.model.generate(ids, max_new_tokens=max_tokens, do_sample=False, **cache_kwargs(cache))
         out.append(gen[0, len(p):].tolist())
     return out
@@ -82,12 +88,34 @@ def answer(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens if end is None else tokens[: end + 1]
 
 
-def engine_run(folder: Path, prompts, task: DictConfig, work: Path, name: str, suites: dict | None = None) -> dict:
+def kv_blocks_budget(task: DictConfig, fmt=None, num_layers: int = 1) -> int:
+    """The bytes vLLM's blocks get: `task.kv_budget_bytes`, less the protected region's pools of a format that has
+    one over the model's `num_layers` MLA layers (`vllm_backend.pool_bytes`: vLLM does not count them in its blocks),
+    refused by name where nothing is left."""
+    from mla_quant.serving.vllm_backend import pool_bytes
+
+    budget = int(task.kv_budget_bytes)
+    if fmt is None or not (fmt.layers[0].n_sink or fmt.layers[0].recent):
+        return budget
+    pool = pool_bytes(fmt, int(task.max_num_seqs), getattr(torch, task.dtype), num_layers)
+    if pool >= budget:
+        raise ValueError(f"task.kv_budget_bytes={budget}: the protected region of quant={fmt.name} "
+                         f"(n_sink {fmt.layers[0].n_sink}, recent {fmt.layers[0].recent}) takes {pool} bytes for "
+                         f"task.max_num_seqs={int(task.max_num_seqs)} sequences; allowed: a budget above that, or "
+                         "fewer sequences or protected tokens")
+    return budget - pool
+
+
+def engine_run(folder: Path, prompts, task: DictConfig, work: Path, name: str, suites: dict | None = None,
+               fmt=None, num_layers: int = 1) -> dict:
     """One engine run in its own process: `mla_quant.serving.vllm_run` over the prompts, or with `suites` this
-    module's `engine_scores` (lm-eval's vLLM model over those suites)."""
+    module's `engine_scores` (lm-eval's vLLM model over those suites). `fmt`: the served format, over `num_layers` MLA
+    layers (its protected region's pools come out of the blocks' budget)."""
     request = {"model": str(folder), "prompts": prompts, "max_tokens": int(task.max_tokens), "dtype": str(task.dtype),
-               "kv_cache_memory_bytes": int(task.kv_budget_bytes), "max_model_len": int(task.max_model_len),
-               "repeats": int(task.repeats), "sweep": [int(n) for n in task.concurrency or []]}
+               "kv_cache_memory_bytes": kv_blocks_budget(task, fmt, num_layers),
+               "max_model_len": int(task.max_model_len), "max_num_seqs": int(task.max_num_seqs),
+               "repeats": int(task.repeats),
+               "sweep": [int(n) for n in task.concurrency or []]}
     if suites is not None:  # the suites' prompts up to the model's positions
         request = {**request, "lm_eval": suites, "prompts": [], "max_model_len": suites.pop("max_model_len")}
     req, res = work / f"{name}_request.json", work / f"{name}_result.json"
@@ -125,7 +153,7 @@ ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 
 def check_task(task: DictConfig) -> None:
     """The stage's own settings, before anything is exported."""
-    for key in ("prompts", "max_tokens", "repeats", "kv_budget_bytes", "max_model_len", "timeout_s"):
+    for key in ("prompts", "max_tokens", "repeats", "kv_budget_bytes", "max_model_len", "max_num_seqs", "timeout_s"):
         int_setting(task[key], f"task.{key}", 1)
     if task.prompt_tokens is not None:
         int_setting(task.prompt_tokens, "task.prompt_tokens", 1)
@@ -160,23 +188,27 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     checkpoint = run_dir / "checkpoint"
     export, description = export_checkpoint(cfg, checkpoint)
     fmt = served_format(description)
+    layers = len(dims["layer_dims"])
+    kv_blocks_budget(task, fmt, layers)  # a protected region that leaves the blocks nothing: refused before any engine
     # the exported model, absorbed in place, is the framework's reference: one preparation (weights, transforms,
     # allocation and codebooks) for the checkpoint and the reference alike
     prep = dataclasses.replace(export, model=absorb(export.model, attention_blocks(cfg.get("attention"))))
     vocab = prep.model.config.get_text_config(decoder=True).vocab_size
     prompts = prompts_of(task, prep.tokenizer, vocab)
-    reference = framework_tokens(prep, prompts, int(task.max_tokens))
+    # each engine's cache against the framework's own with the same format: the unquantized, and the prepared one
+    reference = {"unquantized": framework_tokens(prep, prompts, int(task.max_tokens), quantized=False),
+                 fmt.name: framework_tokens(prep, prompts, int(task.max_tokens))}
     work = run_dir / "engine"
     work.mkdir(exist_ok=True)
-    write_json_atomic(work / "framework_tokens.json", {"prompts": prompts, "tokens": reference})
+    write_json_atomic(work / "framework_tokens.json", {"prompts": prompts, "tokens": reference})  # per cache
     runs = {"unquantized": engine_run(bf16_folder(checkpoint, description, run_dir / "checkpoint_bf16"), prompts,
                                       task, work, "unquantized"),
-            fmt.name: engine_run(checkpoint, prompts, task, work, fmt.name)}
+            fmt.name: engine_run(checkpoint, prompts, task, work, fmt.name, fmt=fmt, num_layers=layers)}
     eos = prep.model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     metrics, rows = {**prep.metrics()}, []
     for name, r in runs.items():
-        equal = sum(answer(a, eos) == b[:len(answer(a, eos))] for a, b in zip(reference, r["tokens"]))
+        equal = sum(answer(a, eos) == b[:len(answer(a, eos))] for a, b in zip(reference[name], r["tokens"]))
         first = r["runs"][0]
         tps = torch.tensor([x["output_tokens"] / x["seconds"] for x in r["runs"]])
         spread = float(tps.std()) if len(tps) > 1 else 0.0
@@ -189,6 +221,9 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                         f"serve/{name}/page_bytes_per_block": r["page_bytes_per_block"],
                         f"serve/{name}/simulated_preemptions": predicted.preemptions,
                         f"serve/{name}/simulated_recomputed_tokens": predicted.recomputed_tokens})
+        if r.get("protected"):
+            metrics.update({f"serve/{name}/protected_pool_bytes": r["protected"]["bytes"],
+                            f"serve/{name}/protected_misses": r["protected"]["misses"]})
         label = (name if name != "unquantized" else f"vLLM's own cache ({task.dtype})" if r["format"] is None
                  else f"unquantized ({task.dtype} values)")
         rows.append({"cache": label, "decode": r["decode_backend"],
@@ -210,7 +245,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     if task.concurrency:
         tables["serve_sweep"] = sweep_table(runs, prompts, int(task.max_tokens), metrics)
     if list(cfg.eval.tasks):
-        scores = score_suites(cfg, prep, checkpoint, task, work, fmt.name)
+        scores = score_suites(cfg, prep, checkpoint, task, work, fmt.name, fmt, layers)
         metrics.update({k: v for k, v in scores.items() if isinstance(v, float)})
         tables["serve_suites"] = scores.pop("table")
     write_text_atomic(run_dir / "serve.md", "\n\n".join(f"## {name}\n\n{t.to_markdown(index=False)}"
@@ -223,7 +258,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     return StageResult(metrics=metrics, tables=tables)
 
 
-def score_suites(cfg: DictConfig, prep, checkpoint: Path, task: DictConfig, work: Path, name: str) -> dict:
+def score_suites(cfg: DictConfig, prep, checkpoint: Path, task: DictConfig, work: Path, name: str, fmt=None,
+                 num_layers: int = 1) -> dict:
     """The eval group's toy suites scored by the framework (its model and cache through lm-eval's HF model) and by
     the engine (lm-eval's vLLM model on the exported checkpoint), on the same task files: metrics
     serve/suites/<task>/<metric>/{framework,engine} and a table."""
@@ -246,7 +282,8 @@ def score_suites(cfg: DictConfig, prep, checkpoint: Path, task: DictConfig, work
     ours = flat_metrics(evaluate_tasks(lm, tasks, folder, **options), "")
     engine = engine_run(checkpoint, [], task, work, f"{name}_suites",
                         {"tasks": tasks, "include_path": str(folder), **options,
-                         "max_model_len": int(prep.model.config.get_text_config(decoder=True).max_position_embeddings)})
+                         "max_model_len": int(prep.model.config.get_text_config(decoder=True).max_position_embeddings)},
+                        fmt=fmt, num_layers=num_layers)
     theirs = flat_metrics(engine, "")
     out, rows = {}, []
     for key in sorted(set(ours) | set(theirs)):
