@@ -407,8 +407,10 @@ class LatentMLAImpl(CPUMLAImpl):
         from vllm.forward_context import get_forward_context
 
         meta = get_forward_context().attn_metadata  # one metadata for the engine's MLA layers (one cache group)
-        meta = next(m for m in (meta.values() if isinstance(meta, dict) else [meta])
-                    if isinstance(m, MLACommonMetadata))
+        meta = next((m for m in (meta.values() if isinstance(meta, dict) else [meta])
+                     if isinstance(m, MLACommonMetadata)), None)
+        if meta is None:  # a warm-up run without sequences
+            return
         n, d = meta.num_actual_tokens, meta.num_decodes
         if meta.num_decode_tokens != d:
             raise ValueError(f"quant={self.served.name}: a protected region takes one token per decode step "
