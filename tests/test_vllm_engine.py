@@ -73,7 +73,7 @@ def _engine_layer(fmt, block_size: int = 16, slots: int = 4):
 
     impl = vllm_backend.LatentMLAImpl.__new__(vllm_backend.LatentMLAImpl)
     impl.__dict__.update(fmt=fmt, served=as_spec(fmt), block_size=block_size, max_num_seqs=slots,
-                         act_dtype=torch.float32)
+                         act_dtype=torch.float32, slot_table=vllm_backend.SlotTable(slots))
     return impl
 
 
@@ -133,16 +133,44 @@ def test_protected_region_in_the_engine_reads_as_the_cache_reads(option, extra):
     got = decode(lengths)
     for r, n in enumerate(lengths):
         torch.testing.assert_close(got[r:r + 1], cache(r, n + 1), rtol=1e-6, atol=1e-6, msg=f"step at {n}")
-    assert impl.pool.misses == 0
-    impl.pool.owner[impl.pool.slot_of.pop(int(table[0, 0]))] = None  # sequence 0's slot taken while it waited
+    assert impl.pool.table.misses == 0
+    impl.pool.table.owner[impl.pool.table.slot_of.pop(int(table[0, 0]))] = None  # sequence 0's slot taken while it waited
     impl._decode_slots = torch.tensor(impl.pool.assign(table[:, 0].tolist(), [False] * 4))
-    assert impl.pool.misses == 1
+    assert impl.pool.table.misses == 1
     unprotected = dataclasses.replace(fmt, n_sink=0, recent=0)
     torch.testing.assert_close(decode(lengths)[:1], cache(0, lengths[0], unprotected, fresh=True), rtol=1e-6,
                                atol=1e-6)
     with pytest.raises(ValueError, match=r"quant.protected.n_sink=20 sinks do not fit a sequence's first block "
                                          r"\(block_size 16\); allowed: n_sink <= block_size"):
         _engine_layer(dataclasses.replace(fmt, n_sink=20)).pool
+
+
+def test_the_layers_pools_share_one_slot_table_and_sinks_are_checked_at_engine_start(monkeypatch):
+    """Every layer's pool holds the engine's sequences in the same slots, assigned once per step (the step's
+    metadata, one object for all layers); each pool empties the slots that start afresh. Sinks wider than a block are
+    refused when vLLM sizes its pages, before any step."""
+    from types import SimpleNamespace
+
+    fmt = served("int4_joint", "quant.protected.n_sink=2", "quant.protected.recent=8")
+    table = vllm_backend.SlotTable(4)
+    pools = [vllm_backend.ProtectedPool(2, 8, 112, table, torch.float32) for _ in range(3)]
+    step = object()
+    got = [pool.assign([5, 9, 2], [True, True, True], step=step) for pool in pools]
+    assert got[0] == got[1] == got[2] and len(set(got[0])) == 3 and table.step == 1
+    for pool in pools:
+        pool.window_pos[got[0][0]] = 7  # a token held by sequence 5 in every layer
+        pool.sinks_held[got[0][0]] = 2
+    again = object()  # the next step: sequence 5 recomputed from its prompt (preempted), 9 decodes
+    got2 = [pool.assign([9, 5], [False, True], step=again) for pool in pools]
+    assert got2[0] == got2[1] == [got[0][1], got[0][0]] and table.step == 2
+    assert all(int(pool.sinks_held[got[0][0]]) == 0 and bool((pool.window_pos[got[0][0]] == -1).all())
+               for pool in pools)
+
+    wide = vllm_backend.as_spec(dataclasses.replace(fmt, n_sink=20))
+    config = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32))
+    monkeypatch.setattr(vllm_backend, "current_format", lambda: (wide, config))
+    with pytest.raises(ValueError, match=r"n_sink=20 sinks do not fit a sequence's first block \(block_size 16\)"):
+        vllm_backend.LatentMLABackend.customize_spec(SimpleNamespace(block_size=16))
 
 
 def test_the_protected_pools_come_out_of_the_engines_budget():

@@ -24,7 +24,8 @@ decode with the project's decode kernels; any other model gets vLLM's own backen
   new blocks). Decode reads the protected tokens from the pool, the rest from the blocks, as the framework's cache
   does. vLLM does not count the pool in its blocks' budget; `experiment=serve` takes its bytes out of the KV budget it
   gives the engine. A sequence whose slot was taken while it waited (more sequences started meanwhile than the pool
-  holds) reads its tokens as stored, and is counted (`ProtectedPool.misses`).
+  holds) reads its tokens as stored, and is counted (`SlotTable.misses`). One slot table per engine serves every
+  layer's pool: a step assigns its sequences' slots once.
 - **Refused by name** at engine start: formats quantized over blocks of tokens or scaled per sequence, sinks that do
   not fit a sequence's first block, and `quant.mode=simulated` (an engine serves: prefill reads fresh latents).
 - **A format per layer** (`quant.layers`, `quant=mixed`'s allocation, lloyd codebooks per layer): rebuilt from the
@@ -209,32 +210,37 @@ def pool_bytes(fmt: CacheSpec, slots: int, act_dtype: torch.dtype, num_layers: i
     return sum(slots * tokens * (f.d_c + f.d_r) * act_dtype.itemsize for f in layers)
 
 
-class ProtectedPool:
-    """One engine layer's protected region (module docstring): `slots` sequences' first `n_sink` tokens and a ring of
-    their latest `recent` (slot p % recent holds position p), in the activation dtype, with the position each ring
-    entry holds (-1: none), so that a read takes only what this sequence wrote."""
+def check_sinks_fit(fmt: CacheSpec, block_size: int) -> None:
+    """Sinks that do not fit a sequence's first block, refused by name: the pool finds a sequence by that block, and
+    decode reads the tokens after the sinks from it."""
+    n_sink = max(f.n_sink for f in fmt.layers)
+    if n_sink > block_size:
+        raise ValueError(f"quant={fmt.name}: quant.protected.n_sink={n_sink} sinks do not fit a sequence's first "
+                         f"block (block_size {block_size}); allowed: n_sink <= block_size")
 
-    def __init__(self, n_sink: int, recent: int, width: int, slots: int, dtype: torch.dtype):
-        self.n_sink, self.recent, self.slots = n_sink, recent, slots
-        self.sinks = torch.zeros(slots, n_sink, width, dtype=dtype)
-        self.window = torch.zeros(slots, recent, width, dtype=dtype)
-        self.window_pos = torch.full((slots, recent), -1, dtype=torch.long)
-        self.sinks_held = torch.zeros(slots, dtype=torch.long)
+
+class SlotTable:
+    """The slots of the engine's sequences in its layers' protected pools: one table per engine, shared by every
+    layer's pool (each holds the same sequences in the same slots), so a step assigns them once. A sequence's slot is
+    found by its first block; `slots` is the engine's max_num_seqs."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
         self.owner: list[int | None] = [None] * slots  # the first block of the sequence in each slot
         self.slot_of: dict[int, int] = {}
         self.used = [0] * slots  # the step each slot was last written
         self.step = 0
         self.misses = 0  # sequences that came back to find their slot taken (read as stored from then on)
+        self._assigned: tuple[object, tuple[list[int], list[int]]] | None = None  # the last step's key and answer
 
-    @property
-    def nbytes(self) -> int:
-        return self.sinks.nbytes + self.window.nbytes
-
-    def assign(self, keys: list[int], starts: list[bool]) -> list[int]:
-        """The slot of each sequence of a step, by its first block; a sequence writing its position 0 (a prompt,
-        or a preempted one recomputed) starts its slot afresh."""
+    def assign(self, keys: list[int], starts: list[bool], step: object = None) -> tuple[list[int], list[int]]:
+        """(the slot of each sequence of a step, by its first block; the slots that start afresh: a sequence writing
+        its position 0, a prompt or a preempted one recomputed). `step`: the step's metadata, the same object for
+        every layer of a step, which then gets the first layer's answer."""
+        if step is not None and self._assigned is not None and self._assigned[0] is step:
+            return self._assigned[1]
         self.step += 1
-        touched, out = set(keys), []
+        touched, out, fresh = set(keys), [], []
         for key, start in zip(keys, starts):
             idx = self.slot_of.get(key)
             if idx is None:
@@ -243,11 +249,12 @@ class ProtectedPool:
                 self.misses += not start
                 start = True
             if start:
-                self.window_pos[idx] = -1
-                self.sinks_held[idx] = 0
+                fresh.append(idx)
             self.used[idx] = self.step
             out.append(idx)
-        return out
+        if step is not None:
+            self._assigned = (step, (out, fresh))
+        return out, fresh
 
     def _take(self, touched: set[int]) -> int:
         """A free slot, else the one written longest ago among those of sequences outside this step."""
@@ -259,6 +266,31 @@ class ProtectedPool:
                                    f"({self.slots}, the engine's max_num_seqs)")
             del self.slot_of[self.owner[free[0]]]
         return free[0]
+
+
+class ProtectedPool:
+    """One engine layer's protected region (module docstring): the sequences of `table` (its slots) with their first
+    `n_sink` tokens and a ring of their latest `recent` (slot p % recent holds position p), in the activation dtype,
+    with the position each ring entry holds (-1: none), so that a read takes only what this sequence wrote."""
+
+    def __init__(self, n_sink: int, recent: int, width: int, table: SlotTable, dtype: torch.dtype):
+        self.n_sink, self.recent, self.table, self.slots = n_sink, recent, table, table.slots
+        self.sinks = torch.zeros(self.slots, n_sink, width, dtype=dtype)
+        self.window = torch.zeros(self.slots, recent, width, dtype=dtype)
+        self.window_pos = torch.full((self.slots, recent), -1, dtype=torch.long)
+        self.sinks_held = torch.zeros(self.slots, dtype=torch.long)
+
+    @property
+    def nbytes(self) -> int:
+        return self.sinks.nbytes + self.window.nbytes
+
+    def assign(self, keys: list[int], starts: list[bool], step: object = None) -> list[int]:
+        """The slot of each sequence of a step (`SlotTable.assign`); the slots that start afresh emptied here."""
+        idx, fresh = self.table.assign(keys, starts, step)
+        if fresh:
+            self.window_pos[fresh] = -1
+            self.sinks_held[fresh] = 0
+        return idx
 
     def write(self, idx: torch.Tensor, pos: torch.Tensor, x: torch.Tensor, in_window: torch.Tensor) -> None:
         """Tokens x (N, width) at positions pos (N,) of the sequences in slots idx (N,); in_window (N,): among its
@@ -297,7 +329,8 @@ def served(model: str) -> CacheSpec | None:
     return None if description is None else served_format(description)
 
 
-_LOADED: dict[str, object] = {}  # the format of the model this process loaded (see current_format)
+_LOADED: dict[str, object] = {}
+_SLOT_TABLES: dict[int, tuple[object, SlotTable]] = {}  # per engine (its vLLM config): the layers' shared slots  # the format of the model this process loaded (see current_format)
 
 
 def current_format() -> tuple[CacheSpec | None, object | None]:
@@ -352,6 +385,8 @@ class LatentMLABackend(CPUMLABackend):
         fmt, config = current_format()
         if fmt is None:
             return super().customize_spec(spec)
+        if any(f.n_sink for f in fmt.layers):
+            check_sinks_fit(fmt, spec.block_size)  # at engine start, before any step
         token_bytes = page_token_bytes(fmt, spec.block_size, config.model_config.dtype)
         return replace(spec, dtype=torch.uint8, state_content_bytes=token_bytes)
 
@@ -365,6 +400,7 @@ class LatentMLAImpl(CPUMLAImpl):
         self.act_dtype = None if config is None else config.model_config.dtype
         self.block_size = None if config is None else config.cache_config.block_size
         self.max_num_seqs = None if config is None else config.scheduler_config.max_num_seqs
+        self.config = config
         self._fresh: dict[str, torch.Tensor] | None = None
         self._decode_slots: torch.Tensor | None = None  # the protected pool's slot of each decode row of this step
 
@@ -395,10 +431,16 @@ class LatentMLAImpl(CPUMLAImpl):
         fmt = self.fmt
         if not (fmt.n_sink or fmt.recent):
             return None
-        if fmt.n_sink > self.block_size:
-            raise ValueError(f"quant={self.served.name}: quant.protected.n_sink={fmt.n_sink} sinks do not fit a "
-                             f"sequence's first block (block_size {self.block_size}); allowed: n_sink <= block_size")
-        return ProtectedPool(fmt.n_sink, fmt.recent, fmt.d_c + fmt.d_r, int(self.max_num_seqs), self.act_dtype)
+        check_sinks_fit(self.served, self.block_size)
+        return ProtectedPool(fmt.n_sink, fmt.recent, fmt.d_c + fmt.d_r, self.slot_table, self.act_dtype)
+
+    @functools.cached_property
+    def slot_table(self) -> SlotTable:
+        """The engine's slot table (`SlotTable`), shared by its layers' pools."""
+        held = _SLOT_TABLES.get(id(self.config))
+        if held is None or held[0] is not self.config:
+            held = _SLOT_TABLES[id(self.config)] = (self.config, SlotTable(int(self.max_num_seqs)))
+        return held[1]
 
     def _protect(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Write this step's protected tokens x (N, d_c + d_r) (slots (N,), vLLM's) into the pool: each token's
@@ -430,7 +472,8 @@ class LatentMLAImpl(CPUMLAImpl):
             length[:d] = seq_lens
             pos[:d] = seq_lens - 1
         keys[d:] = slots[starts[d:-1]] // self.block_size  # a prompt's first block: its position 0's
-        idx = torch.tensor(self.pool.assign(keys.tolist(), [r >= d for r in range(meta.num_reqs)]), dtype=torch.long)
+        idx = torch.tensor(self.pool.assign(keys.tolist(), [r >= d for r in range(meta.num_reqs)], step=meta),
+                           dtype=torch.long)
         self._decode_slots = idx[:d]
         self.pool.write(idx[row], pos, x, pos >= (length - self.pool.recent)[row])
 

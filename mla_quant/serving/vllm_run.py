@@ -11,8 +11,8 @@ result:  {"tokens": [[ids], ...] (the last run's), "runs": [{"seconds", "output_
           "output_tokens", "preemptions"} per level], "num_blocks": n,
           "block_size": n, "page_bytes_per_block": n (one layer), "format": name or null, "decode_backend": ...,
           "scheduler": the engine's scheduler settings, "layer_formats": {layer name: the format it stored and read},
-          "protected": null, or the protected region's pools: {"bytes" (every layer's), "slots", "misses" (the most
-          of any layer)}}
+          "protected": null, or the protected region's pools: {"bytes" (every layer's), "slots", "misses" (the
+          engine's: its layers share one slot table)}}
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def run_engine(request: dict) -> dict:
     layers = {name: {p: impl.fmt.path(p).describe() for p in PATHS} for name, impl in ours.items()}
     pools = [impl.pool for impl in ours.values() if impl.pool is not None]
     protected = None if not pools else {"bytes": sum(pool.nbytes for pool in pools), "slots": pools[0].slots,
-                                        "misses": max(pool.misses for pool in pools)}
+                                        "misses": pools[0].table.misses}
     sched = config.scheduler_config
     fmt = served(str(request["model"]))  # as the backend read it in this process
     block_size = int(config.cache_config.block_size)
