@@ -46,6 +46,54 @@ def cfg_of():
     return compose
 
 
+def run_cli(*args: str, cwd: Path = REPO):
+    """`python run.py <args>` in this process: run.py's own Hydra entry point, with Hydra's error report and exit
+    status, its output captured (a `subprocess.CompletedProcess`). It saves a new interpreter's imports (about 10 s on
+    2 cores) per run. Tests of what only a process shows (signals, launchers, the environment, a clean interpreter)
+    start run.py instead."""
+    import contextlib
+    import io
+    import runpy
+    import subprocess
+    import sys
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    argv, where, threads = sys.argv, os.getcwd(), torch.get_num_threads()
+    GlobalHydra.instance().clear()
+    sys.argv = [str(REPO / "run.py"), *args]
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(str(REPO / "run.py"), run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    finally:
+        sys.argv = argv
+        os.chdir(where)
+        torch.set_num_threads(threads)  # a stage may set its own (eval.threads)
+        GlobalHydra.instance().clear()
+    return subprocess.CompletedProcess(["run.py", *args], code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture
+def quanto_unpacks_in_python():
+    """optimum-quanto builds a C++ extension the first time it unpacks codes on a CPU (about 100 s on 2 cores, in
+    every fresh environment); under this fixture its CPU operator unpacks as quanto's own Python one does. Caches
+    compared with each other both call that one operator, so they still meet bit for bit."""
+    from types import SimpleNamespace
+
+    from optimum.quanto.library.extensions import cpp
+
+    def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:  # value i of each byte into block i, as quanto's
+        return torch.cat([(packed >> (bits * i)) & ((1 << bits) - 1) for i in range(8 // bits)]).to(torch.uint8)
+
+    built, cpp.ext._lib = cpp.ext._lib, SimpleNamespace(unpack=unpack)
+    yield
+    cpp.ext._lib = built
+
+
 def options(group: str) -> list[str]:
     """Every option of a config group (file stems in conf/<group>/)."""
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))

@@ -1,12 +1,10 @@
 """Calibration: captured activations, objectives, fitting, storage with provenance, the stages that use it."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO, compose
+from conftest import compose, run_cli
 
 from mla_quant.calibration import calibrated_transforms
 from mla_quant.calibration.capture import capture_layer
@@ -193,9 +191,8 @@ def test_prepare_reuses_a_stored_calibration(tmp_path):
     assert metrics3["calib/reused"] == 0 and metrics3["calib/file"] != metrics["calib/file"]
 
 
-def _run(*args, timeout=900):
-    return subprocess.run([sys.executable, "run.py", *args, "logger=none"], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+def _run(*args):
+    return run_cli(*args, "logger=none")
 
 
 @pytest.mark.parametrize("model, transform", [("tiny_minicpm3", "quantmla"), ("toy_mla", "smoothquant")])

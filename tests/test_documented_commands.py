@@ -4,12 +4,10 @@ groups its experiment uses, and validates against its model; the cheap ones run.
 import re
 import json
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import compose
+from conftest import compose, run_cli
 
 from mla_quant.prepare import model_dims, validate
 from mla_quant.stages import refuse_unused_groups
@@ -79,8 +77,7 @@ def test_cheap_documented_commands_run(cmd, tmp_path):
     if "transform=quantmla" in cmd:  # calibration, kept small
         extra += ["transform.fit.steps=3", "calib.samples=4", "calib.seq_len=64",
                   f"transform.fit.cache_dir={tmp_path}/calibration"]
-    run = subprocess.run([sys.executable, "run.py", *shlex.split(cmd)[2:], *extra], cwd=REPO, capture_output=True,
-                         text=True, timeout=600)
+    run = run_cli(*shlex.split(cmd)[2:], *extra)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert (tmp_path / "record.json").is_file()
     if "transform=quantmla" in cmd:  # calibrated, stored, and recorded with the evaluation

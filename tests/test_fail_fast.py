@@ -4,18 +4,15 @@ whose weight files are garbage, so an error that came after loading weights woul
 import json
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO, compose
+from conftest import compose, run_cli
 
 from mla_quant.eval.suites import check_eval
 
 
-def run_py(*args, timeout=300):
-    return subprocess.run([sys.executable, "run.py", *args, "logger=none"], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+def run_py(*args):
+    return run_cli(*args, "logger=none")
 
 
 @pytest.fixture(scope="module")

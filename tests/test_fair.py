@@ -78,7 +78,7 @@ def test_bytes_held_are_the_sum_of_the_parts(option, settings):
 
 
 @pytest.mark.parametrize("option", ["hf_hqq_int2", "hf_quanto_int4"])
-def test_peer_bytes_by_part(option):
+def test_peer_bytes_by_part(option, quanto_unpacks_in_python):
     """A peer's parts: codes with scales and zeros, and the unquantized residual; their sum is its nbytes, and at
     BF16 the float32 scales and zeros count 2 bytes each (the nominal bytes per quantized token)."""
     fmt = cache_format(load_quant_option(option), D_C, D_R)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, compose
+from conftest import REPO, compose, run_cli
 
 from mla_quant import runner
 from mla_quant.runner import Interrupted, StageResult
@@ -65,14 +65,14 @@ def test_sigterm_leaves_an_interrupted_record_and_the_rerun_resumes_to_the_same_
     done = rec["metrics"]["sensitivity/injections_done"]
     assert done >= 6 and rec["resume"]["units_done"] == done
 
-    resumed = _run([*SENSITIVITY, f"hydra.run.dir={root}/b"])
+    resumed = run_cli(*SENSITIVITY, f"hydra.run.dir={root}/b")  # the rest in this process: no signal to send
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "continuing" in resumed.stdout
     rec_b = _read(root / "b" / "record.json")
     assert rec_b["status"] == "ok" and rec_b["resume"]["attempt"] == 2
     assert rec_b["resume"]["units_reused"] >= done and rec_b["resume"]["resumed_from"] == str(root / "a")
 
-    fresh = _run([*SENSITIVITY, f"hydra.run.dir={root}/c", "force=true"])  # uninterrupted, from zero
+    fresh = run_cli(*SENSITIVITY, f"hydra.run.dir={root}/c", "force=true")  # uninterrupted, from zero
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     rec_c = _read(root / "c" / "record.json")
     assert rec_c["resume"]["units_reused"] == 0
@@ -80,7 +80,7 @@ def test_sigterm_leaves_an_interrupted_record_and_the_rerun_resumes_to_the_same_
     assert not diff and set(rec_b["metrics"]) == set(rec_c["metrics"]), diff
     assert (root / "b" / "sensitivity_rows.csv").read_text() == (root / "c" / "sensitivity_rows.csv").read_text()
 
-    skipped = _run([*SENSITIVITY, f"hydra.run.dir={root}/d"])  # complete now: skipped, nothing recomputed
+    skipped = run_cli(*SENSITIVITY, f"hydra.run.dir={root}/d")  # complete now: skipped, nothing recomputed
     assert skipped.returncode == 0 and "skipped, this configuration" in skipped.stdout and not (root / "d" / "record.json").exists()
 
 
@@ -469,7 +469,7 @@ def test_slurm_job_script_takes_the_models_resources(tmp_path, monkeypatch, mode
 
 
 def test_resources_override_outside_a_sweep_is_refused():
-    out = _run([*SENSITIVITY, "model.resources.gpus=2", "hydra.run.dir=/tmp/unused-resources-run"])
+    out = run_cli(*SENSITIVITY, "model.resources.gpus=2", "hydra.run.dir=/tmp/unused-resources-run")
     assert out.returncode != 0 and "model.resources" in out.stderr and "--multirun" in out.stderr
 
 

@@ -4,12 +4,10 @@ the codec and of the cache, exact bytes against the formula, per-sequence semant
 edits, refusals (Triton backend, bad settings, the TurboQuant codec), and one small evaluation through run.py."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 from omegaconf import OmegaConf
 
 from mla_quant.cache import cache_layer_factory
@@ -20,7 +18,6 @@ from mla_quant.quant.formats import PathFormat, cache_bytes_per_token, cache_for
 from mla_quant.quant.quantizers import fake_quantize
 from test_per_sequence import batches, logits_of  # the padded batches of the per-sequence tests
 
-REPO = Path(__file__).resolve().parents[1]
 TOY_GROUPS = {"wide": 32, "narrow": 32}
 
 
@@ -250,10 +247,9 @@ def test_greedy_decode_alone_equals_left_padded_batch(toy):
 
 # ---------------------------------------------------------------------------------------------- end to end
 def test_evaluate_runs_with_kivi(tmp_path):
-    cmd = ["run.py", "experiment=evaluate", "quant=kivi_int2", "eval.limit=2", "eval.data.niah_lengths=[256]",
-           "eval.tasks=[toy_niah_multikey_1]", "eval.control_no_rope.enabled=false", "logger=none",
-           f"hydra.run.dir={tmp_path}"]
-    run = subprocess.run([sys.executable, *cmd], cwd=REPO, capture_output=True, text=True, timeout=600)
+    run = run_cli("experiment=evaluate", "quant=kivi_int2", "eval.limit=2", "eval.data.niah_lengths=[256]",
+                  "eval.tasks=[toy_niah_multikey_1]", "eval.control_no_rope.enabled=false", "logger=none",
+                  f"hydra.run.dir={tmp_path}")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     record = json.loads((tmp_path / "record.json").read_text())
     assert record["status"] == "ok" and record["choices"]["quant"] == "kivi_int2"

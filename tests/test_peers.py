@@ -17,6 +17,8 @@ from mla_quant.quant.formats import cache_format
 from mla_quant.quant.peers import PeerFormat
 from mla_quant.toy.model import load_toy_model
 
+pytestmark = pytest.mark.usefixtures("quanto_unpacks_in_python")
+
 PEERS = ["hf_quanto_int2", "hf_hqq_int2", "hf_quanto_int4", "hf_hqq_int4"]
 D_C, D_R = 96, 16  # the toy's latent dims
 
@@ -24,21 +26,6 @@ D_C, D_R = 96, 16  # the toy's latent dims
 @pytest.fixture(scope="module")
 def toy():
     return load_toy_model()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def quanto_unpacks_in_python():
-    """optimum-quanto builds a C++ extension the first time it unpacks codes on a CPU (about 100 s on 2 cores, in
-    every fresh environment); here its CPU operator unpacks as quanto's own Python one does. Both caches compared
-    below call that one operator, so they still meet bit for bit."""
-    from optimum.quanto.library.extensions import cpp
-
-    def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:  # value i of each byte into block i, as quanto's
-        return torch.cat([(packed >> (bits * i)) & ((1 << bits) - 1) for i in range(8 // bits)]).to(torch.uint8)
-
-    built, cpp.ext._lib = cpp.ext._lib, SimpleNamespace(unpack=unpack)
-    yield
-    cpp.ext._lib = built
 
 
 def peer(option: str, **settings):
@@ -196,8 +183,6 @@ def test_peer_option_scores_through_lm_eval(tmp_path, cfg_of, monkeypatch):
 def test_stages_that_read_the_project_formats_refuse_a_peer(cfg_of, tmp_path):
     """The byte table, quantizer-shaped noise, export, serving capacity and the kernel benchmark read the project's
     formats (codecs, byte formula, kernel): a peer is refused by name there, before any work."""
-    from types import SimpleNamespace
-
     from mla_quant.cache.bytes import byte_table
     from mla_quant.stages import bench_kernel, export, serving
     from mla_quant.stages.sensitivity import noise_quantizers

@@ -1,11 +1,9 @@
 """experiment=pipeline (the default run): every step a run with its own record, then the tables and figures."""
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO, compose, options
+from conftest import REPO, compose, options, run_cli
 
 from mla_quant.pipeline import selection
 
@@ -17,9 +15,8 @@ SMALL = ["experiment=pipeline", "logger=none", "task.methods=[none,quarot]", "ta
          '"eval.data.niah_lengths=[256,512]","eval.data.niah_per_length=2"]']
 
 
-def _run(args, timeout=900):
-    return subprocess.run([sys.executable, "run.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+def _run(args):
+    return run_cli(*args)
 
 
 def test_the_default_run_is_the_pipeline():
@@ -75,7 +72,7 @@ def test_pipeline_selection_and_idle_settings_are_refused(tmp_path):
         selection(t, ["quant=int2_joint", "task.formats=[int4_joint]"])
     # calibration data settings where only RTN is evaluated (no calibrate step): no step would use them
     run = _run(["logger=none", "task.methods=[none]", "task.calibrate=null", "calib.samples=4",
-                f"hydra.run.dir={tmp_path}"], timeout=300)
+                f"hydra.run.dir={tmp_path}"])
     assert run.returncode != 0 and "calib.samples=4" in run.stderr and "no step" in run.stderr, run.stderr[-2000:]
     assert not (tmp_path / "01_sensitivity").exists()  # refused before any step ran
 

@@ -5,17 +5,13 @@ own gsm8k task on the local files and RULER's niah_single_1), each record holdin
 and per decoder layer; bad shapes are refused."""
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO
+from conftest import run_cli
 
 
-def run_py(*args, cwd=REPO, timeout=600):
-    out = subprocess.run([sys.executable, "run.py", *args, "logger=none"], cwd=cwd, capture_output=True, text=True,
-                         timeout=timeout)
-    return out
+def run_py(*args):
+    return run_cli(*args, "logger=none")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +57,7 @@ def test_the_headline_pipeline_runs_on_it_to_its_summary(folder, tmp_path):
                  "eval.num_fewshot=1", "eval.gen_kwargs={max_gen_toks:4}",
                  'task.sensitivity=["task.seeds=1","task.sweep_nmse=[]","task.probe.num_sequences=1",'
                  '"task.rope_pairs=false","task.per_layer=false"]',
-                 f"hydra.run.dir={run_dir}", timeout=900)
+                 f"hydra.run.dir={run_dir}")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     steps = sorted(p.name for p in run_dir.glob("0*_*"))
     assert steps == ["01_sensitivity", "02_cache_bytes", "03_calibrate-quantmla-int4_joint", "04_evaluate-bf16",

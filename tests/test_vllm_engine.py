@@ -5,13 +5,10 @@ framework's, and vLLM's block budget counts the format's bytes."""
 
 import dataclasses
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import HAS_CXX, compose
+from conftest import HAS_CXX, compose, run_cli
 
 from mla_quant.cache.layer import LatentCacheLayer
 from mla_quant.kernels.layout import Segment
@@ -19,7 +16,6 @@ from mla_quant.kernels.torch_decode import segment_attention
 from mla_quant.quant.formats import cache_format
 
 vllm_backend = pytest.importorskip("mla_quant.serving.vllm_backend", reason="vLLM's CPU build (README) is needed")
-REPO = Path(__file__).resolve().parents[1]
 ENGINE = ["quant.mode=serving", "quant.protected.n_sink=0", "quant.protected.recent=0"]
 
 
@@ -217,11 +213,9 @@ def test_serve_the_toy_in_vllm(tmp_path):
     runs without preemption, as the scheduler simulation predicts (also at both levels of a concurrency sweep); a
     toy suite scored through the engine (lm-eval's
     vLLM model) scores as through the framework."""
-    done = subprocess.run([sys.executable, "run.py", "experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}",
-                           "+quant.layers=[null,{content:{bits:2}},null,{rope:{bits:2}}]",  # a format per layer
-                           "eval=toy", "eval.tasks=[toy_gsm8k]", "eval.limit=8", "task.concurrency=[4,32]",
-                           "task.repeats=1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    done = run_cli("experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}",
+                   "+quant.layers=[null,{content:{bits:2}},null,{rope:{bits:2}}]",  # a format per layer
+                   "eval=toy", "eval.tasks=[toy_gsm8k]", "eval.limit=8", "task.concurrency=[4,32]", "task.repeats=1")
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((tmp_path / "record.json").read_text())["metrics"]
     for cache in ("unquantized", "int4_joint"):
@@ -255,10 +249,9 @@ def test_serve_the_toy_with_a_protected_region(tmp_path):
     from mla_quant.models.absorbed import cache_kwargs, quantized_cache
     from mla_quant.toy.model import load_toy_model
 
-    done = subprocess.run([sys.executable, "run.py", "experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}",
-                           "quant=int2_joint", "quant.protected.n_sink=2", "quant.protected.recent=8",
-                           "task.max_num_seqs=16", "task.concurrency=null", "task.repeats=1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    done = run_cli("experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}", "quant=int2_joint",
+                   "quant.protected.n_sink=2", "quant.protected.recent=8", "task.max_num_seqs=16",
+                   "task.concurrency=null", "task.repeats=1")
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((tmp_path / "record.json").read_text())["metrics"]
     pool = 4 * 16 * 10 * 112 * 4
@@ -299,8 +292,7 @@ def test_a_format_per_layer_round_trips_through_the_description():
 
 def test_serve_refuses_before_exporting(tmp_path):
     """A format the engine cannot store fails experiment=serve at once, before any preparation or export."""
-    done = subprocess.run([sys.executable, "run.py", "experiment=serve", "quant=kivi_int4", "logger=none",
-                           f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = run_cli("experiment=serve", "quant=kivi_int4", "logger=none", f"hydra.run.dir={tmp_path}")
     assert done.returncode != 0 and "token_block=32" in done.stderr
     assert not (tmp_path / "checkpoint").exists()
 
