@@ -296,6 +296,7 @@ def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None)
     _quietly("start", tracker.start, resolved, run_dir, name=run_name(cfg, choices, run_dir), group=sweep_group(),
              tags=tags)
     result, status, error = StageResult(), "failed", None
+    threads = torch.get_num_threads()  # a stage's own thread count (eval.threads, task.threads) lasts for its run
     with signals_as_exceptions() as signals, active_progress(prog):
         try:
             with memory, layers:
@@ -314,6 +315,7 @@ def _main(cfg: DictConfig, run_dir: Path | None, choices: dict[str, str] | None)
                 error = f"{signal.Signals(signals.signum).name}: {error}"
             raise
         finally:
+            torch.set_num_threads(threads)
             signals.finishing = True
             try:  # a signal may have cut a unit's save short: progress.json then holds what the record counts
                 prog.save()

@@ -26,6 +26,14 @@ CONF = REPO / "conf"
 TEST_THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 torch.set_num_threads(TEST_THREADS)
 
+
+@pytest.fixture(autouse=True)
+def worker_threads():
+    """Each test starts with the worker's share of threads: a stage called directly sets its own (eval.threads), and
+    two workers at 2 threads each on 2 cores ran tiny models 3-10x slower, their OpenMP threads waiting on each other."""
+    torch.set_num_threads(TEST_THREADS)
+    yield
+
 # What quant.backend=auto decodes CPU tensors with: the C++ kernel wherever a C++ compiler can build it (a build that
 # then fails fails the tests expecting it), PyTorch on a machine without a compiler.
 HAS_CXX = shutil.which(os.environ.get("CXX", "c++")) is not None
@@ -60,7 +68,7 @@ def run_cli(*args: str, cwd: Path = REPO):
     from hydra.core.global_hydra import GlobalHydra
 
     out, err, code = io.StringIO(), io.StringIO(), 0
-    argv, where, threads = sys.argv, os.getcwd(), torch.get_num_threads()
+    argv, where = sys.argv, os.getcwd()
     GlobalHydra.instance().clear()
     sys.argv = [str(REPO / "run.py"), *args]
     os.chdir(cwd)
@@ -72,7 +80,6 @@ def run_cli(*args: str, cwd: Path = REPO):
     finally:
         sys.argv = argv
         os.chdir(where)
-        torch.set_num_threads(threads)  # a stage may set its own (eval.threads)
         GlobalHydra.instance().clear()
     return subprocess.CompletedProcess(["run.py", *args], code, out.getvalue(), err.getvalue())
 

@@ -185,6 +185,30 @@ def test_signals_end_in_a_record_with_the_finished_metrics(in_dir, monkeypatch, 
     assert rec["resume"]["reused"] == {"demo": 3}
 
 
+def stage_with_threads(cfg, run_dir):
+    torch.set_num_threads(3)  # as experiment=evaluate sets eval.threads
+    if os.environ.get("STAGE_FAILS"):
+        raise RuntimeError("the stage failed")
+    return StageResult(metrics={"demo/threads": torch.get_num_threads()})
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_stages_thread_count_lasts_for_its_run(in_dir, monkeypatch, fails):
+    """A stage that sets its own thread count (eval.threads, task.threads) has it while it runs; the caller (a
+    pipeline's next step, or a test) gets its own back, also when the stage fails."""
+    cfg = _demo_cfg()
+    cfg.task._target_ = f"{__name__}.stage_with_threads"
+    if fails:
+        monkeypatch.setenv("STAGE_FAILS", "1")
+    torch.set_num_threads(1)
+    if fails:
+        with pytest.raises(RuntimeError, match="the stage failed"):
+            runner.main(cfg)
+    else:
+        assert runner.main(cfg).metrics["demo/threads"] == 3
+    assert torch.get_num_threads() == 1
+
+
 def test_timeout_signal_runs_submitits_handler_first(in_dir, monkeypatch):
     """Under submitit the timeout signal's own handler (checkpoint + requeue, then exit) runs; the record says
     timeout."""
