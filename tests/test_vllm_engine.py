@@ -69,7 +69,8 @@ def _engine_layer(fmt, block_size: int = 16, slots: int = 4):
 
     impl = vllm_backend.LatentMLAImpl.__new__(vllm_backend.LatentMLAImpl)
     impl.__dict__.update(fmt=fmt, served=as_spec(fmt), block_size=block_size, max_num_seqs=slots,
-                         act_dtype=torch.float32, slot_table=vllm_backend.SlotTable(slots))
+                         act_dtype=torch.float32, slot_table=vllm_backend.SlotTable(slots), kv_lora_rank=fmt.d_c,
+                         qk_rope_head_dim=fmt.d_r)
     return impl
 
 
@@ -171,21 +172,45 @@ def test_the_layers_pools_share_one_slot_table_and_sinks_are_checked_at_engine_s
 
 def test_the_protected_pools_come_out_of_the_engines_budget():
     """A layer's pool holds max_num_seqs x (n_sink + recent) tokens of d_c + d_r values in the activation dtype; the
-    engine's blocks get the KV budget less every layer's pool, and a pool that leaves them nothing is refused by
-    name."""
+    engine's worker gives vLLM's blocks the KV cache's bytes less every layer's pool (whoever starts the engine), and
+    refuses a budget the pools fill by name; experiment=serve refuses one before anything starts."""
+    from types import SimpleNamespace
+
     from mla_quant.quant.format import as_spec
-    from mla_quant.stages.serve import kv_blocks_budget
+    from mla_quant.stages.serve import check_pools_fit
 
     fmt = as_spec(served("int4_joint", "quant.protected.n_sink=2", "quant.protected.recent=8"))
-    task = compose(["experiment=serve", "task.max_num_seqs=16"]).task
     pool = 16 * (2 + 8) * (96 + 16) * 4
-    assert _engine_layer(fmt.uniform, slots=16).pool.nbytes == pool
-    assert kv_blocks_budget(task, fmt, 4) == task.kv_budget_bytes - 4 * pool
-    assert kv_blocks_budget(task, as_spec(served("int4_joint")), 4) == task.kv_budget_bytes  # nothing protected
+    layers = [_engine_layer(fmt.uniform, slots=16) for _ in range(4)]
+    assert layers[0].pool.nbytes == layers[0].pool_bytes == pool
+    assert vllm_backend.pool_bytes(fmt, 16, torch.float32, 4) == 4 * pool
+
+    class Worker:  # vLLM's worker as the wrapper sees it: the memory it measured, and its config
+        def determine_available_memory(self):
+            return self.budget
+
+    context = {f"model.layers.{i}.self_attn.attn": SimpleNamespace(impl=impl) for i, impl in enumerate(layers)}
+    context["model.lm_head"] = SimpleNamespace()  # not an attention layer
+    config = SimpleNamespace(parallel_config=SimpleNamespace(worker_cls=Worker),
+                             compilation_config=SimpleNamespace(static_forward_context=context),
+                             scheduler_config=SimpleNamespace(max_num_seqs=16))
+    vllm_backend.count_pools(config)
+    vllm_backend.count_pools(config)  # once per process, however many layers ask
+    worker = Worker()
+    worker.vllm_config, worker.budget = config, 1048576
+    assert worker.determine_available_memory() == 1048576 - 4 * pool
+    worker.budget = 4 * pool
+    with pytest.raises(ValueError, match=rf"the protected region's pools take {4 * pool} bytes for max_num_seqs=16 "
+                                         rf"sequences, and the KV cache has {4 * pool}"):
+        worker.determine_available_memory()
+    worker.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={}))
+    assert worker.determine_available_memory() == 4 * pool  # a model without pools: as measured
+
+    check_pools_fit(compose(["experiment=serve", "task.max_num_seqs=16"]).task, fmt, 4)
     with pytest.raises(ValueError, match=rf"task.kv_budget_bytes=1048576: the protected region of quant=int4_joint "
                                          rf"\(n_sink 2, recent 8\) takes {4 * 256 * 10 * 112 * 4} bytes for "
                                          rf"task.max_num_seqs=256 sequences"):
-        kv_blocks_budget(compose(["experiment=serve"]).task, fmt, 4)
+        check_pools_fit(compose(["experiment=serve"]).task, fmt, 4)
 
 
 @pytest.mark.parametrize("option, overrides, named", [

@@ -22,8 +22,9 @@ decode with the project's decode kernels; any other model gets vLLM's own backen
   found by the sequence's first block: on vLLM's CPU platform a block has one owner (no prefix caching, no chunked
   prefill), and a sequence keeps its first block until it ends or is preempted (then recomputed from its prompt into
   new blocks). Decode reads the protected tokens from the pool, the rest from the blocks, as the framework's cache
-  does. vLLM does not count the pool in its blocks' budget; `experiment=serve` takes its bytes out of the KV budget it
-  gives the engine. A sequence whose slot was taken while it waited (more sequences started meanwhile than the pool
+  does. The pools are part of the KV cache's bytes: the engine's worker takes them out of the memory it gives vLLM's
+  blocks (`count_pools`: `kv_cache_memory_bytes` when set, else what vLLM measured free), so a budget holds the
+  blocks and the pools together, whoever starts the engine. A sequence whose slot was taken while it waited (more sequences started meanwhile than the pool
   holds) reads its tokens as stored, and is counted (`SlotTable.misses`). One slot table per engine serves every
   layer's pool: a step assigns its sequences' slots once.
 - **Refused by name** at engine start: formats quantized over blocks of tokens or scaled per sequence, sinks that do
@@ -206,8 +207,48 @@ def pool_bytes(fmt: CacheSpec, slots: int, act_dtype: torch.dtype, num_layers: i
     if len(layers) != num_layers:
         raise ValueError(f"quant={fmt.name}: a format for each of {len(fmt.layers)} cache layers, and the model has "
                          f"{num_layers} MLA layers")
-    tokens = fmt.layers[0].n_sink + fmt.layers[0].recent
-    return sum(slots * tokens * (f.d_c + f.d_r) * act_dtype.itemsize for f in layers)
+    first = fmt.layers[0]
+    return sum(layer_pool_bytes(first.n_sink, first.recent, f.d_c + f.d_r, slots, act_dtype) for f in layers)
+
+
+def layer_pool_bytes(n_sink: int, recent: int, width: int, slots: int, act_dtype: torch.dtype) -> int:
+    """One layer's protected pool (`ProtectedPool`): `slots` sequences x (n_sink + recent) tokens x `width` (d_c +
+    d_r) values in the activation dtype (its positions, host-side bookkeeping, not counted)."""
+    return slots * (n_sink + recent) * width * act_dtype.itemsize
+
+
+def worker_pool_bytes(config) -> int:
+    """The bytes of the protected pools of a worker's MLA layers served by this backend (vLLM's config: its layers)."""
+    return sum(module.impl.pool_bytes for module in config.compilation_config.static_forward_context.values()
+               if isinstance(getattr(module, "impl", None), LatentMLAImpl))
+
+
+def count_pools(config) -> None:
+    """vLLM sizes its blocks from the memory its worker reports (`determine_available_memory`:
+    `kv_cache_memory_bytes` when set, else what it measured free) and allocates no protected pool: they are this
+    backend's, allocated on the first step. So the worker class (vLLM's config names it) reports that memory less its
+    layers' pools (`worker_pool_bytes`), and a budget that leaves the blocks nothing is refused by name. Wrapped once
+    per process; a worker without pools reports as before."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    worker = config.parallel_config.worker_cls
+    worker = resolve_obj_by_qualname(worker) if isinstance(worker, str) else worker
+    measure = worker.determine_available_memory
+    if getattr(measure, "counts_pools", False):
+        return
+
+    @functools.wraps(measure)
+    def determine_available_memory(self):
+        available = measure(self)
+        pools = worker_pool_bytes(self.vllm_config)
+        if pools and pools >= available:
+            raise ValueError(f"the protected region's pools take {pools} bytes for max_num_seqs="
+                             f"{self.vllm_config.scheduler_config.max_num_seqs} sequences, and the KV cache has "
+                             f"{available}; allowed: a larger kv_cache_memory_bytes, or a smaller max_num_seqs")
+        return available - pools
+
+    determine_available_memory.counts_pools = True
+    worker.determine_available_memory = determine_available_memory
 
 
 def check_sinks_fit(fmt: CacheSpec, block_size: int) -> None:
@@ -329,8 +370,8 @@ def served(model: str) -> CacheSpec | None:
     return None if description is None else served_format(description)
 
 
-_LOADED: dict[str, object] = {}
-_SLOT_TABLES: dict[int, tuple[object, SlotTable]] = {}  # per engine (its vLLM config): the layers' shared slots  # the format of the model this process loaded (see current_format)
+_LOADED: dict[str, object] = {}  # the format of the model this process loaded (see current_format)
+_SLOT_TABLES: dict[int, tuple[object, SlotTable]] = {}  # per engine (its vLLM config): the layers' shared slots
 
 
 def current_format() -> tuple[CacheSpec | None, object | None]:
@@ -403,6 +444,18 @@ class LatentMLAImpl(CPUMLAImpl):
         self.config = config
         self._fresh: dict[str, torch.Tensor] | None = None
         self._decode_slots: torch.Tensor | None = None  # the protected pool's slot of each decode row of this step
+        if self.pool_bytes:
+            count_pools(config)  # vLLM's blocks get the KV cache's bytes less the pools
+
+    @functools.cached_property
+    def pool_bytes(self) -> int:
+        """The bytes of this layer's protected pool (0: none), known at construction: the region is the same in
+        every layer (`quant.protected`), its width this layer's d_c + d_r."""
+        if self.served is None:
+            return 0
+        first = self.served.layers[0]
+        return layer_pool_bytes(first.n_sink, first.recent, self.kv_lora_rank + self.qk_rope_head_dim,
+                                int(self.max_num_seqs), self.act_dtype)
 
     @functools.cached_property
     def fmt(self) -> CacheFormat:

@@ -18,7 +18,8 @@
 Tables in <run_dir>/serve.md; each engine run's request and result in <run_dir>/engine/.
 
 With a protected region (`quant.protected`), its pools (`task.max_num_seqs` sequences' sinks and recent windows in
-the activation dtype, beside vLLM's blocks) come out of the format's budget: vLLM's blocks get the rest.
+the activation dtype, beside vLLM's blocks) come out of the format's budget, as the engine counts them: vLLM's blocks
+get the rest.
 
 Metrics: serve/<cache>/tokens_equal (prompts whose engine tokens equal the framework's, up to and including the
 first end-of-sequence token), blocks, page_bytes_per_block, preemptions (vLLM's counter), protected_pool_bytes and
@@ -88,31 +89,29 @@ def answer(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens if end is None else tokens[: end + 1]
 
 
-def kv_blocks_budget(task: DictConfig, fmt=None, num_layers: int = 1) -> int:
-    """The bytes vLLM's blocks get: `task.kv_budget_bytes`, less the protected region's pools of a format that has
-    one over the model's `num_layers` MLA layers (`vllm_backend.pool_bytes`: vLLM does not count them in its blocks),
-    refused by name where nothing is left."""
+def check_pools_fit(task: DictConfig, fmt=None, num_layers: int = 1) -> None:
+    """A protected region whose pools (`vllm_backend.pool_bytes` over the model's `num_layers` MLA layers, for
+    `task.max_num_seqs` sequences) take the whole `task.kv_budget_bytes`, refused by name before any engine starts
+    (the engine counts them in its budget too: its blocks get the rest)."""
     from mla_quant.serving.vllm_backend import pool_bytes
 
     budget = int(task.kv_budget_bytes)
     if fmt is None or not (fmt.layers[0].n_sink or fmt.layers[0].recent):
-        return budget
+        return
     pool = pool_bytes(fmt, int(task.max_num_seqs), getattr(torch, task.dtype), num_layers)
     if pool >= budget:
         raise ValueError(f"task.kv_budget_bytes={budget}: the protected region of quant={fmt.name} "
                          f"(n_sink {fmt.layers[0].n_sink}, recent {fmt.layers[0].recent}) takes {pool} bytes for "
                          f"task.max_num_seqs={int(task.max_num_seqs)} sequences; allowed: a budget above that, or "
                          "fewer sequences or protected tokens")
-    return budget - pool
 
 
-def engine_run(folder: Path, prompts, task: DictConfig, work: Path, name: str, suites: dict | None = None,
-               fmt=None, num_layers: int = 1) -> dict:
+def engine_run(folder: Path, prompts, task: DictConfig, work: Path, name: str, suites: dict | None = None) -> dict:
     """One engine run in its own process: `mla_quant.serving.vllm_run` over the prompts, or with `suites` this
-    module's `engine_scores` (lm-eval's vLLM model over those suites). `fmt`: the served format, over `num_layers` MLA
-    layers (its protected region's pools come out of the blocks' budget)."""
+    module's `engine_scores` (lm-eval's vLLM model over those suites), at `task.kv_budget_bytes` of KV cache (a
+    protected region's pools and the blocks together: the engine counts the pools)."""
     request = {"model": str(folder), "prompts": prompts, "max_tokens": int(task.max_tokens), "dtype": str(task.dtype),
-               "kv_cache_memory_bytes": kv_blocks_budget(task, fmt, num_layers),
+               "kv_cache_memory_bytes": int(task.kv_budget_bytes),
                "max_model_len": int(task.max_model_len), "max_num_seqs": int(task.max_num_seqs),
                "repeats": int(task.repeats),
                "sweep": [int(n) for n in task.concurrency or []]}
@@ -189,7 +188,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     export, description = export_checkpoint(cfg, checkpoint)
     fmt = served_format(description)
     layers = len(dims["layer_dims"])
-    kv_blocks_budget(task, fmt, layers)  # a protected region that leaves the blocks nothing: refused before any engine
+    check_pools_fit(task, fmt, layers)  # a protected region that leaves the blocks nothing: refused before any engine
     # the exported model, absorbed in place, is the framework's reference: one preparation (weights, transforms,
     # allocation and codebooks) for the checkpoint and the reference alike
     prep = dataclasses.replace(export, model=absorb(export.model, attention_blocks(cfg.get("attention"))))
@@ -203,7 +202,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     write_json_atomic(work / "framework_tokens.json", {"prompts": prompts, "tokens": reference})  # per cache
     runs = {"unquantized": engine_run(bf16_folder(checkpoint, description, run_dir / "checkpoint_bf16"), prompts,
                                       task, work, "unquantized"),
-            fmt.name: engine_run(checkpoint, prompts, task, work, fmt.name, fmt=fmt, num_layers=layers)}
+            fmt.name: engine_run(checkpoint, prompts, task, work, fmt.name)}
     eos = prep.model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     metrics, rows = {**prep.metrics()}, []
@@ -245,7 +244,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     if task.concurrency:
         tables["serve_sweep"] = sweep_table(runs, prompts, int(task.max_tokens), metrics)
     if list(cfg.eval.tasks):
-        scores = score_suites(cfg, prep, checkpoint, task, work, fmt.name, fmt, layers)
+        scores = score_suites(cfg, prep, checkpoint, task, work, fmt.name)
         metrics.update({k: v for k, v in scores.items() if isinstance(v, float)})
         tables["serve_suites"] = scores.pop("table")
     write_text_atomic(run_dir / "serve.md", "\n\n".join(f"## {name}\n\n{t.to_markdown(index=False)}"
@@ -258,8 +257,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     return StageResult(metrics=metrics, tables=tables)
 
 
-def score_suites(cfg: DictConfig, prep, checkpoint: Path, task: DictConfig, work: Path, name: str, fmt=None,
-                 num_layers: int = 1) -> dict:
+def score_suites(cfg: DictConfig, prep, checkpoint: Path, task: DictConfig, work: Path, name: str) -> dict:
     """The eval group's toy suites scored by the framework (its model and cache through lm-eval's HF model) and by
     the engine (lm-eval's vLLM model on the exported checkpoint), on the same task files: metrics
     serve/suites/<task>/<metric>/{framework,engine} and a table."""
@@ -282,8 +280,7 @@ def score_suites(cfg: DictConfig, prep, checkpoint: Path, task: DictConfig, work
     ours = flat_metrics(evaluate_tasks(lm, tasks, folder, **options), "")
     engine = engine_run(checkpoint, [], task, work, f"{name}_suites",
                         {"tasks": tasks, "include_path": str(folder), **options,
-                         "max_model_len": int(prep.model.config.get_text_config(decoder=True).max_position_embeddings)},
-                        fmt=fmt, num_layers=num_layers)
+                         "max_model_len": int(prep.model.config.get_text_config(decoder=True).max_position_embeddings)})
     theirs = flat_metrics(engine, "")
     out, rows = {}, []
     for key in sorted(set(ours) | set(theirs)):
