@@ -6,10 +6,12 @@ outlives the process.
 
     python -m mla_quant.serving.vllm_run request.json result.json [request2.json result2.json ...]
 
+(`python -m mla_quant.stages.serve` with the same arguments also takes lm-eval requests, below.)
+
 request: {"model": folder, "prompts": [[ids], ...], "max_tokens": n, "dtype": "float32", "kv_cache_memory_bytes": b,
           "max_model_len": n, "max_num_seqs": n, "repeats": n, "sweep": [n, ...] (concurrent requests)}; with
-          "lm_eval": {"tasks", "include_path", "limit", "gen_kwargs", "seed"}: those suites scored through lm-eval's
-          vLLM model on the folder instead (result: {"results": lm-eval's})
+          "lm_eval": {"tasks", "include_path", "limit", "gen_kwargs", "seed"} (`mla_quant.stages.serve` only):
+          those suites scored through lm-eval's vLLM model on the folder instead (result: {"results": lm-eval's})
 result:  {"tokens": [[ids], ...] (the last run's), "runs": [{"seconds", "output_tokens", "preemptions",
           "ttft_s", "inter_token_s"} per repeat, from vLLM's own counters], "sweep": [{"requests", "seconds",
           "output_tokens", "preemptions"} per level], "num_blocks": n,
@@ -164,40 +166,22 @@ def _mean(sum_count) -> float | None:
     return None if not sum_count or not sum_count[1] else sum_count[0] / sum_count[1]
 
 
-def engine_scores(request: dict) -> dict:
-    """lm-eval's vLLM model on the checkpoint, the suites request["lm_eval"] names scored through the engine ->
-    lm-eval's results."""
-    args = engine_args(request)
-    vllm_cpu_version()
-    from lm_eval.models.vllm_causallms import VLLM
-
-    from mla_quant.eval.harness import evaluate_tasks
-
-    spec = request["lm_eval"]
-    lm = VLLM(pretrained=request["model"], batch_size="auto", **{k: v for k, v in args.items() if k != "runner"})
-    try:
-        res = evaluate_tasks(lm, spec["tasks"], spec["include_path"], limit=spec.get("limit"),
-                             gen_kwargs=spec.get("gen_kwargs"), seed=int(spec.get("seed", 0)))
-    finally:
-        shut_down(lm.model)
-    return json.loads(json.dumps({"results": res.get("results")}, default=str))
-
-
 def shut_down(llm) -> None:
     """Stop an engine; what it holds (its KV cache, its model) is freed with it (`main` collects between runs), so
     the next run of the process starts on the memory the first had."""
     llm.llm_engine.engine_core.shutdown()
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], run=None) -> None:
+    """Request/result pairs, run one after another in this process (`run`: request -> result; `run_engine` by
+    default), each result written as its run ends."""
     from mla_quant.record import write_json_atomic
 
     if not argv or len(argv) % 2:
         raise SystemExit("usage: python -m mla_quant.serving.vllm_run request.json result.json [request.json "
                          "result.json ...]")
     for request, result in zip(argv[::2], argv[1::2]):
-        req = json.loads(Path(request).read_text())
-        write_json_atomic(Path(result), engine_scores(req) if "lm_eval" in req else run_engine(req))
+        write_json_atomic(Path(result), (run or run_engine)(json.loads(Path(request).read_text())))
         gc.collect()  # the engine just shut down, freed before the next starts
 
 

