@@ -318,10 +318,15 @@ def test_a_format_per_layer_round_trips_through_the_description():
     assert [vllm_backend.EnginePages(f, 16, torch.float32).token_bytes for f in served.layers] == [72, 48, 72, 68]
 
 
-def test_serve_refuses_before_exporting(tmp_path):
-    """A format the engine cannot store fails experiment=serve at once, before any preparation or export."""
-    done = run_cli("experiment=serve", "quant=kivi_int4", "logger=none", f"hydra.run.dir={tmp_path}")
-    assert done.returncode != 0 and "token_block=32" in done.stderr
+@pytest.mark.parametrize("overrides, named", [
+    (["quant=kivi_int4"], "token_block=32"),
+    (["quant=int4_joint", "quant.protected.n_sink=20", "quant.protected.recent=8"],
+     r"n_sink=20 sinks do not fit a sequence's first block (block_size 16)")])
+def test_serve_refuses_before_exporting(tmp_path, overrides, named):
+    """A format the engine cannot store, or sinks wider than the engine's block (vLLM's CPU MLA: 16 tokens), fail
+    experiment=serve at once, before any preparation or export."""
+    done = run_cli("experiment=serve", *overrides, "logger=none", f"hydra.run.dir={tmp_path}")
+    assert done.returncode != 0 and named in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "checkpoint").exists()
 
 

@@ -292,6 +292,14 @@ def layer_pages() -> None:
     MLAAttention.get_kv_cache_spec = get_kv_cache_spec
 
 
+def engine_block_size() -> int | None:
+    """The block size vLLM gives this backend's layers where the backend allows one only (vLLM's CPU MLA: its C++
+    decode kernel's, which vLLM's CPU platform sets for every MLA model), known before an engine starts; None: known
+    at engine start."""
+    sizes = LatentMLABackend.get_supported_kernel_block_sizes()
+    return sizes[0] if len(sizes) == 1 and isinstance(sizes[0], int) else None
+
+
 class SlotTable:
     """The slots of the engine's sequences in its layers' protected pools: one table per engine, shared by every
     layer's pool (each holds the same sequences in the same slots), so a step assigns them once. A sequence's slot is

@@ -187,7 +187,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     task = cfg.task
     check_task(task)
     try:
-        from mla_quant.serving.vllm_backend import served_format  # refuses what the engine cannot store, by name
+        from mla_quant.serving.vllm_backend import (  # refuse what the engine cannot store, by name
+            check_sinks_fit, engine_block_size, served_format)
     except ImportError as err:
         from mla_quant.serving.engine import INSTALL_HINT
 
@@ -195,10 +196,12 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                           f"{INSTALL_HINT}") from err
     dims = model_dims(cfg.model)  # what the engine cannot store is refused before anything is prepared or exported
     differ = len(set(dims["layer_dims"])) > 1  # a model whose layers' dims differ: each at its own
-    served_format({"quant": OmegaConf.to_container(cfg.quant, resolve=True),
-                   "cache": {"format": cfg.quant.get("name"), "d_c": dims["d_c"], "d_r": dims["d_r"],
-                             **({"layer_dims": dims["layer_dims"]} if differ else {}),
-                             "rope_layout": rope_layout(cfg.model)}}, fitted=False)
+    asked = served_format({"quant": OmegaConf.to_container(cfg.quant, resolve=True),
+                           "cache": {"format": cfg.quant.get("name"), "d_c": dims["d_c"], "d_r": dims["d_r"],
+                                     **({"layer_dims": dims["layer_dims"]} if differ else {}),
+                                     "rope_layout": rope_layout(cfg.model)}}, fitted=False)
+    if engine_block_size() is not None:  # the engine's block size, known before it starts on this platform
+        check_sinks_fit(asked, engine_block_size())
 
     checkpoint = run_dir / "checkpoint"
     export, description = export_checkpoint(cfg, checkpoint)
