@@ -40,9 +40,10 @@ def test_a_stray_tensor_fails_under_the_audit():
 
 def _generate(model, fmt: str, backend: str, audit: bool, steps: int = 20, reads: list | None = None,
               length: int = 40):
-    """Padded prefill of `length` tokens (7 of them padding in the second row), then `steps` greedy decode steps, a crop and a batch reorder midway; the cache's
-    reads after. With `audit`, every model call and cache operation runs under `stray_device()` (the test's own
-    inputs are made outside it). Returns every step's logits and the cache's read-back."""
+    """Padded prefill of `length` tokens (7 of them padding in the second row), then `steps` greedy decode steps, a
+    crop and a batch reorder midway; the cache's reads after. With `audit`, every model call and cache operation runs
+    under `stray_device()` (the test's own inputs are made outside it). Returns every step's logits and the cache's
+    read-back."""
     work = stray_device if audit else contextlib.nullcontext
     extra = TINY if fmt != "kivi_int2" else TINY[1:]  # KIVI's channel blocks take no group size
     cache = quantized_cache(model, quant_cfg(fmt, *extra, f"quant.backend={backend}"))

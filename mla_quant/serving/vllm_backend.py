@@ -24,9 +24,9 @@ decode with the project's decode kernels; any other model gets vLLM's own backen
   new blocks). Decode reads the protected tokens from the pool, the rest from the blocks, as the framework's cache
   does. The pools are part of the KV cache's bytes: the engine's worker takes them out of the memory it gives vLLM's
   blocks (`count_pools`: `kv_cache_memory_bytes` when set, else what vLLM measured free), so a budget holds the
-  blocks and the pools together, whoever starts the engine. A sequence whose slot was taken while it waited (more sequences started meanwhile than the pool
-  holds) reads its tokens as stored, and is counted (`SlotTable.misses`). One slot table per engine serves every
-  layer's pool: a step assigns its sequences' slots once.
+  blocks and the pools together, whoever starts the engine. A sequence whose slot was taken while it waited (more
+  sequences started meanwhile than the pool holds) reads its tokens as stored, and is counted (`SlotTable.misses`).
+  One slot table per engine serves every layer's pool: a step assigns its sequences' slots once.
 - **Refused by name** at engine start: formats quantized over blocks of tokens or scaled per sequence, sinks that do
   not fit a sequence's first block, and `quant.mode=simulated` (an engine serves: prefill reads fresh latents).
 - **A format per layer** (`quant.layers`, `quant=mixed`'s allocation, lloyd codebooks per layer): rebuilt from the

@@ -16,7 +16,8 @@ result:  {"tokens": [[ids], ...] (the last run's), "runs": [{"seconds", "output_
           "ttft_s", "inter_token_s"} per repeat, from vLLM's own counters], "sweep": [{"requests", "seconds",
           "output_tokens", "preemptions"} per level], "num_blocks": n,
           "block_size": n, "page_bytes_per_block": n (a layer's, the mean over the MLA layers), "layer_page_bytes":
-          {layer name: its bytes per block, from the cache vLLM allocated}, "format": name or null, "decode_backend": ...,
+          {layer name: its bytes per block, from the cache vLLM allocated}, "format": name or null,
+          "decode_backend": ...,
           "scheduler": the engine's scheduler settings, "layer_formats": {layer name: the format it stored and read},
           "protected": null, or the protected region's pools: {"bytes" (every layer's), "slots", "misses" (the
           engine's: its layers share one slot table)}}

@@ -125,9 +125,9 @@ def engine_request(folder: Path, prompts, task: DictConfig, suites: dict | None 
 
 def engine_runs(requests: dict[str, dict], task: DictConfig, work: Path) -> dict[str, dict]:
     """The engine runs {name: request}, one after another in one process of their own (`python -m
-    mla_quant.stages.serve`, `engine_run` each: vLLM imported once, each engine shut down before the next starts), each request and
-    result in `work` as <name>_request.json and <name>_result.json (a result is written as its run ends); at most
-    `task.timeout_s` per run."""
+    mla_quant.stages.serve`, `engine_run` each: vLLM imported once, each engine shut down before the next starts),
+    each request and result in `work` as <name>_request.json and <name>_result.json (a result is written as its run
+    ends); at most `task.timeout_s` per run."""
     args = []
     for name, request in requests.items():
         req, res = work / f"{name}_request.json", work / f"{name}_result.json"
