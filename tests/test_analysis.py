@@ -58,7 +58,6 @@ def runs(tmp_path_factory):
     return root
 
 
-@pytest.mark.slow  # its records are run first (the module's fixture): about 20 s
 def test_every_table_and_figure_from_records(runs, tmp_path):
     out = tmp_path / "out"
     analysis_main([str(runs), "--out", str(out)])

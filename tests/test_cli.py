@@ -16,7 +16,6 @@ def run_cli(*args, timeout=300):
                           timeout=timeout, env=env)
 
 
-@pytest.mark.slow
 def test_equivalence_run_writes_record_and_wandb_offline(tmp_path):
     out = run_cli("experiment=equivalence", "task.only=[deepseek_v3,longcat_flash]", f"hydra.run.dir={tmp_path}")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -28,7 +27,6 @@ def test_equivalence_run_writes_record_and_wandb_offline(tmp_path):
     assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline W&B run was written"
 
 
-@pytest.mark.slow
 def test_failed_check_exits_non_zero_and_keeps_the_record(tmp_path):
     out = run_cli("experiment=equivalence", "task.only=[deepseek_v2]", "task.tolerance=1e-12", "logger=none",
                   f"hydra.run.dir={tmp_path}")
@@ -43,7 +41,6 @@ def test_unknown_experiment_lists_choices():
     assert "equivalence" in out.stderr, out.stderr[-2000:]
 
 
-@pytest.mark.slow
 def test_bench_decode_prints_ratios(tmp_path):
     out = run_cli("experiment=bench_decode", "logger=none", "task.contexts=[64]", "task.decode_steps=2", "task.repeats=2",
                   "model.config.hidden_size=256", "model.config.num_attention_heads=4",

@@ -82,8 +82,8 @@ def model():
     return build_model(compose(["model=tiny_deepseek_v3"]).model)
 
 
-@pytest.mark.parametrize(("fmt", "backend"), [(f, "torch") for f in FORMATS] + [(f, "cpu") for f in KERNEL_FORMATS]
-                         + [pytest.param("int2_content_int4_rope", "triton", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("fmt", "backend"), [(f, "torch") for f in FORMATS]
+                         + [(f, "cpu") for f in KERNEL_FORMATS] + [("int2_content_int4_rope", "triton")])
 def test_prefill_decode_and_cache_edits_make_no_stray_tensor(model, fmt, backend):
     # the interpreter is slow (its store kernel runs once per token): a shorter prompt, 7 of its second row's 17
     # tokens quantized past the protected 10, and the cache edits are the other backends'

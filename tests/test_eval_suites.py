@@ -91,7 +91,6 @@ def test_local_gsm8k_runs_through_the_stock_task_with_the_quantized_cache(tmp_pa
     assert "gsm8k.yaml" in local and "dataset_path: json" in local and str(FIXTURE) in local
 
 
-@pytest.mark.slow
 def test_stock_ruler_task_runs_at_the_configured_length(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     monkeypatch.setattr(runner, "run_dir_of", lambda cfg: run_dir)

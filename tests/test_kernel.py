@@ -515,7 +515,6 @@ def test_unknown_backend_is_refused():
         cache_layer_factory(OmegaConf.merge(load_quant_option("int4_joint"), {"backend": "cuda"}), 96, 16)
 
 
-@pytest.mark.slow
 def test_toy_model_decodes_the_same_through_the_kernel():
     """Greedy decode of the shipped toy model (batch of 2, left padding) with quant.backend=triton: the same tokens
     and logits as the PyTorch read path (a BF16 cache through the kernel: test_kernel_matches_reference). Two code
@@ -543,7 +542,6 @@ def test_toy_model_decodes_the_same_through_the_kernel():
                                    rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.slow
 def test_bench_kernel_stage_smoke(tmp_path, monkeypatch):
     """experiment=bench_kernel runs end to end (interpreter times mean nothing; the figures come from a GPU)."""
     import json

@@ -37,7 +37,6 @@ def test_operators_equal_their_kernels_and_have_fake_implementations(name):
 
 
 @pytest.mark.skipif(not HAS_CXX, reason="the C++ decode kernel did not build here")
-@pytest.mark.slow
 def test_a_decode_step_around_the_cpu_operator_compiles_in_one_graph():
     from mla_quant.kernels.cpu_decode import operator_arguments
 
@@ -79,7 +78,6 @@ def test_segments_in_a_rotated_basis_through_the_operators_and_in_one_graph():
         torch.testing.assert_close(compiled(q, qr), step(q, qr), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow
 def test_toy_decode_through_torch_compile_gives_the_same_tokens():
     """The toy model with the int4_joint cache (decode steps through the C++ operator where it builds), compiled
     whole with torch.compile (inductor; the cache's appends run eagerly, `torch.compiler.disable`): six greedy

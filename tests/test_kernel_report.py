@@ -11,12 +11,10 @@ import sys
 from pathlib import Path
 
 import pandas as pd
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
 def test_kernels_compile_for_ampere_and_hopper(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
@@ -50,6 +48,7 @@ def test_kernels_compile_for_ampere_and_hopper(tmp_path):
 def test_a_format_the_kernel_does_not_read_is_refused_by_name():
     """kivi_int2 (its content per channel over blocks of tokens) has no kernel specialization to compile: refused
     before anything compiles, naming the option and why."""
+    import pytest
     from conftest import compose
 
     from mla_quant.stages import kernel_report

@@ -191,7 +191,6 @@ def test_one_layer_resident_and_hidden_states_spilled(tmp_path):
     assert not any(p.name.startswith("mla_quant_stream_") for p in (tmp_path / "b0").iterdir())  # scratch removed
 
 
-@pytest.mark.slow
 def test_a_folder_larger_than_the_memory_it_is_run_in(tmp_path):
     """`python run.py experiment=quality ... model.streaming=true` over a 16-layer folder: the run's peak of
     allocated memory above its start (its record's memory.peak_added_allocated_gb: the C allocator's bytes in use,
