@@ -27,12 +27,13 @@ def served(option: str, *overrides, dims=(96, 16)):
 @pytest.mark.parametrize("dims", [(96, 16), (512, 64)], ids=["toy", "deepseek"])
 @pytest.mark.parametrize("option, overrides", [("bf16", []), ("int4_joint", []), ("int2_content_int4_rope", []),
                                                ("int8_joint", []), ("int4_content", []), ("fp8_ds_mla", []),
-                                               ("int4_joint", ["quant.content.bits=3"])])
+                                               ("int4_joint", ["quant.content.bits=3"]), ("fp8_flat", [])])
 def test_pages_in_vllm_blocks_read_as_the_cache_reads(option, overrides, dims):
     """Tokens written into slots of a vLLM-shaped block pool (blocks taken out of order) and read through a block
     table attend exactly as the project's own paged cache holding the same tokens, at the toy's and DeepSeek's
     latent dims (formats no decode kernel reads, 3-bit codes, through their codecs); the block's bytes are the
-    format's bytes per token x block_size (16-byte aligned pages)."""
+    format's bytes per token x block_size (16-byte aligned pages; with a scale per sequence, fp8_flat's, 16 bytes
+    more, where the sequence's first block holds its scales as the framework's cache sets them)."""
     fmt = served(option, *overrides, dims=dims)
     d_c, d_r = dims
     pages = vllm_backend.EnginePages(fmt, 16, torch.float32)
@@ -42,7 +43,12 @@ def test_pages_in_vllm_blocks_read_as_the_cache_reads(option, overrides, dims):
     kv = torch.zeros(10, 1, 16, pages.token_bytes, dtype=torch.uint8)  # vLLM's (blocks, heads, block_size, bytes)
     table = torch.tensor([[3, 7, 1]], dtype=torch.int32)
     slots = torch.tensor([int(table[0, i // 16]) * 16 + i % 16 for i in range(length)])
-    pages.write(kv, slots, {"content": content[0], "rope": rope[0]})
+    scales = None
+    if pages.scaled:  # the sequence's scales from its first append, kept in its first block
+        first = pages.prompt_scales({"content": content[0], "rope": rope[0]})
+        pages.set_sequence_scales(kv, table[:, 0], {p: x.reshape(1) for p, x in first.items()})
+        scales = {p: x.expand(length) for p, x in first.items()}
+    pages.write(kv, slots, {"content": content[0], "rope": rope[0]}, scales)
     q, q_rope = torch.randn(1, 4, d_c, generator=g), torch.randn(1, 4, d_r, generator=g)
     got = segment_attention(q, q_rope, 0.1, [pages.segment(kv, table, torch.tensor([length]))])
     layer = LatentCacheLayer(fmt)
@@ -142,6 +148,54 @@ def test_protected_region_in_the_engine_reads_as_the_cache_reads(option, extra):
         _engine_layer(dataclasses.replace(fmt, n_sink=20)).pool
 
 
+def test_a_scale_per_sequence_is_set_from_its_prompt_and_read_from_its_first_block(monkeypatch):
+    """fp8_flat in the engine (one fp8 scale per sequence and layer, set by its first append): a prefill step of
+    two prompts (37 and 5 tokens, of different ranges) and then a decode step each, through the layer's cache update
+    with the step's metadata: each sequence's scale is its prompt's amax / 448, held in its first block, and its
+    tokens read back as the framework's cache holds them."""
+    from types import SimpleNamespace
+
+    import vllm.forward_context
+
+    from mla_quant.quant.formats import tensor_scale_for
+
+    fmt = served("fp8_flat")
+    impl, g = _engine_layer(fmt), torch.Generator().manual_seed(0)
+    impl.__dict__["layer_name"] = "model.layers.0.self_attn.attn"
+    monkeypatch.setattr(vllm_backend, "MLACommonMetadata", SimpleNamespace)  # the step's metadata, as vLLM's fields
+    lengths = [37, 5]
+    table = torch.tensor([[3, 7, 1], [9, 0, 0]], dtype=torch.int32)
+    kv = torch.zeros(16, 1, 16, impl.pages.token_bytes, dtype=torch.uint8)
+    tokens = [torch.randn(n + 1, 96 + 16, generator=g) * (4 * r + 1) for r, n in enumerate(lengths)]
+
+    def step(rows, decodes):  # one engine step: these rows' tokens (prompts whole, or one token each)
+        pos = torch.cat([torch.arange(a, b) for a, b in rows])
+        row = torch.cat([torch.full((b - a,), r) for r, (a, b) in enumerate(rows)])
+        x = torch.cat([tokens[r][a:b] for r, (a, b) in enumerate(rows)])
+        starts = torch.tensor([0, *torch.tensor([b - a for a, b in rows]).cumsum(0).tolist()])
+        meta = SimpleNamespace(num_actual_tokens=len(x), num_decodes=decodes, num_reqs=len(rows),
+                               query_start_loc=starts, prefill=None if decodes else SimpleNamespace(chunked_context=None),
+                               decode=SimpleNamespace(block_table=table) if decodes else None)
+        context = SimpleNamespace(attn_metadata={impl.layer_name: meta})
+        monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
+        slots = table[row, pos // 16].long() * 16 + pos % 16
+        impl.do_kv_cache_update(x[:, :96], x[:, None, 96:], kv, slots, "auto", None)
+
+    step([(0, n) for n in lengths], 0)
+    held = impl.pages.sequence_scales(kv, table[:, 0].long())
+    for r, n in enumerate(lengths):
+        want = tensor_scale_for(tokens[r][:n, :96], tokens[r][:n, 96:])  # joint over both paths (shared_scale)
+        assert float(held["content"][r]) == float(held["rope"][r]) == float(want)
+    step([(n, n + 1) for n in lengths], 2)
+    dense = impl.pages.decoded(kv, table)
+    for r, n in enumerate(lengths):
+        layer = LatentCacheLayer(fmt)
+        layer.append(tokens[r][None, :n, :96], tokens[r][None, :n, 96:])
+        layer.append(tokens[r][None, n:, :96], tokens[r][None, n:, 96:])
+        for path, stored in zip(("content", "rope"), layer.read()):
+            torch.testing.assert_close(dense[path][r, :n + 1], stored[0].float(), rtol=0, atol=0)
+
+
 def test_the_layers_pools_share_one_slot_table_and_sinks_are_checked_at_engine_start(monkeypatch):
     """Every layer's pool holds the engine's sequences in the same slots, assigned once per step (the step's
     forward context, one object for all layers); each pool empties the slots that start afresh. Sinks wider than a
@@ -216,7 +270,6 @@ def test_the_protected_pools_come_out_of_the_engines_budget():
 @pytest.mark.parametrize("option, overrides, named", [
     ("int4_joint", ["quant.mode=simulated"], "quant.mode=simulated"),
     ("kivi_int4", [], "token_block=32"),
-    ("fp8_flat", [], "granularity=tensor"),
     ("int2_joint", ["quant.content.quantizer=lloyd"], "lloyd reads a codebook fitted per layer, and .* holds none"),
 ])
 def test_what_the_engine_cannot_store_is_refused_by_name(option, overrides, named):

@@ -27,8 +27,13 @@ decode with the project's decode kernels; any other model gets vLLM's own backen
   blocks and the pools together, whoever starts the engine. A sequence whose slot was taken while it waited (more
   sequences started meanwhile than the pool holds) reads its tokens as stored, and is counted (`SlotTable.misses`).
   One slot table per engine serves every layer's pool: a step assigns its sequences' slots once.
-- **Refused by name** at engine start: formats quantized over blocks of tokens or scaled per sequence, sinks that do
-  not fit a sequence's first block, and `quant.mode=simulated` (an engine serves: prefill reads fresh latents).
+- **A scale per sequence** (fp8 `granularity=tensor`, `fp8_flat`): set from the sequence's prompt as the
+  framework's cache sets it on a first append (amax / 448, joint over the paths with `shared_scale`) and held in 16
+  bytes at the end of its first block's page (`EnginePages.set_sequence_scales`); a decode step's tokens are
+  encoded with it and every read decodes with it. A preempted sequence, recomputed from its prompt and the tokens
+  it had generated, sets its scale again from those.
+- **Refused by name** at engine start: formats quantized over blocks of tokens, sinks that do not fit a sequence's
+  first block, and `quant.mode=simulated` (an engine serves: prefill reads fresh latents).
 - **A format per layer** (`quant.layers`, `quant=mixed`'s allocation, lloyd codebooks per layer): rebuilt from the
   description's layers, each engine layer finding its own by its place among the engine's MLA layers. Each layer's
   page takes its own format's bytes (`layer_pages`: the layer's spec, which vLLM's own spec method cannot know, set
@@ -56,8 +61,11 @@ from mla_quant.kernels.layout import PageLayout, Segment
 from mla_quant.kernels.backends import DECODE_BACKENDS
 from mla_quant.kernels.torch_decode import segment_attention
 from mla_quant.quant.format import MIXED_KEYS
-from mla_quant.quant.formats import PATHS, CacheFormat, CacheSpec, as_spec, cache_format, check_finite, model_format
+from mla_quant.quant.formats import (PATHS, CacheFormat, CacheSpec, as_spec, cache_format, check_finite, model_format,
+                                     tensor_scale_for)
 from mla_quant.serving import CACHE_FILE
+
+SEQUENCE_SCALE_BYTES = 16  # a block's room for its sequence's scales (two float32, 16-byte aligned)
 
 
 def read_description(model: str | Path) -> dict | None:
@@ -109,9 +117,6 @@ def served_format(description: dict, fitted: bool = True) -> CacheSpec:
             if fitted and path.fitted_levels and path.levels is None:
                 raise ValueError(f"{where}: quant.{p}.quantizer={path.quantizer} reads a codebook fitted per layer, "
                                  f"and {CACHE_FILE} holds none for it; export the checkpoint again")
-            if path.tensor_scaled:
-                raise ValueError(f"{where}: quant.{p}.granularity=tensor scales each sequence once, which the "
-                                 "engine's blocks do not hold; use granularity=group")
     return fmt
 
 
@@ -123,7 +128,9 @@ def page_token_bytes(fmt, block_size: int, act_dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class EnginePages:
-    """Where a format's two paths sit in one vLLM block: the content page at byte 0, the RoPE page after it."""
+    """Where a format's two paths sit in one vLLM block: the content page at byte 0, the RoPE page after it; for a
+    path scaled once per sequence (fp8 `granularity=tensor`), 16 bytes after them holding the sequence's scales
+    (content, rope: float32), written in the sequence's first block (`set_sequence_scales`)."""
 
     fmt: CacheFormat
     block_size: int
@@ -134,7 +141,8 @@ class EnginePages:
         out = {}
         for p in PATHS:
             d = self.fmt.dim(p)
-            parts = self.fmt.path(p).encode(torch.zeros(1, d, dtype=self.act_dtype))  # part shapes and dtypes
+            scale = torch.ones(1) if self.fmt.path(p).tensor_scaled else None
+            parts = self.fmt.path(p).encode(torch.zeros(1, d, dtype=self.act_dtype), scale)  # part shapes, dtypes
             out[p] = PageLayout.of(self.block_size, {f"{p}/{k}": (tuple(v.shape[1:]), v.dtype)
                                                      for k, v in parts.items()})
         return out
@@ -143,9 +151,44 @@ class EnginePages:
     def offsets(self) -> dict[str, int]:
         return {"content": 0, "rope": self.layouts["content"].page_bytes}
 
+    @functools.cached_property
+    def scaled(self) -> list[str]:
+        """The paths scaled once per sequence (their scale read from the sequence's first block)."""
+        return [p for p in PATHS if self.fmt.path(p).tensor_scaled]
+
+    @property
+    def pages_bytes(self) -> int:
+        return sum(layout.page_bytes for layout in self.layouts.values())
+
     @property
     def block_bytes(self) -> int:
-        return sum(layout.page_bytes for layout in self.layouts.values())
+        return self.pages_bytes + (SEQUENCE_SCALE_BYTES if self.scaled else 0)
+
+    def _scale_slots(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        raw = kv_cache.view(torch.uint8).flatten(1)
+        return raw[:, self.pages_bytes: self.pages_bytes + 8].view(torch.float32)  # (num_blocks, 2): content, rope
+
+    def sequence_scales(self, kv_cache: torch.Tensor, first_blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{path: (B,) float32}: the scales of the sequences whose first blocks are `first_blocks` (B,)."""
+        held = self._scale_slots(kv_cache)[first_blocks.long()]
+        return {p: held[:, PATHS.index(p)] for p in self.scaled}
+
+    def set_sequence_scales(self, kv_cache: torch.Tensor, first_blocks: torch.Tensor,
+                            scales: dict[str, torch.Tensor]) -> None:
+        """Write the sequences' scales {path: (B,)} into their first blocks (B,)."""
+        slots = self._scale_slots(kv_cache)
+        for p, value in scales.items():
+            slots[first_blocks.long(), PATHS.index(p)] = value.float()
+
+    def prompt_scales(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The scales a sequence's first append sets, as the framework's cache sets them: amax / 448 of its tokens
+        {path: (N, d)} (joint over the paths with `shared_scale`; 1 where all are zero). -> {path: 0-d}."""
+        groups = [self.scaled] if self.fmt.shared_scale else [[p] for p in self.scaled]
+        out = {}
+        for group in groups:
+            scale = tensor_scale_for(*(tokens[p] for p in group))
+            out.update({p: scale for p in group})
+        return out
 
     @property
     def token_bytes(self) -> int:
@@ -161,13 +204,16 @@ class EnginePages:
         blocks = raw.flatten(1)  # (num_blocks, block bytes, padded to whole tokens)
         return {p: blocks[:, self.offsets[p]: self.offsets[p] + self.layouts[p].page_bytes] for p in PATHS}
 
-    def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, tokens: dict[str, torch.Tensor]) -> None:
-        """Encode tokens {path: (N, d)} into slots (N,) (block * block_size + position) of vLLM's cache."""
+    def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, tokens: dict[str, torch.Tensor],
+              scales: dict[str, torch.Tensor] | None = None) -> None:
+        """Encode tokens {path: (N, d)} into slots (N,) (block * block_size + position) of vLLM's cache; `scales`
+        {path: (N,)}: each token's sequence scale, for the paths scaled once per sequence."""
         pages = self.pages(kv_cache)
         block, pos = slots // self.block_size, slots % self.block_size
         for p in PATHS:
             fmt = self.fmt.path(p)
-            encoded = fmt.encode(tokens[p].to(self.act_dtype) if not fmt.quantized else tokens[p])
+            scale = scales[p] if fmt.tensor_scaled else None
+            encoded = fmt.encode(tokens[p].to(self.act_dtype) if not fmt.quantized else tokens[p], scale)
             if fmt.quantized:  # scales that overflow their dtype are refused, as the framework's cache refuses them
                 check_finite(encoded, f"quant.{p} ({fmt.describe()})")
             layout = self.layouts[p]
@@ -193,11 +239,13 @@ class EnginePages:
         pages = self.pages(kv_cache)
         pos = torch.arange(block_table.shape[1] * self.block_size, device=block_table.device)
         blocks, slot = block_table.long().clamp(min=0)[:, pos // self.block_size], pos % self.block_size  # (B, L)
+        scales = self.sequence_scales(kv_cache, blocks[:, 0]) if self.scaled else {}
         dense = {}
         for p in PATHS:
             layout = self.layouts[p]
             parts = {name.split("/", 1)[1]: layout.view(pages[p], name)[blocks, slot] for name in layout.spec()}
-            dense[p] = self.fmt.path(p).decode(parts, self.fmt.dim(p), torch.float32)
+            scale = scales[p][:, None].expand(blocks.shape) if p in scales else None
+            dense[p] = self.fmt.path(p).decode(parts, self.fmt.dim(p), torch.float32, scale)
         return dense
 
 
@@ -578,6 +626,42 @@ class LatentMLAImpl(CPUMLAImpl):
         self._decode_slots = idx[:d]
         self.pool.write(idx[row], pos, x, pos >= (length - self.pool.recent)[row])
 
+    def _sequence_scales(self, kv_cache: torch.Tensor, slots: torch.Tensor,
+                         tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The scale of each of this step's tokens {path: (N,)}, for the paths scaled once per sequence: a prompt's
+        set from its tokens (as the framework's cache sets it on a sequence's first append) and written into its
+        first block; a decode row's read from its first block. A recomputed prompt (a preempted sequence) sets its
+        scale again from the tokens it recomputes."""
+        from vllm.forward_context import get_forward_context
+
+        meta = get_forward_context().attn_metadata
+        meta = meta.get(self.layer_name) if isinstance(meta, dict) else meta
+        n = slots.shape[0]
+        if not isinstance(meta, MLACommonMetadata):  # a warm-up run without sequences: one scale for its tokens
+            return {p: s.expand(n) for p, s in self.pages.prompt_scales(tokens).items()}
+        if meta.prefill is not None and meta.prefill.chunked_context is not None:
+            raise ValueError(f"quant={self.served.name}: a scale per sequence is set from its whole prompt (chunked "
+                             "prefill over cached context is not served)")
+        n, d = meta.num_actual_tokens, meta.num_decodes
+        starts = meta.query_start_loc.to("cpu", torch.long)[: meta.num_reqs + 1]
+        row = torch.searchsorted(starts[1:], torch.arange(n), right=True)  # (N,) each token's sequence
+        per_row = {p: torch.empty(meta.num_reqs, dtype=torch.float32) for p in self.pages.scaled}
+        if d:
+            held = self.pages.sequence_scales(kv_cache, meta.decode.block_table[:d, 0].to("cpu", torch.long))
+            for p in per_row:
+                per_row[p][:d] = held[p]
+        for r in range(d, meta.num_reqs):  # a prompt, whole from position 0 (no chunked prefill)
+            a, b = int(starts[r]), int(starts[r + 1])
+            scales = self.pages.prompt_scales({p: x[a:b] for p, x in tokens.items()})
+            self.pages.set_sequence_scales(kv_cache, slots[a:a + 1] // self.block_size,
+                                           {p: s.reshape(1) for p, s in scales.items()})
+            for p in per_row:
+                per_row[p][r] = scales[p]
+        out = {p: x[row] for p, x in per_row.items()}
+        if slots.shape[0] > n:  # padding slots after the step's tokens (written nowhere)
+            out = {p: torch.cat([x, x.new_ones(slots.shape[0] - n)]) for p, x in out.items()}
+        return out
+
     def _protected_segments(self, kv_cache: torch.Tensor, table: torch.Tensor, stored: torch.Tensor,
                             dtype: torch.dtype) -> list[Segment]:
         """The stored tokens of each decode row as segments: its sinks and its recent window from the pool, the rest
@@ -618,7 +702,10 @@ class LatentMLAImpl(CPUMLAImpl):
         slots = slot_mapping.flatten().long()
         ok = slots >= 0  # -1: padding
         n = slots.shape[0]
-        self.pages.write(kv_cache, slots[ok], {"content": kv_c_normed[:n][ok], "rope": k_pe[:n][ok]})
+        tokens = {"content": kv_c_normed[:n], "rope": k_pe[:n]}
+        scales = self._sequence_scales(kv_cache, slots, tokens) if self.pages.scaled else None
+        self.pages.write(kv_cache, slots[ok], {p: x[ok] for p, x in tokens.items()},
+                         None if scales is None else {p: x[ok] for p, x in scales.items()})
         if self.pool is not None:
             self._protect(slots, torch.cat([kv_c_normed[:n], k_pe[:n]], dim=-1))
 
