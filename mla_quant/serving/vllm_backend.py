@@ -165,8 +165,7 @@ class EnginePages:
         return self.pages_bytes + (SEQUENCE_SCALE_BYTES if self.scaled else 0)
 
     def _scale_slots(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        raw = kv_cache.view(torch.uint8).flatten(1)
-        return raw[:, self.pages_bytes: self.pages_bytes + 8].view(torch.float32)  # (num_blocks, 2): content, rope
+        return self.blocks(kv_cache)[:, self.pages_bytes: self.pages_bytes + 8].view(torch.float32)  # (blocks, 2)
 
     def sequence_scales(self, kv_cache: torch.Tensor, first_blocks: torch.Tensor) -> dict[str, torch.Tensor]:
         """{path: (B,) float32}: the scales of the sequences whose first blocks are `first_blocks` (B,)."""
@@ -195,13 +194,18 @@ class EnginePages:
         """vLLM's per-token page bytes: the block's bytes over its tokens, rounded up."""
         return -(-self.block_bytes // self.block_size)
 
-    def pages(self, kv_cache: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each path's pages (num_blocks, page bytes) uint8: views into vLLM's blocks (block stride: vLLM's)."""
+    @staticmethod
+    def blocks(kv_cache: torch.Tensor) -> torch.Tensor:
+        """vLLM's blocks as (num_blocks, block bytes, padded to whole tokens) uint8: a view (block stride: vLLM's)."""
         raw = kv_cache.view(torch.uint8)
         if raw.shape[0] and not raw[0].is_contiguous():  # flatten would copy, and writes would be lost
             raise ValueError(f"vLLM's KV cache layout does not keep a block's bytes together (strides "
                              f"{tuple(raw.stride())}); the latent formats need one block per contiguous page")
-        blocks = raw.flatten(1)  # (num_blocks, block bytes, padded to whole tokens)
+        return raw.flatten(1)
+
+    def pages(self, kv_cache: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each path's pages (num_blocks, page bytes) uint8: views into vLLM's blocks (block stride: vLLM's)."""
+        blocks = self.blocks(kv_cache)
         return {p: blocks[:, self.offsets[p]: self.offsets[p] + self.layouts[p].page_bytes] for p in PATHS}
 
     def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, tokens: dict[str, torch.Tensor],
@@ -591,27 +595,38 @@ class LatentMLAImpl(CPUMLAImpl):
             held = _SLOT_TABLES[id(self.config)] = (self.config, SlotTable(int(self.max_num_seqs)))
         return held[1]
 
+    def _step(self, what: str):
+        """This layer's view of the step: (its forward context, one per step; its metadata; starts (R + 1,): where
+        each sequence's tokens begin, decode rows first; row (N,): each token's sequence), or None in a warm-up run
+        without sequences. `what` (the feature that reads prompts whole) names the refusal of chunked prefill over
+        cached context."""
+        from vllm.forward_context import get_forward_context
+
+        context = get_forward_context()
+        meta = context.attn_metadata  # per layer (layers with different page sizes have their own builders)
+        meta = meta.get(self.layer_name) if isinstance(meta, dict) else meta
+        if not isinstance(meta, MLACommonMetadata):
+            return None
+        if meta.prefill is not None and meta.prefill.chunked_context is not None:
+            raise ValueError(f"quant={self.served.name}: {what} reads prompts whole (chunked prefill over cached "
+                             "context is not served)")
+        starts = meta.query_start_loc.to("cpu", torch.long)[: meta.num_reqs + 1]
+        row = torch.searchsorted(starts[1:], torch.arange(meta.num_actual_tokens), right=True)
+        return context, meta, starts, row
+
     def _protect(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Write this step's protected tokens x (N, d_c + d_r) (slots (N,), vLLM's) into the pool: each token's
         sequence and position from the step's metadata (decode rows first, one token each; a prompt whole, from
         position 0: vLLM's CPU platform runs no chunked prefill)."""
-        from vllm.forward_context import get_forward_context
-
-        context = get_forward_context()  # one per step: the key of the step's slots, for every layer
-        meta = context.attn_metadata  # per layer (layers with different page sizes have their own builders)
-        meta = meta.get(self.layer_name) if isinstance(meta, dict) else meta
-        if not isinstance(meta, MLACommonMetadata):  # a warm-up run without sequences
+        step = self._step("a protected region")
+        if step is None:  # a warm-up run without sequences
             return
+        context, meta, starts, row = step  # the context: the key of the step's slots, for every layer
         n, d = meta.num_actual_tokens, meta.num_decodes
         if meta.num_decode_tokens != d:
             raise ValueError(f"quant={self.served.name}: a protected region takes one token per decode step "
                              f"({meta.num_decode_tokens} tokens for {d} sequences: speculative decoding)")
-        if meta.prefill is not None and meta.prefill.chunked_context is not None:
-            raise ValueError(f"quant={self.served.name}: a protected region reads prompts whole (chunked prefill "
-                             "over cached context is not served)")
-        starts = meta.query_start_loc.to("cpu", torch.long)[: meta.num_reqs + 1]
         slots, x = slots[:n].long(), x[:n]
-        row = torch.searchsorted(starts[1:], torch.arange(n), right=True)  # (N,) each token's sequence
         keys = torch.empty(meta.num_reqs, dtype=torch.long)
         length = starts[1:] - starts[:-1]  # a prompt's tokens
         pos = torch.arange(n) - starts[row]
@@ -632,19 +647,11 @@ class LatentMLAImpl(CPUMLAImpl):
         set from its tokens (as the framework's cache sets it on a sequence's first append) and written into its
         first block; a decode row's read from its first block. A recomputed prompt (a preempted sequence) sets its
         scale again from the tokens it recomputes."""
-        from vllm.forward_context import get_forward_context
-
-        meta = get_forward_context().attn_metadata
-        meta = meta.get(self.layer_name) if isinstance(meta, dict) else meta
-        n = slots.shape[0]
-        if not isinstance(meta, MLACommonMetadata):  # a warm-up run without sequences: one scale for its tokens
-            return {p: s.expand(n) for p, s in self.pages.prompt_scales(tokens).items()}
-        if meta.prefill is not None and meta.prefill.chunked_context is not None:
-            raise ValueError(f"quant={self.served.name}: a scale per sequence is set from its whole prompt (chunked "
-                             "prefill over cached context is not served)")
+        step = self._step("a scale per sequence")
+        if step is None:  # a warm-up run without sequences: one scale for its tokens
+            return {p: s.expand(slots.shape[0]) for p, s in self.pages.prompt_scales(tokens).items()}
+        _, meta, starts, row = step
         n, d = meta.num_actual_tokens, meta.num_decodes
-        starts = meta.query_start_loc.to("cpu", torch.long)[: meta.num_reqs + 1]
-        row = torch.searchsorted(starts[1:], torch.arange(n), right=True)  # (N,) each token's sequence
         per_row = {p: torch.empty(meta.num_reqs, dtype=torch.float32) for p in self.pages.scaled}
         if d:
             held = self.pages.sequence_scales(kv_cache, meta.decode.block_table[:d, 0].to("cpu", torch.long))

@@ -200,8 +200,9 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                            "cache": {"format": cfg.quant.get("name"), "d_c": dims["d_c"], "d_r": dims["d_r"],
                                      **({"layer_dims": dims["layer_dims"]} if differ else {}),
                                      "rope_layout": rope_layout(cfg.model)}}, fitted=False)
-    if engine_block_size() is not None:  # the engine's block size, known before it starts on this platform
-        check_sinks_fit(asked, engine_block_size())
+    block_size = engine_block_size()  # the engine's block size, where known before it starts on this platform
+    if block_size is not None:
+        check_sinks_fit(asked, block_size)
 
     checkpoint = run_dir / "checkpoint"
     export, description = export_checkpoint(cfg, checkpoint)
