@@ -104,7 +104,7 @@ def test_protected_region_in_the_engine_reads_as_the_cache_reads(option, extra):
         impl.pages.write(kv, slots, {"content": x[:, :96], "rope": x[:, 96:]})
         idx = torch.tensor(impl.pool.assign(table[:, 0].tolist(), [start] * len(rows)))
         ends = torch.tensor([b for _, b in rows])
-        impl.pool.write(idx[row], pos, x, pos >= (ends - impl.pool.recent)[row])
+        impl.pool.write(idx[row], pos, x, ends[row])
         impl._decode_slots = idx
 
     def decode(stored, fresh=None):  # the engine's decode segments against the cache's own, row by row
@@ -148,45 +148,57 @@ def test_protected_region_in_the_engine_reads_as_the_cache_reads(option, extra):
         _engine_layer(dataclasses.replace(fmt, n_sink=20)).pool
 
 
+def _drive(monkeypatch, impl, table, kv):
+    """A function running one engine step of `impl` (the layer's cache update with the step's metadata, as vLLM's
+    fields) over rows [(tokens (n, d_c + d_r), first position)]: prompts whole from position 0, or one token each
+    (the `decodes` decode rows first)."""
+    from types import SimpleNamespace
+
+    import vllm.forward_context
+
+    monkeypatch.setattr(vllm_backend, "MLACommonMetadata", SimpleNamespace)
+    impl.__dict__.setdefault("layer_name", "model.layers.0.self_attn.attn")
+
+    def step(rows: list, decodes: int):
+        pos = torch.cat([torch.arange(a, a + len(x)) for x, a in rows])
+        row = torch.cat([torch.full((len(x),), r) for r, (x, _) in enumerate(rows)])
+        x = torch.cat([x for x, _ in rows])
+        starts = torch.tensor([0, *torch.tensor([len(x) for x, _ in rows]).cumsum(0).tolist()])
+        seq_lens = torch.tensor([a + len(x) for x, a in rows[:decodes]])
+        meta = SimpleNamespace(num_actual_tokens=len(x), num_decodes=decodes, num_decode_tokens=decodes,
+                               num_reqs=len(rows), query_start_loc=starts,
+                               prefill=None if decodes == len(rows) else SimpleNamespace(chunked_context=None),
+                               decode=SimpleNamespace(block_table=table[:decodes], seq_lens=seq_lens))
+        context = SimpleNamespace(attn_metadata={impl.layer_name: meta})
+        monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
+        slots = table[row, pos // 16].long() * 16 + pos % 16
+        d_c = impl.fmt.d_c
+        impl.do_kv_cache_update(x[:, :d_c], x[:, None, d_c:], kv, slots, "auto", None)
+
+    return step
+
+
 def test_a_scale_per_sequence_is_set_from_its_prompt_and_read_from_its_first_block(monkeypatch):
     """fp8_flat in the engine (one fp8 scale per sequence and layer, set by its first append): a prefill step of
     two prompts (37 and 5 tokens, of different ranges) and then a decode step each, through the layer's cache update
     with the step's metadata: each sequence's scale is its prompt's amax / 448, held in its first block, and its
     tokens read back as the framework's cache holds them."""
-    from types import SimpleNamespace
-
-    import vllm.forward_context
-
     from mla_quant.quant.formats import tensor_scale_for
 
     fmt = served("fp8_flat")
     impl, g = _engine_layer(fmt), torch.Generator().manual_seed(0)
-    impl.__dict__["layer_name"] = "model.layers.0.self_attn.attn"
-    monkeypatch.setattr(vllm_backend, "MLACommonMetadata", SimpleNamespace)  # the step's metadata, as vLLM's fields
     lengths = [37, 5]
     table = torch.tensor([[3, 7, 1], [9, 0, 0]], dtype=torch.int32)
     kv = torch.zeros(16, 1, 16, impl.pages.token_bytes, dtype=torch.uint8)
     tokens = [torch.randn(n + 1, 96 + 16, generator=g) * (4 * r + 1) for r, n in enumerate(lengths)]
+    step = _drive(monkeypatch, impl, table, kv)
 
-    def step(rows, decodes):  # one engine step: these rows' tokens (prompts whole, or one token each)
-        pos = torch.cat([torch.arange(a, b) for a, b in rows])
-        row = torch.cat([torch.full((b - a,), r) for r, (a, b) in enumerate(rows)])
-        x = torch.cat([tokens[r][a:b] for r, (a, b) in enumerate(rows)])
-        starts = torch.tensor([0, *torch.tensor([b - a for a, b in rows]).cumsum(0).tolist()])
-        meta = SimpleNamespace(num_actual_tokens=len(x), num_decodes=decodes, num_reqs=len(rows),
-                               query_start_loc=starts, prefill=None if decodes else SimpleNamespace(chunked_context=None),
-                               decode=SimpleNamespace(block_table=table) if decodes else None)
-        context = SimpleNamespace(attn_metadata={impl.layer_name: meta})
-        monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
-        slots = table[row, pos // 16].long() * 16 + pos % 16
-        impl.do_kv_cache_update(x[:, :96], x[:, None, 96:], kv, slots, "auto", None)
-
-    step([(0, n) for n in lengths], 0)
+    step([(tokens[r][:n], 0) for r, n in enumerate(lengths)], 0)
     held = impl.pages.sequence_scales(kv, table[:, 0].long())
     for r, n in enumerate(lengths):
         want = tensor_scale_for(tokens[r][:n, :96], tokens[r][:n, 96:])  # joint over both paths (shared_scale)
         assert float(held["content"][r]) == float(held["rope"][r]) == float(want)
-    step([(n, n + 1) for n in lengths], 2)
+    step([(tokens[r][n:], n) for r, n in enumerate(lengths)], 2)
     dense = impl.pages.decoded(kv, table)
     for r, n in enumerate(lengths):
         layer = LatentCacheLayer(fmt)
@@ -194,6 +206,44 @@ def test_a_scale_per_sequence_is_set_from_its_prompt_and_read_from_its_first_blo
         layer.append(tokens[r][None, n:, :96], tokens[r][None, n:, 96:])
         for path, stored in zip(("content", "rope"), layer.read()):
             torch.testing.assert_close(dense[path][r, :n + 1], stored[0].float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("option", ["kivi_int4", "kivi_int2"])
+@pytest.mark.parametrize("protected, lengths", [((2, 8), [45, 5, 73, 41]), ((0, 0), [31, 5, 64, 40])],
+                         ids=["sinks+window", "none"])
+def test_a_token_block_waits_in_the_pool_and_is_stored_when_it_fills(monkeypatch, option, protected, lengths):
+    """KIVI in the engine (content per channel over 32-token blocks): prompts of whole and partial blocks, then three
+    decode steps each, through the layer's cache update with the step's metadata. A block is encoded into its tokens'
+    slots when its last token leaves the window (from the prompt, or from the pool's ring in a decode step: the
+    41-token and 31-token sequences fill one there, the latter with the step's own token, read fresh), the tokens
+    after the last whole block are read from the pool as they are; each decode step attends exactly as the
+    framework's cache holding the same tokens. The pool holds n_sink + recent + 32 tokens per sequence."""
+    n_sink, recent = protected
+    fmt = served(option, f"quant.protected.n_sink={n_sink}", f"quant.protected.recent={recent}")
+    impl, g = _engine_layer(fmt), torch.Generator().manual_seed(0)
+    assert impl.pool.nbytes == impl.pool_bytes == 4 * (n_sink + recent + 32) * 112 * 4
+    table = torch.randperm(24, generator=g)[:20].reshape(4, 5).to(torch.int32)  # blocks out of order
+    kv = torch.full((24, 1, 16, impl.pages.token_bytes), 255, dtype=torch.uint8)  # unwritten slots: not zeros
+    tokens = [torch.randn(n + 3, 112, generator=g) for n in lengths]  # each with its three decode steps' tokens
+    q, q_rope = torch.randn(4, 4, 96, generator=g), torch.randn(4, 4, 16, generator=g)
+    step = _drive(monkeypatch, impl, table, kv)
+    step([(tokens[r][:n], 0) for r, n in enumerate(lengths)], 0)
+    for k in range(3):
+        at = [n + k for n in lengths]
+        step([(tokens[r][n:n + 1], n) for r, n in enumerate(at)], 4)
+        segments = impl._protected_segments(kv, table, torch.tensor(at), torch.float32)
+        fresh = torch.stack([tokens[r][n] for r, n in enumerate(at)])[:, None]
+        got = segment_attention(q, q_rope, 0.1, [*segments, Segment.dense(fresh[..., :96].contiguous(),
+                                                                          fresh[..., 96:].contiguous(),
+                                                                          torch.ones(4, dtype=torch.int32))])
+        for r, n in enumerate(at):
+            layer = LatentCacheLayer(fmt)
+            layer.append(tokens[r][None, :n + 1, :96], tokens[r][None, :n + 1, 96:])
+            content, rope = (x.float().clone() for x in layer.read())
+            content[0, n], rope[0, n] = tokens[r][n, :96], tokens[r][n, 96:]  # the step's own token: fresh
+            want = segment_attention(q[r:r + 1], q_rope[r:r + 1], 0.1,
+                                     [Segment.dense(content, rope, torch.tensor([n + 1], dtype=torch.int32))])
+            torch.testing.assert_close(got[r:r + 1], want, rtol=1e-6, atol=1e-6, msg=f"step {k}, {n} stored")
 
 
 def test_the_layers_pools_share_one_slot_table_and_sinks_are_checked_at_engine_start(monkeypatch):
@@ -269,7 +319,6 @@ def test_the_protected_pools_come_out_of_the_engines_budget():
 
 @pytest.mark.parametrize("option, overrides, named", [
     ("int4_joint", ["quant.mode=simulated"], "quant.mode=simulated"),
-    ("kivi_int4", [], "token_block=32"),
     ("int2_joint", ["quant.content.quantizer=lloyd"], "lloyd reads a codebook fitted per layer, and .* holds none"),
 ])
 def test_what_the_engine_cannot_store_is_refused_by_name(option, overrides, named):
@@ -348,6 +397,25 @@ def test_serve_the_toy_with_a_protected_region(tmp_path):
     assert sum(a != b for a, b in zip(unprotected, engine)) > 0
 
 
+@pytest.mark.slow
+def test_serve_kivi_with_its_pending_tokens_in_the_pool(tmp_path):
+    """experiment=serve with KIVI's INT2 content (per channel over 32-token blocks), 2 sinks and the 8 latest tokens:
+    the engine stores a block when it fills and reads the tokens after the last whole block from the pool, and gives
+    the framework's greedy tokens on all 16 prompts; the pools (16 sequences x (2 + 8 + 32) tokens x 112 values x
+    4 B, in each of 4 layers) come out of the blocks' budget, and the trace the unquantized cache preempts runs
+    without preemption."""
+    done = run_cli("experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}", "quant=kivi_int2",
+                   "quant.protected.n_sink=2", "quant.protected.recent=8", "task.max_num_seqs=16",
+                   "task.kv_budget_bytes=2097152", "task.concurrency=null", "task.repeats=1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "record.json").read_text())["metrics"]
+    pool = 4 * 16 * (2 + 8 + 32) * 112 * 4
+    assert metrics["serve/kivi_int2/tokens_equal"] == 16 and metrics["serve/kivi_int2/protected_misses"] == 0
+    assert metrics["serve/kivi_int2/protected_pool_bytes"] == pool
+    assert metrics["serve/kivi_int2/blocks"] == (2097152 - pool) // 4 // (16 * 48)  # 36 B of content + 12 of RoPE
+    assert metrics["serve/unquantized/preemptions"] > 0 == metrics["serve/kivi_int2/preemptions"]
+
+
 def test_a_format_per_layer_round_trips_through_the_description():
     """An exported format per layer (quant.layers; lloyd codebooks per layer) is rebuilt by the engine as it was:
     each layer's paths and levels."""
@@ -372,11 +440,13 @@ def test_a_format_per_layer_round_trips_through_the_description():
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["quant=kivi_int4"], "token_block=32"),
+    (["quant=int4_joint", "quant.mode=simulated"], "quant.mode=simulated"),
+    (["quant=kivi_int4"], "(n_sink 0, recent 0, token_block 32) takes 14680064 bytes for task.max_num_seqs=256"),
     (["quant=int4_joint", "quant.protected.n_sink=20", "quant.protected.recent=8"],
      r"n_sink=20 sinks do not fit a sequence's first block (block_size 16)")])
 def test_serve_refuses_before_exporting(tmp_path, overrides, named):
-    """A format the engine cannot store, or sinks wider than the engine's block (vLLM's CPU MLA: 16 tokens), fail
+    """A format the engine cannot store, pools that fill the KV budget (KIVI's pending tokens: 32 per sequence, for
+    vLLM's default 256 sequences), or sinks wider than the engine's block (vLLM's CPU MLA: 16 tokens), fail
     experiment=serve at once, before any preparation or export."""
     done = run_cli("experiment=serve", *overrides, "logger=none", f"hydra.run.dir={tmp_path}")
     assert done.returncode != 0 and named in done.stderr, done.stderr[-2000:]

@@ -32,8 +32,15 @@ decode with the project's decode kernels; any other model gets vLLM's own backen
   bytes at the end of its first block's page (`EnginePages.set_sequence_scales`); a decode step's tokens are
   encoded with it and every read decodes with it. A preempted sequence, recomputed from its prompt and the tokens
   it had generated, sets its scale again from those.
-- **Refused by name** at engine start: formats quantized over blocks of tokens, sinks that do not fit a sequence's
-  first block, and `quant.mode=simulated` (an engine serves: prefill reads fresh latents).
+- **A path over blocks of tokens** (KIVI's `channel_block`: one scale and zero per channel and 32-token block): a
+  block is quantized when its last token leaves the window, all its tokens together, as the framework's cache
+  stores it. Until then its tokens wait in the pool, whose ring holds `token_block` tokens more than the window
+  (`ProtectedPool`); the step that fills a block encodes it from the pool (or a prompt from its own tokens) into its
+  tokens' slots (`_store_blocks`; a block's per-channel scales are spread over its tokens' slots by the codec), and
+  decode reads the whole blocks from the pages, the rest from the pool. The pending tokens' bytes are counted with
+  the pools. A sequence whose pending tokens were lost (its slot taken while it waited) is refused by name.
+- **Refused by name** at engine start: sinks that do not fit a sequence's first block, and `quant.mode=simulated`
+  (an engine serves: prefill reads fresh latents).
 - **A format per layer** (`quant.layers`, `quant=mixed`'s allocation, lloyd codebooks per layer): rebuilt from the
   description's layers, each engine layer finding its own by its place among the engine's MLA layers. Each layer's
   page takes its own format's bytes (`layer_pages`: the layer's spec, which vLLM's own spec method cannot know, set
@@ -108,10 +115,6 @@ def served_format(description: dict, fitted: bool = True) -> CacheSpec:
                          "fresh latents, decode reads the stored cache); export with quant.mode=serving")
     for i, layer in enumerate(fmt.layers):
         where = f"quant={name}" + (f", layer {i}" if fmt.uniform is None else "")
-        if layer.token_block is not None:
-            raise ValueError(f"{where}: token_block={layer.token_block}: a path quantized over blocks of tokens "
-                             "waits for whole blocks, which the engine's per-token writes do not give; use a per-token "
-                             "format")
         for p in PATHS:
             path = layer.path(p)
             if fitted and path.fitted_levels and path.levels is None:
@@ -142,7 +145,8 @@ class EnginePages:
         for p in PATHS:
             d = self.fmt.dim(p)
             scale = torch.ones(1) if self.fmt.path(p).tensor_scaled else None
-            parts = self.fmt.path(p).encode(torch.zeros(1, d, dtype=self.act_dtype), scale)  # part shapes, dtypes
+            rows = self.fmt.path(p).blocked or 1  # a path over blocks of tokens encodes whole blocks
+            parts = self.fmt.path(p).encode(torch.zeros(rows, d, dtype=self.act_dtype), scale)  # part shapes, dtypes
             out[p] = PageLayout.of(self.block_size, {f"{p}/{k}": (tuple(v.shape[1:]), v.dtype)
                                                      for k, v in parts.items()})
         return out
@@ -155,6 +159,11 @@ class EnginePages:
     def scaled(self) -> list[str]:
         """The paths scaled once per sequence (their scale read from the sequence's first block)."""
         return [p for p in PATHS if self.fmt.path(p).tensor_scaled]
+
+    @functools.cached_property
+    def blocked(self) -> list[str]:
+        """The paths quantized over blocks of tokens (KIVI's channel_block): written when their block fills."""
+        return [p for p in PATHS if self.fmt.path(p).blocked]
 
     @property
     def pages_bytes(self) -> int:
@@ -209,12 +218,13 @@ class EnginePages:
         return {p: blocks[:, self.offsets[p]: self.offsets[p] + self.layouts[p].page_bytes] for p in PATHS}
 
     def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, tokens: dict[str, torch.Tensor],
-              scales: dict[str, torch.Tensor] | None = None) -> None:
+              scales: dict[str, torch.Tensor] | None = None, paths: list[str] | tuple[str, ...] = PATHS) -> None:
         """Encode tokens {path: (N, d)} into slots (N,) (block * block_size + position) of vLLM's cache; `scales`
-        {path: (N,)}: each token's sequence scale, for the paths scaled once per sequence."""
+        {path: (N,)}: each token's sequence scale, for the paths scaled once per sequence. `paths`: those written (a
+        path over blocks of tokens takes whole blocks, each run of `token_block` tokens one block)."""
         pages = self.pages(kv_cache)
         block, pos = slots // self.block_size, slots % self.block_size
-        for p in PATHS:
+        for p in paths:
             fmt = self.fmt.path(p)
             scale = scales[p] if fmt.tensor_scaled else None
             encoded = fmt.encode(tokens[p].to(self.act_dtype) if not fmt.quantized else tokens[p], scale)
@@ -237,13 +247,16 @@ class EnginePages:
         dense = self.decoded(kv_cache, table)
         return Segment.dense(dense["content"], dense["rope"], lengths)
 
-    def decoded(self, kv_cache: torch.Tensor, block_table: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every token of the blocks of each row of `block_table` (B, n), decoded by its codec: {path: (B, n x
-        block_size, d)} float32."""
+    def decoded(self, kv_cache: torch.Tensor, block_table: torch.Tensor, start: int = 0,
+                width: int | None = None) -> dict[str, torch.Tensor]:
+        """The tokens at positions [start, start + width) (default: every token) of the blocks of each row of
+        `block_table` (B, n), decoded by their codecs: {path: (B, width, d)} float32. A path over blocks of tokens
+        decodes each run of `token_block` tokens from `start` as one block."""
         pages = self.pages(kv_cache)
-        pos = torch.arange(block_table.shape[1] * self.block_size, device=block_table.device)
+        width = block_table.shape[1] * self.block_size - start if width is None else width
+        pos = start + torch.arange(width, device=block_table.device)
         blocks, slot = block_table.long().clamp(min=0)[:, pos // self.block_size], pos % self.block_size  # (B, L)
-        scales = self.sequence_scales(kv_cache, blocks[:, 0]) if self.scaled else {}
+        scales = self.sequence_scales(kv_cache, block_table[:, 0].long().clamp(min=0)) if self.scaled else {}
         dense = {}
         for p in PATHS:
             layout = self.layouts[p]
@@ -255,20 +268,25 @@ class EnginePages:
 
 def pool_bytes(fmt: CacheSpec, slots: int, act_dtype: torch.dtype, num_layers: int) -> int:
     """The bytes of the protected region's pools of the engine's `num_layers` MLA layers (`ProtectedPool`): `slots`
-    sequences x (n_sink + recent) tokens x each layer's d_c + d_r values in the activation dtype (its positions,
-    host-side bookkeeping, not counted). A uniform spec (one entry) is every layer's."""
+    sequences x (n_sink + recent + token_block) tokens x each layer's d_c + d_r values in the activation dtype (its
+    positions, host-side bookkeeping, not counted). A uniform spec (one entry) is every layer's."""
     layers = fmt.layers * num_layers if len(fmt.layers) == 1 else fmt.layers
     if len(layers) != num_layers:
         raise ValueError(f"quant={fmt.name}: a format for each of {len(fmt.layers)} cache layers, and the model has "
                          f"{num_layers} MLA layers")
-    first = fmt.layers[0]
-    return sum(layer_pool_bytes(first.n_sink, first.recent, f.d_c + f.d_r, slots, act_dtype) for f in layers)
+    return sum(layer_pool_bytes(f, slots, act_dtype) for f in layers)
 
 
-def layer_pool_bytes(n_sink: int, recent: int, width: int, slots: int, act_dtype: torch.dtype) -> int:
-    """One layer's protected pool (`ProtectedPool`): `slots` sequences x (n_sink + recent) tokens x `width` (d_c +
-    d_r) values in the activation dtype (its positions, host-side bookkeeping, not counted)."""
-    return slots * (n_sink + recent) * width * act_dtype.itemsize
+def pool_tokens(fmt: CacheFormat) -> tuple[int, int]:
+    """(sinks, ring) a layer's pool holds per sequence: `n_sink`, and its latest `recent` tokens with, for a path
+    over blocks of tokens, `token_block` more: those that wait for their block to fill. (0, 0): no pool."""
+    return fmt.n_sink, fmt.recent + (fmt.token_block or 0)
+
+
+def layer_pool_bytes(fmt: CacheFormat, slots: int, act_dtype: torch.dtype) -> int:
+    """One layer's protected pool (`ProtectedPool`): `slots` sequences x its tokens (`pool_tokens`) x its d_c + d_r
+    values in the activation dtype (its positions, host-side bookkeeping, not counted)."""
+    return slots * sum(pool_tokens(fmt)) * (fmt.d_c + fmt.d_r) * act_dtype.itemsize
 
 
 def worker_pool_bytes(config) -> int:
@@ -403,14 +421,20 @@ class SlotTable:
 
 class ProtectedPool:
     """One engine layer's protected region (module docstring): the sequences of `table` (its slots) with their first
-    `n_sink` tokens and a ring of their latest `recent` (slot p % recent holds position p), in the activation dtype,
-    with the position each ring entry holds (-1: none), so that a read takes only what this sequence wrote."""
+    `n_sink` tokens and a ring of their latest `recent` (slot p % ring holds position p), in the activation dtype,
+    with the position each ring entry holds (-1: none), so that a read takes only what this sequence wrote. With a
+    path over blocks of tokens (`token_block`, KIVI's), the ring holds `token_block` tokens more: those that left the
+    window since the sequence's last whole block, read as they are until their block fills (the framework's pending
+    tokens), and held until the engine stores the block (`held`)."""
 
-    def __init__(self, n_sink: int, recent: int, width: int, table: SlotTable, dtype: torch.dtype):
+    def __init__(self, n_sink: int, recent: int, width: int, table: SlotTable, dtype: torch.dtype,
+                 token_block: int | None = None):
         self.n_sink, self.recent, self.table, self.slots = n_sink, recent, table, table.slots
+        self.token_block = token_block
+        self.ring = recent + (token_block or 0)
         self.sinks = torch.zeros(self.slots, n_sink, width, dtype=dtype)
-        self.window = torch.zeros(self.slots, recent, width, dtype=dtype)
-        self.window_pos = torch.full((self.slots, recent), -1, dtype=torch.long)
+        self.window = torch.zeros(self.slots, self.ring, width, dtype=dtype)
+        self.window_pos = torch.full((self.slots, self.ring), -1, dtype=torch.long)
         self.sinks_held = torch.zeros(self.slots, dtype=torch.long)
 
     @property
@@ -425,30 +449,55 @@ class ProtectedPool:
             self.sinks_held[fresh] = 0
         return idx
 
-    def write(self, idx: torch.Tensor, pos: torch.Tensor, x: torch.Tensor, in_window: torch.Tensor) -> None:
-        """Tokens x (N, width) at positions pos (N,) of the sequences in slots idx (N,); in_window (N,): among its
-        sequence's latest `recent` after this step (so no two of a step share a ring entry)."""
+    def write(self, idx: torch.Tensor, pos: torch.Tensor, x: torch.Tensor, length: torch.Tensor) -> None:
+        """Tokens x (N, width) at positions pos (N,) of the sequences in slots idx (N,), whose sequences hold
+        `length` (N,) tokens after this step: the sinks, and those among the latest `ring` (so no two of a step share
+        a ring entry)."""
         sink = pos < self.n_sink
         if sink.any():
             self.sinks[idx[sink], pos[sink]] = x[sink].to(self.sinks.dtype)
             self.sinks_held.scatter_reduce_(0, idx[sink], pos[sink] + 1, "amax")
-        if self.recent and in_window.any():
-            i, p = idx[in_window], pos[in_window]
-            self.window[i, p % self.recent] = x[in_window].to(self.window.dtype)
-            self.window_pos[i, p % self.recent] = p
+        in_ring = pos >= length - self.ring
+        if self.ring and in_ring.any():
+            i, p = idx[in_ring], pos[in_ring]
+            self.window[i, p % self.ring] = x[in_ring].to(self.window.dtype)
+            self.window_pos[i, p % self.ring] = p
+
+    def first_held(self, length: torch.Tensor) -> torch.Tensor:
+        """The first position read from the ring (B,) of sequences of `length` tokens: the window's, or with a token
+        block the first of the tokens after the sequence's last whole block (the blocks start after the sinks)."""
+        lo = torch.clamp(length - self.recent, min=self.n_sink)
+        if self.token_block:
+            lo = self.n_sink + (lo - self.n_sink) // self.token_block * self.token_block
+        return lo
+
+    def whole_blocks(self, length: torch.Tensor) -> torch.Tensor:
+        """The whole token blocks (B,) stored of sequences of `length` tokens (0 without a token block)."""
+        if not self.token_block:
+            return torch.zeros_like(length)
+        return (self.first_held(length) - self.n_sink) // self.token_block
+
+    def held(self, idx: int, pos: torch.Tensor) -> torch.Tensor:
+        """The ring's tokens (n, width) at positions pos (n,) of the sequence in slot idx; a token it no longer holds
+        (the slot was taken while the sequence waited) refused by name."""
+        ring = pos % self.ring
+        if not bool((self.window_pos[idx, ring] == pos).all()):
+            raise RuntimeError(f"a sequence's tokens waiting for their token block (token_block={self.token_block}) "
+                               "were lost: its protected pool slot was taken while it waited (more sequences started "
+                               "than max_num_seqs slots)")
+        return self.window[idx, ring]
 
     def read(self, idx: torch.Tensor, stored: torch.Tensor):
         """For sequences in slots idx (B,) holding `stored` (B,) tokens before this step's: (sinks (B, n_sink,
-        width), their count, window (B, recent, width) oldest first, its count, lo (B,): the first position of the
+        width), their count, window (B, ring, width) oldest first, its count, lo (B,): the first position of the
         window, miss (B,): True where the slot does not hold all of them)."""
-        length = stored + 1  # with this step's token
-        lo = torch.clamp(length - self.recent, min=self.n_sink)
+        lo = self.first_held(stored + 1)  # with this step's token
         sink_len = torch.clamp(stored, max=self.n_sink)
         miss = self.sinks_held[idx] < sink_len
-        if not self.recent:
+        if not self.ring:
             return self.sinks[idx], sink_len, self.window[idx], torch.zeros_like(stored), lo, miss
-        want = lo[:, None] + torch.arange(self.recent)  # (B, recent)
-        ring = want % self.recent
+        want = lo[:, None] + torch.arange(self.ring)  # (B, ring)
+        ring = want % self.ring
         win_len = torch.clamp(stored - lo, min=0)
         held = (self.window_pos[idx[:, None], ring] == want) | (want >= stored[:, None])
         miss = miss | ~held.all(1)
@@ -540,18 +589,13 @@ class LatentMLAImpl(CPUMLAImpl):
         self._decode_slots: torch.Tensor | None = None  # the protected pool's slot of each decode row of this step
         if self.served is not None:
             layer_pages()  # each layer's page its own format's bytes
-        if self.pool_bytes:
+        if self.served is not None and any(sum(pool_tokens(f)) for f in self.served.layers):
             count_pools(config)  # vLLM's blocks get the KV cache's bytes less the pools
 
     @functools.cached_property
     def pool_bytes(self) -> int:
-        """The bytes of this layer's protected pool (0: none), known at construction: the region is the same in
-        every layer (`quant.protected`), its width this layer's d_c + d_r."""
-        if self.served is None:
-            return 0
-        first = self.served.layers[0]
-        return layer_pool_bytes(first.n_sink, first.recent, self.kv_lora_rank + self.qk_rope_head_dim,
-                                int(self.max_num_seqs), self.act_dtype)
+        """The bytes of this layer's protected pool (0: none), once the model is built (its format known)."""
+        return 0 if self.served is None else layer_pool_bytes(self.fmt, int(self.max_num_seqs), self.act_dtype)
 
     @functools.cached_property
     def fmt(self) -> CacheFormat:
@@ -582,10 +626,11 @@ class LatentMLAImpl(CPUMLAImpl):
     def pool(self) -> ProtectedPool | None:
         """This layer's protected region (None: the format protects nothing)."""
         fmt = self.fmt
-        if not (fmt.n_sink or fmt.recent):
+        if not any(pool_tokens(fmt)):
             return None
         check_sinks_fit(self.served, self.block_size)
-        return ProtectedPool(fmt.n_sink, fmt.recent, fmt.d_c + fmt.d_r, self.slot_table, self.act_dtype)
+        return ProtectedPool(fmt.n_sink, fmt.recent, fmt.d_c + fmt.d_r, self.slot_table, self.act_dtype,
+                             fmt.token_block)
 
     @functools.cached_property
     def slot_table(self) -> SlotTable:
@@ -614,10 +659,11 @@ class LatentMLAImpl(CPUMLAImpl):
         row = torch.searchsorted(starts[1:], torch.arange(meta.num_actual_tokens), right=True)
         return context, meta, starts, row
 
-    def _protect(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+    def _protect(self, kv_cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Write this step's protected tokens x (N, d_c + d_r) (slots (N,), vLLM's) into the pool: each token's
         sequence and position from the step's metadata (decode rows first, one token each; a prompt whole, from
-        position 0: vLLM's CPU platform runs no chunked prefill)."""
+        position 0: vLLM's CPU platform runs no chunked prefill). With a token block, the blocks this step fills
+        are then stored (`_store_blocks`)."""
         step = self._step("a protected region")
         if step is None:  # a warm-up run without sequences
             return
@@ -639,7 +685,34 @@ class LatentMLAImpl(CPUMLAImpl):
         idx = torch.tensor(self.pool.assign(keys.tolist(), [r >= d for r in range(meta.num_reqs)], step=context),
                            dtype=torch.long)
         self._decode_slots = idx[:d]
-        self.pool.write(idx[row], pos, x, pos >= (length - self.pool.recent)[row])
+        self.pool.write(idx[row], pos, x, length[row])
+        if self.pool.token_block:
+            self._store_blocks(kv_cache, meta, starts, idx, length, slots, x)
+
+    def _store_blocks(self, kv_cache: torch.Tensor, meta, starts: torch.Tensor, idx: torch.Tensor,
+                      length: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Encode the token blocks this step fills (the paths over blocks of tokens, KIVI's) into their tokens' slots,
+        as the framework's cache stores a block when its last token leaves the window: a prompt's from its own tokens
+        (x, slots: the step's), a decode row's from its pool's ring, which held them since they were written."""
+        pool, t, bs, d = self.pool, self.pool.token_block, self.block_size, meta.num_decodes
+        done = pool.whole_blocks(length)  # (R,) after this step
+        before = torch.zeros_like(done)
+        before[:d] = pool.whole_blocks(length[:d] - 1)  # a prompt starts afresh
+        held, where = [], []
+        for r in torch.nonzero(done > before).flatten().tolist():
+            pos = pool.n_sink + t * int(before[r]) + torch.arange(t * int(done[r] - before[r]))
+            if r < d:
+                held.append(pool.held(int(idx[r]), pos))
+                table = meta.decode.block_table[r].to("cpu", torch.long)
+                where.append(table[pos // bs] * bs + pos % bs)
+            else:
+                held.append(x[starts[r] + pos])
+                where.append(slots[starts[r] + pos])
+        if held:
+            tokens = torch.cat(held)
+            d_c = self.fmt.d_c
+            self.pages.write(kv_cache, torch.cat(where), {"content": tokens[:, :d_c], "rope": tokens[:, d_c:]},
+                             paths=self.pages.blocked)
 
     def _sequence_scales(self, kv_cache: torch.Tensor, slots: torch.Tensor,
                          tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -675,6 +748,11 @@ class LatentMLAImpl(CPUMLAImpl):
         from its blocks (all from its blocks for a row whose slot was taken)."""
         pool, bs, d_c = self.pool, self.block_size, self.fmt.d_c
         sinks, sink_len, window, win_len, lo, miss = pool.read(self._decode_slots, stored.long())
+        if pool.token_block:
+            return [*self._block_segments(kv_cache, table, stored.long(), lo, miss, dtype),
+                    *(Segment.dense(held[..., :d_c].to(dtype).contiguous(), held[..., d_c:].to(dtype).contiguous(),
+                                    count.to(torch.int32)) for held, count in ((sinks, sink_len), (window, win_len))
+                      if held.shape[1])]
         start = torch.where(miss, 0, pool.n_sink)  # the blocks' tokens: [start, end)
         end = torch.where(miss, stored.long(), torch.minimum(lo, stored.long()))
         sink_len, win_len = torch.where(miss, 0, sink_len), torch.where(miss, 0, win_len)
@@ -695,6 +773,25 @@ class LatentMLAImpl(CPUMLAImpl):
                                               held[..., d_c:].to(dtype).contiguous(), count.to(torch.int32)))
         return segments
 
+    def _block_segments(self, kv_cache: torch.Tensor, table: torch.Tensor, stored: torch.Tensor, lo: torch.Tensor,
+                        miss: torch.Tensor, dtype: torch.dtype) -> list[Segment]:
+        """With a token block: each decode row's whole blocks stored after its sinks, up to `lo` (the ring's first
+        position; not this step's token, read fresh), decoded from its blocks as one dense segment (zero past each
+        row's tokens). A row whose slot was taken lost its pending tokens: refused by name."""
+        if bool(miss.any()):
+            raise RuntimeError(f"quant={self.served.name}: a sequence's tokens waiting for their token block were "
+                               "lost: its protected pool slot was taken while it waited (more sequences started than "
+                               "max_num_seqs slots)")
+        t, n_sink = self.pool.token_block, self.pool.n_sink
+        count = torch.clamp(torch.minimum(lo, stored) - n_sink, min=0)  # (B,)
+        width = -(-int(count.max()) // t) * t  # whole blocks: the codec decodes a block at once
+        if not width:
+            return []
+        dense = self.pages.decoded(kv_cache, table, n_sink, width)
+        keep = (torch.arange(width) < count[:, None])[..., None]
+        return [Segment.dense(*(torch.where(keep, dense[p], 0).to(dtype).contiguous() for p in PATHS),
+                              count.to(torch.int32))]
+
     @functools.cached_property
     def decode_backend(self) -> str:
         return self.fmt.step_backends("cpu")["decode"]  # "cpu" (the C++ kernel) or "torch"
@@ -711,10 +808,11 @@ class LatentMLAImpl(CPUMLAImpl):
         n = slots.shape[0]
         tokens = {"content": kv_c_normed[:n], "rope": k_pe[:n]}
         scales = self._sequence_scales(kv_cache, slots, tokens) if self.pages.scaled else None
+        per_token = [p for p in PATHS if p not in self.pages.blocked]  # a path over token blocks: when a block fills
         self.pages.write(kv_cache, slots[ok], {p: x[ok] for p, x in tokens.items()},
-                         None if scales is None else {p: x[ok] for p, x in scales.items()})
+                         None if scales is None else {p: x[ok] for p, x in scales.items()}, paths=per_token)
         if self.pool is not None:
-            self._protect(slots, torch.cat([kv_c_normed[:n], k_pe[:n]], dim=-1))
+            self._protect(kv_cache, slots, torch.cat([kv_c_normed[:n], k_pe[:n]], dim=-1))
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         if self.served is None:

@@ -93,19 +93,21 @@ def answer(tokens: list[int], eos: set[int]) -> list[int]:
 
 def check_pools_fit(task: DictConfig, fmt=None, num_layers: int = 1) -> None:
     """A protected region whose pools (`vllm_backend.pool_bytes` over the model's `num_layers` MLA layers, for
-    `task.max_num_seqs` sequences) take the whole `task.kv_budget_bytes`, refused by name before any engine starts
-    (the engine counts them in its budget too: its blocks get the rest)."""
+    `task.max_num_seqs` sequences; with a token block, its pending tokens too) take the whole
+    `task.kv_budget_bytes`, refused by name before anything is exported or any engine starts (the engine counts them
+    in its budget too: its blocks get the rest)."""
     from mla_quant.serving.vllm_backend import pool_bytes
 
     budget = int(task.kv_budget_bytes)
-    if fmt is None or not (fmt.layers[0].n_sink or fmt.layers[0].recent):
+    if fmt is None:
         return
     pool = pool_bytes(fmt, int(task.max_num_seqs), getattr(torch, task.dtype), num_layers)
     if pool >= budget:
-        raise ValueError(f"task.kv_budget_bytes={budget}: the protected region of quant={fmt.name} "
-                         f"(n_sink {fmt.layers[0].n_sink}, recent {fmt.layers[0].recent}) takes {pool} bytes for "
-                         f"task.max_num_seqs={int(task.max_num_seqs)} sequences; allowed: a budget above that, or "
-                         "fewer sequences or protected tokens")
+        first, block = fmt.layers[0], max(f.token_block or 0 for f in fmt.layers)
+        held = f"n_sink {first.n_sink}, recent {first.recent}" + (f", token_block {block}" if block else "")
+        raise ValueError(f"task.kv_budget_bytes={budget}: the protected region of quant={fmt.name} ({held}) takes "
+                         f"{pool} bytes for task.max_num_seqs={int(task.max_num_seqs)} sequences; allowed: a budget "
+                         "above that, or fewer sequences or protected tokens")
 
 
 def engine_request(folder: Path, prompts, task: DictConfig, suites: dict | None = None) -> dict:
@@ -203,12 +205,12 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     block_size = engine_block_size()  # the engine's block size, where known before it starts on this platform
     if block_size is not None:
         check_sinks_fit(asked, block_size)
+    layers = len(dims["layer_dims"])
+    check_pools_fit(task, asked, layers)  # a protected region that leaves the blocks nothing
 
     checkpoint = run_dir / "checkpoint"
     export, description = export_checkpoint(cfg, checkpoint)
     fmt = served_format(description)
-    layers = len(dims["layer_dims"])
-    check_pools_fit(task, fmt, layers)  # a protected region that leaves the blocks nothing: refused before any engine
     # the exported model, absorbed in place, is the framework's reference: one preparation (weights, transforms,
     # allocation and codebooks) for the checkpoint and the reference alike
     prep = dataclasses.replace(export, model=absorb(export.model, attention_blocks(cfg.get("attention"))))
