@@ -317,6 +317,43 @@ def test_the_protected_pools_come_out_of_the_engines_budget():
         check_pools_fit(compose(["experiment=serve"]).task, fmt, 4)
 
 
+def test_an_exported_checkpoint_gets_the_backend_that_serves_it_on_a_cpu_with_amx(tmp_path, monkeypatch):
+    """On a CPU with AMX, vLLM's CPU platform gives an MLA model AMX_MLA (vLLM's own cache, 128-token blocks, chunked
+    prefill) unless CPU_MLA is asked for: the plugin asks for CPU_MLA for a folder holding the cache description, so
+    vLLM's CPU MLA settings follow (16-token blocks, no chunked prefill), leaves any other folder as vLLM sets it, and
+    refuses another backend asked for a checkpoint by name."""
+    import shutil
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from mla_quant.serving import CACHE_FILE
+    from mla_quant.serving.vllm_plugin import register
+    from mla_quant.toy.model import ASSETS
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    register()
+    plain, ours = tmp_path / "plain", tmp_path / "ours"
+    for folder in (plain, ours):
+        folder.mkdir()
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(ASSETS / name, folder / name)
+    (ours / CACHE_FILE).write_text("{}")
+
+    def config(folder, **kwargs):
+        return EngineArgs(model=str(folder), hf_overrides={"architectures": ["DeepseekV2ForCausalLM"]},
+                          runner="generate", enforce_eager=True, dtype="float32", max_model_len=256,
+                          **kwargs).create_engine_config()
+
+    served = config(ours)
+    assert served.attention_config.backend == AttentionBackendEnum.CPU_MLA
+    assert served.cache_config.block_size == 16 and not served.scheduler_config.enable_chunked_prefill
+    other = config(plain)
+    assert other.attention_config.backend is None and other.cache_config.block_size != 16
+    with pytest.raises(ValueError, match=r"backend=AMX_MLA: .* is an exported checkpoint .* allowed: CPU_MLA"):
+        config(ours, attention_config={"backend": AttentionBackendEnum.AMX_MLA})
+
+
 @pytest.mark.parametrize("option, overrides, named", [
     ("int4_joint", ["quant.mode=simulated"], "quant.mode=simulated"),
     ("int2_joint", ["quant.content.quantizer=lloyd"], "lloyd reads a codebook fitted per layer, and .* holds none"),

@@ -49,8 +49,8 @@ def engine_args(request: dict) -> dict:
                 max_num_seqs=int(request.get("max_num_seqs", 256)), seed=0)
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():  # on a CPU with AMX vLLM would pick AMX_MLA (BF16 weights only, not the
-        # framework's backend): ask for CPU_MLA, the member the framework's plugin serves
+    if current_platform.is_cpu():  # on a CPU with AMX vLLM would pick AMX_MLA (BF16 weights only) for the
+        # unquantized checkpoint: CPU_MLA for every run, as the plugin asks for an exported format's (vllm_plugin.py)
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
         args["attention_config"] = {"backend": AttentionBackendEnum.CPU_MLA}
