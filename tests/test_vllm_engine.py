@@ -354,6 +354,33 @@ def test_an_exported_checkpoint_gets_the_backend_that_serves_it_on_a_cpu_with_am
         config(ours, attention_config={"backend": AttentionBackendEnum.AMX_MLA})
 
 
+def test_an_exported_checkpoint_is_refused_where_no_backend_serves_its_format(tmp_path):
+    """On a platform other than vLLM's CPU one (a GPU's), vLLM's own backends would store their own cache and the
+    checkpoint's format would do nothing: the plugin's wrapped config check refuses such a folder by name, with the
+    way to serve the weights alone, and leaves any other model to the platform's own check."""
+    from types import SimpleNamespace
+
+    from mla_quant.serving import CACHE_FILE
+    from mla_quant.serving.vllm_plugin import serve_exported
+
+    class GpuPlatform:
+        checked = []
+
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            cls.checked.append(vllm_config.model_config.model)
+
+    serve_exported(GpuPlatform, cpu=False)
+    serve_exported(GpuPlatform, cpu=False)  # once per process
+    (tmp_path / CACHE_FILE).write_text("{}")
+    with pytest.raises(ValueError, match=rf"is an exported checkpoint \({CACHE_FILE}\): its cache format is served "
+                                         rf"on vLLM's CPU platform only, and on GpuPlatform .* allowed: vLLM's CPU "
+                                         rf"build, or the folder without {CACHE_FILE}"):
+        GpuPlatform.check_and_update_config(SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path))))
+    GpuPlatform.check_and_update_config(SimpleNamespace(model_config=SimpleNamespace(model="deepseek-ai/x")))
+    assert GpuPlatform.checked == ["deepseek-ai/x"]
+
+
 @pytest.mark.parametrize("option, overrides, named", [
     ("int4_joint", ["quant.mode=simulated"], "quant.mode=simulated"),
     ("int2_joint", ["quant.content.quantizer=lloyd"], "lloyd reads a codebook fitted per layer, and .* holds none"),
@@ -487,6 +514,19 @@ def test_serve_refuses_before_exporting(tmp_path, overrides, named):
     experiment=serve at once, before any preparation or export."""
     done = run_cli("experiment=serve", *overrides, "logger=none", f"hydra.run.dir={tmp_path}")
     assert done.returncode != 0 and named in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "checkpoint").exists()
+
+
+def test_serve_refuses_off_the_cpu_platform_before_exporting(tmp_path, monkeypatch):
+    """experiment=serve where vLLM's platform is not its CPU one (a GPU's, where no backend serves the format yet)
+    fails at once, naming the platform and what is allowed, before any export."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    done = run_cli("experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}")
+    assert done.returncode != 0, done.stderr[-2000:]
+    assert (f"its cache format is served on vLLM's CPU platform only, and on {type(current_platform).__name__}"
+            in done.stderr), done.stderr[-2000:]
     assert not (tmp_path / "checkpoint").exists()
 
 

@@ -1,7 +1,8 @@
 """vLLM plugin entry point (`vllm.general_plugins` in pyproject.toml): vLLM calls `register` in every engine
 process. It points vLLM's CPU MLA backend at `mla_quant.serving.vllm_backend.LatentMLABackend`, which serves an
 exported checkpoint's latent cache in its format and leaves every other model to vLLM's own CPU MLA code, and makes
-vLLM's CPU platform pick that backend for an exported checkpoint (`serve_on_cpu_mla`)."""
+vLLM's platform pick that backend for an exported checkpoint, or refuse one where none serves it
+(`serve_exported`)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,24 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CPU_MLA, "mla_quant.serving.vllm_backend.LatentMLABackend")
-    if current_platform.is_cpu():
-        serve_on_cpu_mla(type(current_platform))
+    serve_exported(type(current_platform), current_platform.is_cpu())
 
 
-def serve_on_cpu_mla(platform: type) -> None:
-    """On a CPU with AMX, vLLM's CPU platform gives an MLA model its AMX_MLA backend (vLLM's own BF16 cache, 128-token
-    blocks, chunked prefill) unless CPU_MLA is asked for, so an exported checkpoint would be served without its
-    format. The platform's config check is wrapped to ask for CPU_MLA (the member this plugin overrides) for a model
-    folder holding the cache description, and to refuse by name another backend asked for one; every other model is
-    left as vLLM sets it. Wrapped once per process."""
+def off_cpu(platform: str) -> str:
+    """Why an exported checkpoint is not served on a platform other than vLLM's CPU one, and what is allowed."""
+    return (f"its cache format is served on vLLM's CPU platform only, and on {platform} vLLM would store its own "
+            f"cache instead; allowed: vLLM's CPU build, or the folder without {CACHE_FILE} (the weights with vLLM's "
+            "own cache)")
+
+
+def serve_exported(platform: type, cpu: bool) -> None:
+    """The platform's config check, wrapped (once per process) for a model folder holding the cache description:
+    - on the CPU platform, CPU_MLA (the member this plugin overrides) is asked for it: on a CPU with AMX, vLLM would
+      give an MLA model AMX_MLA (its own BF16 cache, 128-token blocks, chunked prefill) and serve the checkpoint
+      without its format; another backend asked for one is refused by name;
+    - on any other platform no backend serves the format yet (vLLM's own would store its own cache and the format
+      would do nothing): refused by name, with the way to serve the weights alone.
+    Every other model is left as vLLM sets it."""
     check = platform.__dict__["check_and_update_config"].__func__
     if getattr(check, "serves_latent_formats", False):
         return
@@ -34,6 +43,8 @@ def serve_on_cpu_mla(platform: type) -> None:
 
         model = getattr(vllm_config.model_config, "model", None)
         if model is not None and (Path(str(model)) / CACHE_FILE).is_file():
+            if not cpu:
+                raise ValueError(f"{model} is an exported checkpoint ({CACHE_FILE}): {off_cpu(cls.__name__)}")
             attention = vllm_config.attention_config
             if attention.backend is None:
                 attention.backend = AttentionBackendEnum.CPU_MLA

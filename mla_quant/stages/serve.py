@@ -196,6 +196,12 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
 
         raise ImportError(f"experiment=serve runs vLLM's engine, which is not installed ({err}): "
                           f"{INSTALL_HINT}") from err
+    from vllm.platforms import current_platform
+
+    from mla_quant.serving.vllm_plugin import off_cpu
+
+    if not current_platform.is_cpu():  # refused before anything is exported (the engine would refuse it at start)
+        raise ValueError(f"experiment=serve: the exported checkpoint's {off_cpu(type(current_platform).__name__)}")
     dims = model_dims(cfg.model)  # what the engine cannot store is refused before anything is prepared or exported
     differ = len(set(dims["layer_dims"])) > 1  # a model whose layers' dims differ: each at its own
     asked = served_format({"quant": OmegaConf.to_container(cfg.quant, resolve=True),
