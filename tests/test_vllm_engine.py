@@ -217,7 +217,8 @@ def test_a_token_block_waits_in_the_pool_and_is_stored_when_it_fills(monkeypatch
     slots when its last token leaves the window (from the prompt, or from the pool's ring in a decode step: the
     41-token and 31-token sequences fill one there, the latter with the step's own token, read fresh), the tokens
     after the last whole block are read from the pool as they are; each decode step attends exactly as the
-    framework's cache holding the same tokens. The pool holds n_sink + recent + 32 tokens per sequence."""
+    framework's cache holding the same tokens. The pool holds n_sink + recent + 32 tokens per sequence; a sequence
+    whose slot was taken while it waited (its pending tokens lost) is refused by name."""
     n_sink, recent = protected
     fmt = served(option, f"quant.protected.n_sink={n_sink}", f"quant.protected.recent={recent}")
     impl, g = _engine_layer(fmt), torch.Generator().manual_seed(0)
@@ -244,6 +245,11 @@ def test_a_token_block_waits_in_the_pool_and_is_stored_when_it_fills(monkeypatch
             want = segment_attention(q[r:r + 1], q_rope[r:r + 1], 0.1,
                                      [Segment.dense(content, rope, torch.tensor([n + 1], dtype=torch.int32))])
             torch.testing.assert_close(got[r:r + 1], want, rtol=1e-6, atol=1e-6, msg=f"step {k}, {n} stored")
+    impl.pool.table.owner[impl.pool.table.slot_of.pop(int(table[0, 0]))] = None  # sequence 0's slot taken meanwhile
+    impl._decode_slots = torch.tensor(impl.pool.assign(table[:, 0].tolist(), [False] * 4))
+    with pytest.raises(RuntimeError, match=r"a sequence's tokens waiting for their token block \(token_block=32\) "
+                                           r"were lost: its protected pool slot was taken"):
+        impl._protected_segments(kv, table, torch.tensor([n + 3 for n in lengths]), torch.float32)
 
 
 def test_the_layers_pools_share_one_slot_table_and_sinks_are_checked_at_engine_start(monkeypatch):

@@ -481,11 +481,16 @@ class ProtectedPool:
         """The ring's tokens (n, width) at positions pos (n,) of the sequence in slot idx; a token it no longer holds
         (the slot was taken while the sequence waited) refused by name."""
         ring = pos % self.ring
-        if not bool((self.window_pos[idx, ring] == pos).all()):
+        self.refuse_lost(~(self.window_pos[idx, ring] == pos).all())
+        return self.window[idx, ring]
+
+    def refuse_lost(self, miss: torch.Tensor) -> None:
+        """With a token block, a sequence's pending tokens are nowhere else: a slot that no longer holds them (`miss`,
+        any) is refused by name rather than read as stored."""
+        if self.token_block and bool(miss.any()):
             raise RuntimeError(f"a sequence's tokens waiting for their token block (token_block={self.token_block}) "
                                "were lost: its protected pool slot was taken while it waited (more sequences started "
                                "than max_num_seqs slots)")
-        return self.window[idx, ring]
 
     def read(self, idx: torch.Tensor, stored: torch.Tensor):
         """For sequences in slots idx (B,) holding `stored` (B,) tokens before this step's: (sinks (B, n_sink,
@@ -778,10 +783,7 @@ class LatentMLAImpl(CPUMLAImpl):
         """With a token block: each decode row's whole blocks stored after its sinks, up to `lo` (the ring's first
         position; not this step's token, read fresh), decoded from its blocks as one dense segment (zero past each
         row's tokens). A row whose slot was taken lost its pending tokens: refused by name."""
-        if bool(miss.any()):
-            raise RuntimeError(f"quant={self.served.name}: a sequence's tokens waiting for their token block were "
-                               "lost: its protected pool slot was taken while it waited (more sequences started than "
-                               "max_num_seqs slots)")
+        self.pool.refuse_lost(miss)
         t, n_sink = self.pool.token_block, self.pool.n_sink
         count = torch.clamp(torch.minimum(lo, stored) - n_sink, min=0)  # (B,)
         width = -(-int(count.max()) // t) * t  # whole blocks: the codec decodes a block at once
