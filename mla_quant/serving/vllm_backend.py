@@ -753,25 +753,23 @@ class LatentMLAImpl(CPUMLAImpl):
         from its blocks (all from its blocks for a row whose slot was taken)."""
         pool, bs, d_c = self.pool, self.block_size, self.fmt.d_c
         sinks, sink_len, window, win_len, lo, miss = pool.read(self._decode_slots, stored.long())
-        if pool.token_block:
-            return [*self._block_segments(kv_cache, table, stored.long(), lo, miss, dtype),
-                    *(Segment.dense(held[..., :d_c].to(dtype).contiguous(), held[..., d_c:].to(dtype).contiguous(),
-                                    count.to(torch.int32)) for held, count in ((sinks, sink_len), (window, win_len))
-                      if held.shape[1])]
-        start = torch.where(miss, 0, pool.n_sink)  # the blocks' tokens: [start, end)
-        end = torch.where(miss, stored.long(), torch.minimum(lo, stored.long()))
-        sink_len, win_len = torch.where(miss, 0, sink_len), torch.where(miss, 0, win_len)
-        segments = []
-        if pool.n_sink:  # the first block after the sinks, decoded; the blocks after it read as they are
-            first = self.pages.decoded(kv_cache, table[:, :1])
-            at = torch.clamp(start[:, None] + torch.arange(bs), max=bs - 1)[..., None]
-            segments.append(Segment.dense(*(first[p].gather(1, at.expand(-1, -1, first[p].shape[-1])).to(dtype)
-                                            for p in PATHS),
-                                          torch.clamp(torch.clamp(end, max=bs) - start, min=0).to(torch.int32)))
-            if table.shape[1] > 1:
-                segments.append(self.pages.segment(kv_cache, table[:, 1:], torch.clamp(end - bs, min=0)))
+        if pool.token_block:  # the whole blocks after the sinks (a row whose slot was taken: refused)
+            segments = self._block_segments(kv_cache, table, stored.long(), lo, miss, dtype)
         else:
-            segments.append(self.pages.segment(kv_cache, table, end))
+            start = torch.where(miss, 0, pool.n_sink)  # the blocks' tokens: [start, end)
+            end = torch.where(miss, stored.long(), torch.minimum(lo, stored.long()))
+            sink_len, win_len = torch.where(miss, 0, sink_len), torch.where(miss, 0, win_len)
+            segments = []
+            if pool.n_sink:  # the first block after the sinks, decoded; the blocks after it read as they are
+                first = self.pages.decoded(kv_cache, table[:, :1])
+                at = torch.clamp(start[:, None] + torch.arange(bs), max=bs - 1)[..., None]
+                segments.append(Segment.dense(*(first[p].gather(1, at.expand(-1, -1, first[p].shape[-1])).to(dtype)
+                                                for p in PATHS),
+                                              torch.clamp(torch.clamp(end, max=bs) - start, min=0).to(torch.int32)))
+                if table.shape[1] > 1:
+                    segments.append(self.pages.segment(kv_cache, table[:, 1:], torch.clamp(end - bs, min=0)))
+            else:
+                segments.append(self.pages.segment(kv_cache, table, end))
         for held, count in ((sinks, sink_len), (window, win_len)):
             if held.shape[1]:
                 segments.append(Segment.dense(held[..., :d_c].to(dtype).contiguous(),

@@ -91,7 +91,7 @@ def answer(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens if end is None else tokens[: end + 1]
 
 
-def check_pools_fit(task: DictConfig, fmt=None, num_layers: int = 1) -> None:
+def check_pools_fit(task: DictConfig, fmt, num_layers: int) -> None:
     """A protected region whose pools (`vllm_backend.pool_bytes` over the model's `num_layers` MLA layers, for
     `task.max_num_seqs` sequences; with a token block, its pending tokens too) take the whole
     `task.kv_budget_bytes`, refused by name before anything is exported or any engine starts (the engine counts them
@@ -99,8 +99,6 @@ def check_pools_fit(task: DictConfig, fmt=None, num_layers: int = 1) -> None:
     from mla_quant.serving.vllm_backend import pool_bytes
 
     budget = int(task.kv_budget_bytes)
-    if fmt is None:
-        return
     pool = pool_bytes(fmt, int(task.max_num_seqs), getattr(torch, task.dtype), num_layers)
     if pool >= budget:
         first, block = fmt.layers[0], max(f.token_block or 0 for f in fmt.layers)
