@@ -6,7 +6,7 @@ import pytest
 from conftest import REPO, compose
 
 from mla_quant import runner
-from mla_quant.eval.suites import DatasetUnavailable, plan_tasks, registry
+from mla_quant.eval.suites import DatasetUnavailable, plan_tasks, registry, with_metadata
 from mla_quant.eval.task_files import TOY_TASKS
 from mla_quant.record import load_records
 from mla_quant.stages import evaluate
@@ -29,6 +29,16 @@ def test_stock_task_names_resolve_in_the_registry_without_downloading(option):
     assert plan.stock == list(ev.tasks) and not plan.toy
     assert set(plan.stock) <= set(registry().all_tasks)
     assert (option in ("ruler", "paper")) == bool(plan.ruler)
+
+
+def test_tasks_with_metadata_are_built_from_the_registrys_yamls():
+    """RULER's tasks, built with their lengths, come from the same YAMLs as in lm-eval's full index (the manager
+    indexes only their folders), with the metadata set."""
+    ruler = list(compose(["eval=ruler"]).eval.tasks)
+    tm = with_metadata(ruler, {"max_seq_lengths": [512]})
+    assert tm.metadata == {"max_seq_lengths": [512]} and len(tm.all_tasks) < len(registry().all_tasks) / 100
+    for task in ruler:
+        assert tm.task_index[task].yaml_path == registry().task_index[task].yaml_path, task
 
 
 def test_bad_task_settings_are_refused_by_name():

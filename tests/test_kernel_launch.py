@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_quant.kernels.decode_plan import split_plan
+from mla_quant.kernels.decode_plan import merge_heads, split_plan
 from mla_quant.kernels.latent_decode import Segment, latent_decode
 from mla_quant.kernels.torch_decode import latent_decode_reference
 from test_kernel import DEVICE, FORMATS, dense_attention, filled_layer
@@ -76,6 +76,13 @@ def test_split_plan_fills_the_sms():
     assert n == 2  # a large batch fills the GPU by itself (rounded up to whole waves)
     assert split_plan(1, 8, [65536, 4, 128], block_n=32, num_sms=132)[1:] == [(32, 1), (128, 1)]  # protected: 1
     assert split_plan(4, 1, [100], block_n=32, num_sms=132, split_tokens=48) == [(48, 3)]
+
+
+def test_merge_tiles_heads_while_the_programs_fill_the_sms():
+    assert merge_heads(64, 128, 132) == 8  # a large batch: FlashMLA's 8 heads per program
+    assert merge_heads(1, 128, 132) == 1 and merge_heads(1, 16, 132) == 1  # batch 1: a program per head
+    assert merge_heads(3, 128, 132) == 2  # 3 x 64 programs >= 132; 3 x 32 would not be
+    assert merge_heads(3, 20, 1) == 8 and merge_heads(2, 3, 1) == 4 and merge_heads(2, 1, 1) == 1  # one "SM"
 
 
 @pytest.mark.gpu

@@ -36,6 +36,16 @@ def split_plan(batch: int, head_blocks: int, longest: list[int], block_n: int, n
     return plan
 
 
+def merge_heads(batch: int, heads: int, num_sms: int, most: int = 8) -> int:
+    """Heads per program of the merge (stage 2): up to `most` (FlashMLA's combine tiles 8; a [8, 512] float32
+    accumulator is 32 registers per thread at 4 warps), as many as keep batch x head tiles >= the SMs, so a small batch
+    still spreads the partial outputs' reads over the GPU (1 head per program where even that leaves SMs idle)."""
+    tile = min(most, next_pow2(heads, 1))
+    while tile > 1 and batch * math.ceil(heads / tile) < num_sms:
+        tile //= 2
+    return tile
+
+
 def launch_config(heads: int, d_c: int, block_h: int | None = None, block_n: int | None = None,
                   num_warps: int | None = None) -> dict:
     """Tile sizes: BLOCK_H heads per program, BLOCK_N tokens per tile, warps; any of them may be given. At d_c = 512

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_quant.kernels.decode_plan import launch_config, next_pow2, num_sms, split_plan
+from mla_quant.kernels.decode_plan import launch_config, merge_heads, next_pow2, num_sms, split_plan
 from mla_quant.kernels.layout import (  # noqa: F401 (Segment, the checks: part of this API)
     CODES, FLOAT_DTYPES, KERNEL_BITS, POW2_CODE, PagedPath, Segment, WordLayout, check_inputs,
     flat_pairs, in_bases, rows_contiguous, scale_kind,
@@ -457,26 +457,33 @@ def _stage1_kernel(
 
 @triton.jit
 def _merge_kernel(O_PART, LSE_PART, OUT, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_outb,
-                  stride_outh, n_splits, H, DC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
-    """Stage 2, one program per (sequence, head): out = sum_s softmax_s(lse) o_s over every split of every segment,
-    and its log-sum-exp (LSE (B, H)); a split without tokens (lse = -inf) weighs 0, a sequence without any token gets
-    0 and -inf."""
+                  stride_outh, n_splits, H, DC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr,
+                  BLOCK_HM: tl.constexpr):
+    """Stage 2, one program per (sequence, block of BLOCK_HM heads): out = sum_s softmax_s(lse) o_s over every split
+    of every segment, and its log-sum-exp (LSE (B, H)); a split without tokens (lse = -inf) weighs 0, a sequence
+    without any token gets 0 and -inf."""
     b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1) * BLOCK_HM + tl.arange(0, BLOCK_HM)
+    h_ok = h < H
     s = tl.arange(0, BLOCK_S)
-    lse = tl.load(LSE_PART + b * stride_lb + s * stride_ls + h, mask=s < n_splits, other=float("-inf"))
+    lse = tl.load(LSE_PART + b * stride_lb + s[:, None] * stride_ls + h[None, :],
+                  mask=(s[:, None] < n_splits) & h_ok[None, :], other=float("-inf"))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lse - m_safe), 0)
+    total = tl.sum(tl.exp(lse - m_safe[None, :]), 0)
     inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
     dc = tl.arange(0, BLOCK_DC)
-    acc = tl.zeros([BLOCK_DC], tl.float32)
+    tile = h_ok[:, None] & (dc < DC)[None, :]
+    acc = tl.zeros([BLOCK_HM, BLOCK_DC], tl.float32)
     for i in range(n_splits):
-        w = tl.exp(tl.load(LSE_PART + b * stride_lb + i * stride_ls + h) - m_safe) * inv
-        o = tl.load(O_PART + b * stride_ob + i * stride_os + h * stride_oh + dc, mask=dc < DC, other=0.0)
-        acc += w * o
-    tl.store(OUT + b * stride_outb + h * stride_outh + dc, acc, mask=dc < DC)
-    tl.store(LSE + b * H + h, tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
+        lse_i = tl.load(LSE_PART + b * stride_lb + i * stride_ls + h, mask=h_ok, other=float("-inf"))
+        w = tl.exp(lse_i - m_safe) * inv
+        o = tl.load(O_PART + b * stride_ob + i * stride_os + h[:, None] * stride_oh + dc[None, :], mask=tile,
+                    other=0.0)
+        acc += w[:, None] * o
+    tl.store(OUT + b * stride_outb + h[:, None] * stride_outh + dc[None, :], acc, mask=tile)
+    tl.store(LSE + b * H + h, tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")),
+             mask=h_ok)
 
 
 def _codes_constexpr(p: PagedPath, d: int) -> int:
@@ -557,7 +564,8 @@ def launch_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, se
     # compiled ahead of time for a GPU (`kernels.aot`): the specialization a GPU launch builds
     on_gpu = dev.type == "cuda" or bool(COMPILE_ONLY)
     dot_bf16 = dot == "bf16" or (dot == "auto" and on_gpu and q_latent.dtype == torch.bfloat16)
-    dot_mode = (2 if os.environ.get("TRITON_INTERPRET") == "1" else 1) if dot_bf16 else 0
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    dot_mode = (2 if interpreted else 1) if dot_bf16 else 0
     plan = split_plan(b, head_blocks, [seg.longest() for seg in segments], cfg["block_n"], num_sms(dev),
                       split_tokens)
     n_splits = sum(n for _, n in plan)
@@ -579,9 +587,11 @@ def launch_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, scale: float, se
         NSEG=len(segments), DC=d_c, DR=d_r, BLOCK_H=cfg["block_h"], BLOCK_DC=next_pow2(d_c),
         BLOCK_DR=next_pow2(d_r), BLOCK_N=cfg["block_n"], DOT_MODE=dot_mode, num_warps=cfg["num_warps"], **extra,
     )
-    _merge_kernel[(b, h)](
+    # the CPU interpreter runs programs one after another: the widest head tile, fewest programs (the same sums)
+    tile = merge_heads(b, h, 1 if interpreted else num_sms(dev))
+    _merge_kernel[(b, math.ceil(h / tile))](
         o_part, lse_part, out, lse, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
         lse_part.stride(1), out.stride(0), out.stride(1), n_splits, h, DC=d_c, BLOCK_S=next_pow2(n_splits, 2),
-        BLOCK_DC=next_pow2(d_c), num_warps=4,
+        BLOCK_DC=next_pow2(d_c), BLOCK_HM=tile, num_warps=4,
     )
     return out, lse
