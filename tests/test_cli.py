@@ -8,9 +8,11 @@ import sys
 import pytest
 
 from conftest import CPU_DECODE, HAS_CXX, REPO
+from conftest import run_cli as run_in_process  # run.py's entry point in this process (what no process shows)
 
 
 def run_cli(*args, timeout=300):
+    """`python run.py <args>` in a process of its own, as a user starts it (W&B as configured: WANDB_MODE unset)."""
     env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
     return subprocess.run([sys.executable, "run.py", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=env)
@@ -28,23 +30,23 @@ def test_equivalence_run_writes_record_and_wandb_offline(tmp_path):
 
 
 def test_failed_check_exits_non_zero_and_keeps_the_record(tmp_path):
-    out = run_cli("experiment=equivalence", "task.only=[deepseek_v2]", "task.tolerance=1e-12", "logger=none",
-                  f"hydra.run.dir={tmp_path}")
+    out = run_in_process("experiment=equivalence", "task.only=[deepseek_v2]", "task.tolerance=1e-12", "logger=none",
+                         f"hydra.run.dir={tmp_path}")
     assert out.returncode != 0
     rec = json.loads((tmp_path / "record.json").read_text())
     assert rec["status"] == "failed" and "not equivalent" in rec["error"]
 
 
 def test_unknown_experiment_lists_choices():
-    out = run_cli("experiment=nope", "logger=none")
+    out = run_in_process("experiment=nope", "logger=none")
     assert out.returncode != 0
     assert "equivalence" in out.stderr, out.stderr[-2000:]
 
 
 def test_bench_decode_prints_ratios(tmp_path):
-    out = run_cli("experiment=bench_decode", "logger=none", "task.contexts=[64]", "task.decode_steps=2", "task.repeats=2",
-                  "model.config.hidden_size=256", "model.config.num_attention_heads=4",
-                  "model.config.num_key_value_heads=4", f"hydra.run.dir={tmp_path}")
+    out = run_in_process("experiment=bench_decode", "logger=none", "task.contexts=[64]", "task.decode_steps=2",
+                         "task.repeats=2", "model.config.hidden_size=256", "model.config.num_attention_heads=4",
+                         "model.config.num_key_value_heads=4", f"hydra.run.dir={tmp_path}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "absorbed latent decode" in out.stdout
     rec = json.loads((tmp_path / "record.json").read_text())
