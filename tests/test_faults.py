@@ -46,11 +46,6 @@ def _kill_when(run_dir: Path, units: int, proc: subprocess.Popen, timeout: float
     return pid
 
 
-def _run(args, **kw):
-    return subprocess.run([sys.executable, "run.py", *args], cwd=REPO, capture_output=True, text=True, env=ENV,
-                          timeout=600, **kw)
-
-
 @pytest.mark.slow
 def test_sigterm_leaves_an_interrupted_record_and_the_rerun_resumes_to_the_same_metrics(tmp_path):
     root = tmp_path / "outputs"
@@ -97,7 +92,7 @@ def test_local_sweep_with_one_job_killed_reruns_only_that_job(tmp_path):
     assert records[1]["status"] == "interrupted", out[-3000:]
     assert records[0]["status"] == "ok"
 
-    again = _run([*sweep, f"hydra.sweep.dir={root}/second"])
+    again = run_cli(*sweep, f"hydra.sweep.dir={root}/second")  # its launcher in this process, the jobs in theirs
     logs = "".join(p.read_text() for p in (root / "second" / ".submitit").rglob("*.out"))
     assert logs.count("skipped, this configuration") == 1, logs[-3000:]
     assert [i for i in range(2) if (root / "second" / str(i) / "record.json").exists()] == [1]
