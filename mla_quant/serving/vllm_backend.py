@@ -481,7 +481,7 @@ class ProtectedPool:
         """The ring's tokens (n, width) at positions pos (n,) of the sequence in slot idx; a token it no longer holds
         (the slot was taken while the sequence waited) refused by name."""
         ring = pos % self.ring
-        self.refuse_lost(~(self.window_pos[idx, ring] == pos).all())
+        self.refuse_lost(self.window_pos[idx, ring] != pos)
         return self.window[idx, ring]
 
     def refuse_lost(self, miss: torch.Tensor) -> None:
