@@ -66,6 +66,24 @@ def test_tiny_simple_evaluate_on_shipped_model(model, tok, task_dir):
     assert lm.cache_calls >= 2  # every generate ran over a fresh latent cache
 
 
+def test_the_environment_is_described_once_per_process(model, tok, task_dir, monkeypatch):
+    """lm-eval describes the environment in every result (torch's collect_env, about 1 s of subprocesses): an
+    evaluation of one task per call takes that description once and every result still carries it."""
+    from torch.utils import collect_env
+
+    calls = []
+
+    def describe():
+        calls.append(1)
+        return f"the environment ({len(calls)})"
+
+    monkeypatch.setattr(collect_env, "get_pretty_env_info", describe)
+    lm = LatentCacheHFLM(model, tok, batch_size=2)
+    results = [evaluate_tasks(lm, [task], task_dir, limit=1) for task in ("toy_gsm8k", "toy_niah_single_2")]
+    assert len(calls) == 1 and [r["pretty_env_info"] for r in results] == ["the environment (1)"] * 2
+    assert collect_env.get_pretty_env_info is describe  # restored after each evaluation
+
+
 def test_code_execution_refused_without_opt_in(monkeypatch, task_dir, model, tok):
     from mla_quant.stages.evaluate import code_tasks_allowed
 

@@ -13,6 +13,7 @@ raises `ContextTooLong` naming the limit instead of HFLM's silent left truncatio
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from pathlib import Path
 
@@ -129,11 +130,33 @@ def evaluate_tasks(lm, tasks: list, include_path: str | Path | list | None, *, l
         paths = include_path if isinstance(include_path, list) else [include_path]
         tm = TaskManager(include_path=[str(p) for p in paths], include_defaults=include_defaults,
                          metadata=metadata or None)
-    return simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit, bootstrap_iters=bootstrap_iters,
-                           num_fewshot=num_fewshot, log_samples=log_samples,
-                           confirm_run_unsafe_code=allow_code_execution,
-                           gen_kwargs=gen_kwargs or None, random_seed=seed, numpy_random_seed=seed,
-                           torch_random_seed=seed, fewshot_random_seed=seed, metadata=metadata or None)
+    with environment_described_once():
+        return simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
+                               bootstrap_iters=bootstrap_iters, num_fewshot=num_fewshot, log_samples=log_samples,
+                               confirm_run_unsafe_code=allow_code_execution,
+                               gen_kwargs=gen_kwargs or None, random_seed=seed, numpy_random_seed=seed,
+                               torch_random_seed=seed, fewshot_random_seed=seed, metadata=metadata or None)
+
+
+@functools.cache
+def _described(describe) -> str:
+    return describe()
+
+
+@contextlib.contextmanager
+def environment_described_once():
+    """lm-eval's simple_evaluate adds torch's description of the environment (`collect_env.get_pretty_env_info`:
+    pip, conda, the GPU driver and CPU, queried in subprocesses, about 1 s) to every result. An evaluation calls it
+    once per task, its unit of resumption; within it the description is taken once per process and reused (the
+    environment of one process does not change), and the result still carries it."""
+    from torch.utils import collect_env
+
+    real = collect_env.get_pretty_env_info
+    collect_env.get_pretty_env_info = functools.partial(_described, real)
+    try:
+        yield
+    finally:
+        collect_env.get_pretty_env_info = real
 
 
 def compact_samples(samples: list[dict], needle_of=None) -> list[dict]:
