@@ -237,5 +237,15 @@ def _interpret_helpers_under_their_kernels_patch():
     interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch_lang, call
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+def _interpreter_patches_in_scopes() -> bool:
+    """Whether the installed Triton's interpreter patches `triton.language` in a restorable scope per launch (the
+    form the change above is written for); an older one runs as it is."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    return all(hasattr(interpreter, name) for name in ("_LangPatchScope", "_patch_lang", "GridExecutor"))
+
+
+if os.environ.get("TRITON_INTERPRET") == "1" and _interpreter_patches_in_scopes():
     _interpret_helpers_under_their_kernels_patch()
