@@ -105,7 +105,7 @@ def test_protected_region_in_the_engine_reads_as_the_cache_reads(option, extra):
         idx = torch.tensor(impl.pool.assign(table[:, 0].tolist(), [start] * len(rows)))
         ends = torch.tensor([b for _, b in rows])
         impl.pool.write(idx[row], pos, x, ends[row])
-        impl._decode_slots = idx
+        impl._slots = idx
 
     def decode(stored, fresh=None):  # the engine's decode segments against the cache's own, row by row
         segments = impl._protected_segments(kv, table, torch.tensor(stored), torch.float32)
@@ -138,7 +138,7 @@ def test_protected_region_in_the_engine_reads_as_the_cache_reads(option, extra):
         torch.testing.assert_close(got[r:r + 1], cache(r, n + 1), rtol=1e-6, atol=1e-6, msg=f"step at {n}")
     assert impl.pool.table.misses == 0
     impl.pool.table.owner[impl.pool.table.slot_of.pop(int(table[0, 0]))] = None  # sequence 0's slot taken while it waited
-    impl._decode_slots = torch.tensor(impl.pool.assign(table[:, 0].tolist(), [False] * 4))
+    impl._slots = torch.tensor(impl.pool.assign(table[:, 0].tolist(), [False] * 4))
     assert impl.pool.table.misses == 1
     unprotected = dataclasses.replace(fmt, n_sink=0, recent=0)
     torch.testing.assert_close(decode(lengths)[:1], cache(0, lengths[0], unprotected, fresh=True), rtol=1e-6,
@@ -150,8 +150,9 @@ def test_protected_region_in_the_engine_reads_as_the_cache_reads(option, extra):
 
 def _drive(monkeypatch, impl, table, kv):
     """A function running one engine step of `impl` (the layer's cache update with the step's metadata, as vLLM's
-    fields) over rows [(tokens (n, d_c + d_r), first position)]: prompts whole from position 0, or one token each
-    (the `decodes` decode rows first)."""
+    fields) over rows [(tokens (n, d_c + d_r), first position)], row r the sequence of table row r: one token each
+    (the `decodes` decode rows first), then prompts from position 0 or, with chunked prefill, from their cached
+    context on; it returns the step's metadata."""
     from types import SimpleNamespace
 
     import vllm.forward_context
@@ -165,15 +166,20 @@ def _drive(monkeypatch, impl, table, kv):
         x = torch.cat([x for x, _ in rows])
         starts = torch.tensor([0, *torch.tensor([len(x) for x, _ in rows]).cumsum(0).tolist()])
         seq_lens = torch.tensor([a + len(x) for x, a in rows[:decodes]])
+        context = [a for _, a in rows[decodes:]]
+        chunked = SimpleNamespace(context_lens_list=context) if any(context) else None
+        prefill = SimpleNamespace(block_table=table[decodes:len(rows)], chunked_context=chunked,
+                                  query_lens_cpu=torch.tensor([len(x) for x, _ in rows[decodes:]]))
         meta = SimpleNamespace(num_actual_tokens=len(x), num_decodes=decodes, num_decode_tokens=decodes,
-                               num_reqs=len(rows), query_start_loc=starts,
-                               prefill=None if decodes == len(rows) else SimpleNamespace(chunked_context=None),
+                               num_reqs=len(rows), num_prefills=len(rows) - decodes, query_start_loc=starts,
+                               prefill=None if decodes == len(rows) else prefill,
                                decode=SimpleNamespace(block_table=table[:decodes], seq_lens=seq_lens))
         context = SimpleNamespace(attn_metadata={impl.layer_name: meta})
         monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
         slots = table[row, pos // 16].long() * 16 + pos % 16
         d_c = impl.fmt.d_c
         impl.do_kv_cache_update(x[:, :d_c], x[:, None, d_c:], kv, slots, "auto", None)
+        return meta
 
     return step
 
@@ -246,10 +252,45 @@ def test_a_token_block_waits_in_the_pool_and_is_stored_when_it_fills(monkeypatch
                                      [Segment.dense(content, rope, torch.tensor([n + 1], dtype=torch.int32))])
             torch.testing.assert_close(got[r:r + 1], want, rtol=1e-6, atol=1e-6, msg=f"step {k}, {n} stored")
     impl.pool.table.owner[impl.pool.table.slot_of.pop(int(table[0, 0]))] = None  # sequence 0's slot taken meanwhile
-    impl._decode_slots = torch.tensor(impl.pool.assign(table[:, 0].tolist(), [False] * 4))
+    impl._slots = torch.tensor(impl.pool.assign(table[:, 0].tolist(), [False] * 4))
     with pytest.raises(RuntimeError, match=r"a sequence's tokens waiting for their token block \(token_block=32\) "
                                            r"were lost: its protected pool slot was taken"):
         impl._protected_segments(kv, table, torch.tensor([n + 3 for n in lengths]), torch.float32)
+
+
+@pytest.mark.parametrize("option, protected", [("int4_joint", (0, 0)), ("int2_joint", (2, 8)), ("fp8_flat", (0, 0)),
+                                               ("kivi_int2", (2, 8)), ("kivi_int4", (0, 0))])
+def test_a_prompt_continued_by_chunked_prefill_reads_its_context_as_the_cache_reads_it(monkeypatch, option,
+                                                                                        protected):
+    """Chunked prefill: four prompts written 16, 7, 11 and 23 tokens per engine step, four steps, through the layer's
+    cache update with each step's metadata (a prompt continued over its cached context). The context each chunk
+    attends to (`_context`: its tokens as stored, the protected ones from the pool; KIVI's blocks stored when they
+    fill, mid-chunk or across chunks, and its tokens waiting for their block read from the ring) equals, bit for bit,
+    what the framework's cache holds once it has appended the same chunks one by one (fp8_flat: the scale its first
+    chunk set)."""
+    n_sink, recent = protected
+    fmt = served(option, f"quant.protected.n_sink={n_sink}", f"quant.protected.recent={recent}")
+    impl, g = _engine_layer(fmt), torch.Generator().manual_seed(0)
+    chunks = [16, 7, 11, 23]
+    table = torch.randperm(32, generator=g)[:24].reshape(4, 6).to(torch.int32)  # blocks out of order
+    kv = torch.full((32, 1, 16, impl.pages.token_bytes), 255, dtype=torch.uint8)  # unwritten slots: not zeros
+    tokens = [torch.randn(4 * c, 112, generator=g) * (r + 1) for r, c in enumerate(chunks)]
+    step = _drive(monkeypatch, impl, table, kv)
+    for k in range(4):
+        meta = step([(tokens[r][k * c:(k + 1) * c], k * c) for r, c in enumerate(chunks)], 0)
+        if not k:
+            assert meta.prefill.chunked_context is None
+            continue
+        context = impl._context(kv, meta, torch.float32)
+        for r, c in enumerate(chunks):
+            layer = LatentCacheLayer(fmt)
+            for j in range(k + 1):  # the framework's cache, appended chunk by chunk
+                layer.append(tokens[r][None, j * c:(j + 1) * c, :96], tokens[r][None, j * c:(j + 1) * c, 96:])
+            want = torch.cat([x[0, : k * c].float() for x in layer.read()], -1)
+            torch.testing.assert_close(context[r], want, rtol=0, atol=0, msg=f"chunk {k} of sequence {r}")
+    if fmt.token_block:  # the blocks stored are read as the framework stores them (pages, past the pool's ring)
+        assert impl.pool.whole_blocks(torch.tensor([4 * c for c in chunks])).tolist() == \
+            ([1, 0, 1, 2] if n_sink else [2, 0, 1, 2])
 
 
 def test_the_layers_pools_share_one_slot_table_and_sinks_are_checked_at_engine_start(monkeypatch):
@@ -326,8 +367,9 @@ def test_the_protected_pools_come_out_of_the_engines_budget():
 def test_an_exported_checkpoint_gets_the_backend_that_serves_it_on_a_cpu_with_amx(tmp_path, monkeypatch):
     """On a CPU with AMX, vLLM's CPU platform gives an MLA model AMX_MLA (vLLM's own cache, 128-token blocks, chunked
     prefill) unless CPU_MLA is asked for: the plugin asks for CPU_MLA for a folder holding the cache description, so
-    vLLM's CPU MLA settings follow (16-token blocks, no chunked prefill), leaves any other folder as vLLM sets it, and
-    refuses another backend asked for a checkpoint by name."""
+    vLLM's CPU MLA block size follows (16 tokens) and chunked prefill stays as the engine was asked (the platform turns
+    it off for every model on its CPU MLA backends; this backend reads a prompt's context in the format), leaves any
+    other folder as vLLM sets it, and refuses another backend asked for a checkpoint by name."""
     import shutil
 
     from vllm.engine.arg_utils import EngineArgs
@@ -351,9 +393,12 @@ def test_an_exported_checkpoint_gets_the_backend_that_serves_it_on_a_cpu_with_am
                           runner="generate", enforce_eager=True, dtype="float32", max_model_len=256,
                           **kwargs).create_engine_config()
 
-    served = config(ours)
-    assert served.attention_config.backend == AttentionBackendEnum.CPU_MLA
-    assert served.cache_config.block_size == 16 and not served.scheduler_config.enable_chunked_prefill
+    served = config(ours, max_num_batched_tokens=64)
+    assert served.attention_config.backend == AttentionBackendEnum.CPU_MLA and served.cache_config.block_size == 16
+    assert served.scheduler_config.enable_chunked_prefill and served.scheduler_config.max_num_batched_tokens == 64
+    assert not served.cache_config.enable_prefix_caching  # the pools find a sequence by the block it owns first
+    whole = config(ours, enable_chunked_prefill=False).scheduler_config
+    assert not whole.enable_chunked_prefill and whole.max_num_batched_tokens >= 256
     other = config(plain)
     assert other.attention_config.backend is None and other.cache_config.block_size != 16
     with pytest.raises(ValueError, match=r"backend=AMX_MLA: .* is an exported checkpoint .* allowed: CPU_MLA"):
@@ -486,6 +531,33 @@ def test_serve_kivi_with_its_pending_tokens_in_the_pool(tmp_path):
     assert metrics["serve/unquantized/preemptions"] > 0 == metrics["serve/kivi_int2/preemptions"]
 
 
+@pytest.mark.slow
+def test_serve_the_toy_with_chunked_prefill(tmp_path):
+    """experiment=serve with chunked prefill (16 tokens per engine step, one sequence at a time) over INT2 on both
+    paths with 2 sinks and the 8 latest tokens in the pool: each prompt's later chunks attend to its earlier tokens as
+    the cache stored them, and the engine gives the framework's greedy tokens on all 16 prompts when the framework
+    prefills in the same chunks, where prefilling each prompt whole gives other tokens on some (the context read as
+    stored, not fresh)."""
+    from mla_quant.models.absorbed import cache_kwargs, quantized_cache
+    from mla_quant.toy.model import load_toy_model
+
+    protected = ["quant.protected.n_sink=2", "quant.protected.recent=8"]
+    done = run_cli("experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}", "quant=int2_joint", *protected,
+                   "task.max_num_seqs=1", "task.prefill_chunk=16", "task.concurrency=null", "task.repeats=1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "record.json").read_text())["metrics"]
+    assert metrics["serve/int2_joint/tokens_equal"] == metrics["serve/unquantized/tokens_equal"] == 16
+    result = json.loads((tmp_path / "engine" / "int2_joint_result.json").read_text())
+    assert result["scheduler"]["chunked_prefill"] and result["scheduler"]["max_num_batched_tokens"] == 16
+    prompts = json.loads((tmp_path / "engine" / "framework_tokens.json").read_text())["prompts"]
+    assert max(len(p) for p in prompts) > 3 * 16  # prompts of several chunks
+    toy, quant = load_toy_model(), compose(["model=toy_mla", "quant=int2_joint", *ENGINE, *protected]).quant
+    with torch.no_grad():
+        whole = [toy.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False,
+                              **cache_kwargs(quantized_cache(toy, quant)))[0, len(p):].tolist() for p in prompts]
+    assert sum(w != e[:len(w)] for w, e in zip(whole, result["tokens"])) > 0
+
+
 def test_a_format_per_layer_round_trips_through_the_description():
     """An exported format per layer (quant.layers; lloyd codebooks per layer) is rebuilt by the engine as it was:
     each layer's paths and levels."""
@@ -536,11 +608,18 @@ def test_serve_refuses_off_the_cpu_platform_before_exporting(tmp_path, monkeypat
     assert not (tmp_path / "checkpoint").exists()
 
 
-@pytest.mark.parametrize("override, named", [("task.dtype=fp32", "task.dtype='fp32'"),
-                                             ("task.concurrency=4", "task.concurrency=4"),
-                                             ("task.repeats=0", "task.repeats")])
+@pytest.mark.parametrize("override, named", [
+    ("task.dtype=fp32", "task.dtype='fp32'"), ("task.concurrency=4", "task.concurrency=4"),
+    ("task.repeats=0", "task.repeats"),
+    ("task.prefill_chunk=64", r"task.prefill_chunk=64: an engine step's tokens .* allowed: an integer >= 256"),
+    ("task.prefill_chunk=16 task.max_num_seqs=4", r"task.prefill_chunk=16 with task.max_num_seqs=4 and "
+                                                  r"task.require_equal=true: .* allowed: task.max_num_seqs=1, or "
+                                                  r"task.require_equal=false")])
 def test_serve_settings_refused_by_name(override, named):
     from mla_quant.stages.serve import check_task
 
     with pytest.raises(ValueError, match=named):
-        check_task(compose(["experiment=serve", override]).task)
+        check_task(compose(["experiment=serve", *override.split()]).task)
+    if "prefill_chunk" in override:  # the same chunks with one sequence at a time, or agreement reported only
+        for fix in ("task.max_num_seqs=1", "task.require_equal=false"):
+            check_task(compose(["experiment=serve", "task.prefill_chunk=256", fix]).task)

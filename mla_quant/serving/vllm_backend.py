@@ -492,11 +492,12 @@ class ProtectedPool:
                                "were lost: its protected pool slot was taken while it waited (more sequences started "
                                "than max_num_seqs slots)")
 
-    def read(self, idx: torch.Tensor, stored: torch.Tensor):
-        """For sequences in slots idx (B,) holding `stored` (B,) tokens before this step's: (sinks (B, n_sink,
-        width), their count, window (B, ring, width) oldest first, its count, lo (B,): the first position of the
-        window, miss (B,): True where the slot does not hold all of them)."""
-        lo = self.first_held(stored + 1)  # with this step's token
+    def read(self, idx: torch.Tensor, stored: torch.Tensor, new: torch.Tensor | int = 1):
+        """For sequences in slots idx (B,) holding `stored` (B,) tokens before this step's `new` (a decode step's
+        one, a chunk of a prompt's): (sinks (B, n_sink, width), their count, window (B, ring, width) oldest first, its
+        count, lo (B,): the first position of the window, miss (B,): True where the slot does not hold all of
+        them)."""
+        lo = self.first_held(stored + new)  # with this step's tokens
         sink_len = torch.clamp(stored, max=self.n_sink)
         miss = self.sinks_held[idx] < sink_len
         if not self.ring:
@@ -591,7 +592,7 @@ class LatentMLAImpl(CPUMLAImpl):
         self.max_num_seqs = None if config is None else config.scheduler_config.max_num_seqs
         self.config = config
         self._fresh: dict[str, torch.Tensor] | None = None
-        self._decode_slots: torch.Tensor | None = None  # the protected pool's slot of each decode row of this step
+        self._slots: torch.Tensor | None = None  # the protected pool's slot of each sequence of this step
         if self.served is not None:
             layer_pages()  # each layer's page its own format's bytes
         if self.served is not None and any(sum(pool_tokens(f)) for f in self.served.layers):
@@ -645,11 +646,12 @@ class LatentMLAImpl(CPUMLAImpl):
             held = _SLOT_TABLES[id(self.config)] = (self.config, SlotTable(int(self.max_num_seqs)))
         return held[1]
 
-    def _step(self, what: str):
+    def _step(self):
         """This layer's view of the step: (its forward context, one per step; its metadata; starts (R + 1,): where
-        each sequence's tokens begin, decode rows first; row (N,): each token's sequence), or None in a warm-up run
-        without sequences. `what` (the feature that reads prompts whole) names the refusal of chunked prefill over
-        cached context."""
+        each sequence's tokens begin, decode rows first; row (N,): each token's sequence; cached (R,): the tokens each
+        sequence held before this step: a decode row's all but its new one, a prompt's its context, 0 unless
+        chunked prefill continues it; first (R,): each sequence's first block), or None in a warm-up run without
+        sequences."""
         from vllm.forward_context import get_forward_context
 
         context = get_forward_context()
@@ -657,52 +659,64 @@ class LatentMLAImpl(CPUMLAImpl):
         meta = meta.get(self.layer_name) if isinstance(meta, dict) else meta
         if not isinstance(meta, MLACommonMetadata):
             return None
-        if meta.prefill is not None and meta.prefill.chunked_context is not None:
-            raise ValueError(f"quant={self.served.name}: {what} reads prompts whole (chunked prefill over cached "
-                             "context is not served)")
         starts = meta.query_start_loc.to("cpu", torch.long)[: meta.num_reqs + 1]
         row = torch.searchsorted(starts[1:], torch.arange(meta.num_actual_tokens), right=True)
-        return context, meta, starts, row
+        d = meta.num_decodes
+        cached = torch.zeros(meta.num_reqs, dtype=torch.long)
+        first = torch.empty(meta.num_reqs, dtype=torch.long)
+        if d:
+            cached[:d] = meta.decode.seq_lens[:d].to("cpu", torch.long) - 1
+            first[:d] = meta.decode.block_table[:d, 0].to("cpu", torch.long)
+        if meta.num_prefills:
+            first[d:] = meta.prefill.block_table[:, 0].to("cpu", torch.long)
+            if meta.prefill.chunked_context is not None:  # chunked prefill: a prompt continued over its context
+                cached[d:] = torch.tensor(meta.prefill.chunked_context.context_lens_list, dtype=torch.long)
+        return context, meta, starts, row, cached, first
 
     def _protect(self, kv_cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Write this step's protected tokens x (N, d_c + d_r) (slots (N,), vLLM's) into the pool: each token's
-        sequence and position from the step's metadata (decode rows first, one token each; a prompt whole, from
-        position 0: vLLM's CPU platform runs no chunked prefill). With a token block, the blocks this step fills
-        are then stored (`_store_blocks`)."""
-        step = self._step("a protected region")
+        sequence and position from the step's metadata (decode rows first, one token each; a prompt from position 0,
+        or with chunked prefill from its cached context on). With a token block, the blocks this step fills are then
+        stored (`_store_blocks`)."""
+        step = self._step()
         if step is None:  # a warm-up run without sequences
             return
-        context, meta, starts, row = step  # the context: the key of the step's slots, for every layer
+        context, meta, starts, row, cached, first = step  # the context: the key of the step's slots, for every layer
         n, d = meta.num_actual_tokens, meta.num_decodes
         if meta.num_decode_tokens != d:
             raise ValueError(f"quant={self.served.name}: a protected region takes one token per decode step "
                              f"({meta.num_decode_tokens} tokens for {d} sequences: speculative decoding)")
         slots, x = slots[:n].long(), x[:n]
-        keys = torch.empty(meta.num_reqs, dtype=torch.long)
-        length = starts[1:] - starts[:-1]  # a prompt's tokens
-        pos = torch.arange(n) - starts[row]
-        if d:
-            seq_lens = meta.decode.seq_lens[:d].to("cpu", torch.long)
-            keys[:d] = meta.decode.block_table[:d, 0].to("cpu", torch.long)
-            length[:d] = seq_lens
-            pos[:d] = seq_lens - 1
-        keys[d:] = slots[starts[d:-1]] // self.block_size  # a prompt's first block: its position 0's
-        idx = torch.tensor(self.pool.assign(keys.tolist(), [r >= d for r in range(meta.num_reqs)], step=context),
-                           dtype=torch.long)
-        self._decode_slots = idx[:d]
+        length = cached + starts[1:] - starts[:-1]  # each sequence's tokens after this step
+        pos = cached[row] + torch.arange(n) - starts[row]
+        idx = torch.tensor(self.pool.assign(first.tolist(), (cached == 0).tolist(), step=context), dtype=torch.long)
+        self._slots = idx
+        pending = self._pending(meta, idx, cached) if self.pool.token_block else None
         self.pool.write(idx[row], pos, x, length[row])
         if self.pool.token_block:
-            self._store_blocks(kv_cache, meta, starts, idx, length, slots, x)
+            self._store_blocks(kv_cache, meta, starts, idx, cached, length, slots, x, pending)
+
+    def _pending(self, meta, idx: torch.Tensor, cached: torch.Tensor) -> dict[int, torch.Tensor]:
+        """With a token block: the cached tokens of each prompt continued by chunked prefill that wait in the ring for
+        their block {row: (n, width)}, taken before this step's tokens overwrite the ring's entries."""
+        pool, d = self.pool, meta.num_decodes
+        out = {}
+        for r in range(d, meta.num_reqs):
+            if int(cached[r]):
+                lo = pool.n_sink + pool.whole_blocks(cached[r : r + 1])[0] * pool.token_block
+                out[r] = pool.held(int(idx[r]), torch.arange(int(lo), int(cached[r])))
+        return out
 
     def _store_blocks(self, kv_cache: torch.Tensor, meta, starts: torch.Tensor, idx: torch.Tensor,
-                      length: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+                      cached: torch.Tensor, length: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
+                      pending: dict[int, torch.Tensor]) -> None:
         """Encode the token blocks this step fills (the paths over blocks of tokens, KIVI's) into their tokens' slots,
         as the framework's cache stores a block when its last token leaves the window: a prompt's from its own tokens
-        (x, slots: the step's), a decode row's from its pool's ring, which held them since they were written."""
+        (x, slots: the step's) after the tokens of its cached context that waited for the block (`pending`), a
+        decode row's from its pool's ring, which held them since they were written."""
         pool, t, bs, d = self.pool, self.pool.token_block, self.block_size, meta.num_decodes
         done = pool.whole_blocks(length)  # (R,) after this step
-        before = torch.zeros_like(done)
-        before[:d] = pool.whole_blocks(length[:d] - 1)  # a prompt starts afresh
+        before = pool.whole_blocks(cached)  # (R,) before it
         held, where = [], []
         for r in torch.nonzero(done > before).flatten().tolist():
             pos = pool.n_sink + t * int(before[r]) + torch.arange(t * int(done[r] - before[r]))
@@ -711,8 +725,11 @@ class LatentMLAImpl(CPUMLAImpl):
                 table = meta.decode.block_table[r].to("cpu", torch.long)
                 where.append(table[pos // bs] * bs + pos % bs)
             else:
-                held.append(x[starts[r] + pos])
-                where.append(slots[starts[r] + pos])
+                new = pos >= cached[r]
+                waited = pending.get(r, x[:0])[: int((~new).sum())]
+                held.append(torch.cat([waited, x[starts[r] + pos[new] - cached[r]]]))
+                table = meta.prefill.block_table[r - d].to("cpu", torch.long)
+                where.append(table[pos // bs] * bs + pos % bs)
         if held:
             tokens = torch.cat(held)
             d_c = self.fmt.d_c
@@ -725,17 +742,18 @@ class LatentMLAImpl(CPUMLAImpl):
         set from its tokens (as the framework's cache sets it on a sequence's first append) and written into its
         first block; a decode row's read from its first block. A recomputed prompt (a preempted sequence) sets its
         scale again from the tokens it recomputes."""
-        step = self._step("a scale per sequence")
+        step = self._step()
         if step is None:  # a warm-up run without sequences: one scale for its tokens
             return {p: s.expand(slots.shape[0]) for p, s in self.pages.prompt_scales(tokens).items()}
-        _, meta, starts, row = step
-        n, d = meta.num_actual_tokens, meta.num_decodes
+        _, meta, starts, row, cached, first = step
+        n = meta.num_actual_tokens
         per_row = {p: torch.empty(meta.num_reqs, dtype=torch.float32) for p in self.pages.scaled}
-        if d:
-            held = self.pages.sequence_scales(kv_cache, meta.decode.block_table[:d, 0].to("cpu", torch.long))
+        going = cached > 0  # a decode row, or a prompt continued by chunked prefill: its scale is set
+        if going.any():
+            held = self.pages.sequence_scales(kv_cache, first[going])
             for p in per_row:
-                per_row[p][:d] = held[p]
-        for r in range(d, meta.num_reqs):  # a prompt, whole from position 0 (no chunked prefill)
+                per_row[p][going] = held[p]
+        for r in torch.nonzero(~going).flatten().tolist():  # a prompt from position 0: its first tokens set it
             a, b = int(starts[r]), int(starts[r + 1])
             scales = self.pages.prompt_scales({p: x[a:b] for p, x in tokens.items()})
             self.pages.set_sequence_scales(kv_cache, slots[a:a + 1] // self.block_size,
@@ -752,7 +770,7 @@ class LatentMLAImpl(CPUMLAImpl):
         """The stored tokens of each decode row as segments: its sinks and its recent window from the pool, the rest
         from its blocks (all from its blocks for a row whose slot was taken)."""
         pool, bs, d_c = self.pool, self.block_size, self.fmt.d_c
-        sinks, sink_len, window, win_len, lo, miss = pool.read(self._decode_slots, stored.long())
+        sinks, sink_len, window, win_len, lo, miss = pool.read(self._slots[: table.shape[0]], stored.long())
         if pool.token_block:  # the whole blocks after the sinks (a row whose slot was taken: refused)
             segments = self._block_segments(kv_cache, table, stored.long(), lo, miss, dtype)
         else:
@@ -791,6 +809,73 @@ class LatentMLAImpl(CPUMLAImpl):
         keep = (torch.arange(width) < count[:, None])[..., None]
         return [Segment.dense(*(torch.where(keep, dense[p], 0).to(dtype).contiguous() for p in PATHS),
                               count.to(torch.int32))]
+
+    def _context(self, kv_cache: torch.Tensor, meta, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Each prompt's cached context (chunked prefill), as the framework's cache reads it in a step of several
+        tokens once they are appended: {prompt row: (context, d_c + d_r)} in `dtype`, the tokens as stored, the
+        protected ones (sinks, the window of the sequence with this step's tokens, a token block's tokens waiting
+        for it to fill) from the pool."""
+        prefill, d, pool = meta.prefill, meta.num_decodes, self.pool
+        queries = prefill.query_lens_cpu.tolist()
+        out = []
+        for r, cached in enumerate(prefill.chunked_context.context_lens_list):
+            table = prefill.block_table[r : r + 1]
+            if not cached:
+                out.append(torch.empty(0, self.fmt.d_c + self.fmt.d_r, dtype=dtype))
+                continue
+            if pool is None:
+                dense = self.pages.decoded(kv_cache, table, 0, cached)
+                out.append(torch.cat([dense[p][0] for p in PATHS], -1).to(dtype))
+                continue
+            sinks, n_sinks, window, n_window, lo, miss = pool.read(self._slots[d + r : d + r + 1],
+                                                                   torch.tensor([cached]), queries[r])
+            lo, n_sinks, n_window = int(lo[0]), int(n_sinks[0]), int(n_window[0])
+            if pool.token_block:  # the sinks, the whole blocks after them (decoded a block at once), the ring
+                pool.refuse_lost(miss)
+                parts = [sinks[0, :n_sinks]]
+                if lo > pool.n_sink:
+                    dense = self.pages.decoded(kv_cache, table, pool.n_sink, lo - pool.n_sink)
+                    parts.append(torch.cat([dense[p][0] for p in PATHS], -1)[: cached - pool.n_sink])
+                parts.append(window[0, :n_window])
+                out.append(torch.cat([v.to(dtype) for v in parts]))
+                continue
+            dense = self.pages.decoded(kv_cache, table, 0, cached)
+            x = torch.cat([dense[p][0] for p in PATHS], -1).to(dtype)
+            if not bool(miss[0]):  # a sequence whose slot was taken reads its tokens as stored
+                x[:n_sinks] = sinks[0, :n_sinks].to(dtype)
+                x[lo: lo + n_window] = window[0, :n_window].to(dtype)
+            out.append(x)
+        return out
+
+    def _compute_prefill_context(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale):
+        """Chunked prefill: the step's prompt tokens attend to their cached context read in the format (`_context`),
+        through vLLM's prefill backend a workspace chunk at a time, merged by log-sum-exp as vLLM's own does; the
+        step's own tokens are attended fresh by vLLM's prefill path (`forward_mha`)."""
+        if self.served is None:
+            return super()._compute_prefill_context(q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
+        from vllm.model_executor.layers.attention.mla_attention import (accumulate_mla_context_chunk,
+                                                                        init_mla_context_partial)
+
+        prefill = attn_metadata.prefill
+        chunked = prefill.chunked_context
+        context = self._context(kv_c_and_k_pe_cache, attn_metadata, q.dtype)
+        output = output_lse = None
+        for chunk in chunked.chunks:
+            rows = range(chunk.request_slice.start, chunk.request_slice.stop)
+            tokens = torch.cat([context[r][a: a + n]
+                                for r, a, n in zip(rows, chunk.starts.tolist(), chunk.seq_lens.tolist())])
+            kv_nope = self.kv_b_proj(tokens[:, : self.kv_lora_rank])[0].view(
+                -1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+            k_nope, v = kv_nope.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+            k = self._concat_k_nope_k_pe(k_nope, tokens[:, None, self.kv_lora_rank:])
+            out, lse = prefill.prefill_backend.run_prefill_context_chunk(chunk=chunk, q=q[chunk.token_slice], k=k,
+                                                                         v=v)
+            if output is None:
+                if len(chunked.chunks) == 1 and not chunked.empty_token_slices:
+                    return out, lse
+                output, output_lse = init_mla_context_partial(chunked, out, lse, num_tokens=q.shape[0])
+            accumulate_mla_context_chunk(chunk, out, lse, output, output_lse)
+        return output, output_lse
 
     @functools.cached_property
     def decode_backend(self) -> str:

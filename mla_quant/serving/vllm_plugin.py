@@ -30,7 +30,11 @@ def serve_exported(platform: type, cpu: bool) -> None:
     """The platform's config check, wrapped (once per process) for a model folder holding the cache description:
     - on the CPU platform, CPU_MLA (the member this plugin overrides) is asked for it: on a CPU with AMX, vLLM would
       give an MLA model AMX_MLA (its own BF16 cache, 128-token blocks, chunked prefill) and serve the checkpoint
-      without its format; another backend asked for one is refused by name;
+      without its format; another backend asked for one is refused by name. The platform turns chunked prefill off
+      for every MLA model on the CPU MLA backends; this backend reads a prompt's cached context in the format
+      (`LatentMLAImpl._compute_prefill_context`), so the engine's own setting (`enable_chunked_prefill`, with its
+      `max_num_batched_tokens`) is kept. Prefix caching stays off: the protected pools find a sequence by the one
+      block it owns first;
     - on any other platform no backend serves the format yet (vLLM's own would store its own cache and the format
       would do nothing): refused by name, with the way to serve the weights alone.
     Every other model is left as vLLM sets it."""
@@ -52,6 +56,12 @@ def serve_exported(platform: type, cpu: bool) -> None:
                 raise ValueError(f"attention_config backend={attention.backend.name}: {model} is an exported "
                                  f"checkpoint ({CACHE_FILE}), whose cache format the CPU_MLA backend serves; allowed: "
                                  "CPU_MLA, or none (chosen for it)")
+            scheduler = vllm_config.scheduler_config
+            asked = scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens
+            check(cls, vllm_config)
+            if asked[0]:  # the backend reads a prompt's cached context: chunked prefill as the engine was asked
+                scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens = asked
+            return None
         return check(cls, vllm_config)
 
     check_and_update_config.serves_latent_formats = True

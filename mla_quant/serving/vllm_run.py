@@ -9,7 +9,8 @@ outlives the process.
 (`python -m mla_quant.stages.serve` with the same arguments also takes lm-eval requests, below.)
 
 request: {"model": folder, "prompts": [[ids], ...], "max_tokens": n, "dtype": "float32", "kv_cache_memory_bytes": b,
-          "max_model_len": n, "max_num_seqs": n, "repeats": n, "sweep": [n, ...] (concurrent requests)}; with
+          "max_model_len": n, "max_num_seqs": n, "repeats": n, "sweep": [n, ...] (concurrent requests),
+          "prefill_chunk": null or n (chunked prefill, n tokens per engine step)}; with
           "lm_eval": {"tasks", "include_path", "limit", "gen_kwargs", "seed"} (`mla_quant.stages.serve` only):
           those suites scored through lm-eval's vLLM model on the folder instead (result: {"results": lm-eval's})
 result:  {"tokens": [[ids], ...] (the last run's), "runs": [{"seconds", "output_tokens", "preemptions",
@@ -47,6 +48,10 @@ def engine_args(request: dict) -> dict:
                 compilation_config={"custom_ops": ["-rotary_embedding"]}, max_model_len=int(request["max_model_len"]),
                 kv_cache_memory_bytes=int(request["kv_cache_memory_bytes"]), disable_log_stats=False,
                 max_num_seqs=int(request.get("max_num_seqs", 256)), seed=0)
+    chunk = request.get("prefill_chunk")  # chunked prefill: at most this many tokens per engine step
+    args["enable_chunked_prefill"] = chunk is not None
+    if chunk is not None:
+        args["max_num_batched_tokens"] = int(chunk)
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():  # on a CPU with AMX vLLM would pick AMX_MLA (BF16 weights only) for the

@@ -72,13 +72,18 @@ def prompts_of(task: DictConfig, tokenizer, vocab: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def framework_tokens(prep, prompts: list[list[int]], max_tokens: int, quantized: bool = True) -> list[list[int]]:
+def framework_tokens(prep, prompts: list[list[int]], max_tokens: int, quantized: bool = True,
+                     chunk: int | None = None) -> list[list[int]]:
     """Greedy tokens of the framework's own model and cache (the prepared format's, or with quantized=False the
-    unquantized cache's), each prompt alone."""
+    unquantized cache's), each prompt alone. `chunk`: the prompt prefilled `chunk` tokens per forward, as an engine
+    with chunked prefill runs a prompt scheduled alone (each chunk attends to the earlier ones as the cache stored
+    them), the last chunk with the first greedy token."""
     out = []
     for p in prompts:
         ids = torch.tensor([p], device=prep.model.device)
         cache = prep.new_cache() if quantized else new_cache(prep.model)
+        for start in range(0, (len(p) - 1) // chunk * chunk if chunk else 0, chunk or 1):
+            prep.model(ids[:, start: start + chunk], use_cache=True, **cache_kwargs(cache))
         gen = prep.model.generate(ids, max_new_tokens=max_tokens, do_sample=False, **cache_kwargs(cache))
         out.append(gen[0, len(p):].tolist())
     return out
@@ -115,7 +120,7 @@ def engine_request(folder: Path, prompts, task: DictConfig, suites: dict | None 
     request = {"model": str(folder), "prompts": prompts, "max_tokens": int(task.max_tokens), "dtype": str(task.dtype),
                "kv_cache_memory_bytes": int(task.kv_budget_bytes),
                "max_model_len": int(task.max_model_len), "max_num_seqs": int(task.max_num_seqs),
-               "repeats": int(task.repeats),
+               "repeats": int(task.repeats), "prefill_chunk": task.prefill_chunk,
                "sweep": [int(n) for n in task.concurrency or []]}
     if suites is not None:  # the suites' prompts up to the model's positions
         suites = dict(suites)
@@ -172,6 +177,15 @@ def check_task(task: DictConfig) -> None:
         int_setting(task[key], f"task.{key}", 1)
     if task.prompt_tokens is not None:
         int_setting(task.prompt_tokens, "task.prompt_tokens", 1)
+    if task.prefill_chunk is not None:
+        int_setting(task.prefill_chunk, "task.prefill_chunk", int(task.max_num_seqs),
+                    why="an engine step's tokens (vLLM's max_num_batched_tokens) hold one of each sequence's")
+        if int(task.max_num_seqs) > 1 and task.require_equal:
+            raise ValueError(f"task.prefill_chunk={task.prefill_chunk} with task.max_num_seqs={task.max_num_seqs} "
+                             "and task.require_equal=true: where sequences share an engine step, its tokens are cut "
+                             "into chunks as the scheduler fits them, and the framework's reference prefills each "
+                             f"prompt alone in chunks of {task.prefill_chunk} (a quantized context reads differently "
+                             "when cut elsewhere); allowed: task.max_num_seqs=1, or task.require_equal=false")
     if task.dtype not in ENGINE_DTYPES:
         raise ValueError(f"task.dtype={task.dtype!r}; allowed: {list(ENGINE_DTYPES)} (the engine's activations)")
     if not isinstance(task.require_equal, bool):
@@ -221,8 +235,9 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     vocab = prep.model.config.get_text_config(decoder=True).vocab_size
     prompts = prompts_of(task, prep.tokenizer, vocab)
     # each engine's cache against the framework's own with the same format: the unquantized, and the prepared one
-    reference = {"unquantized": framework_tokens(prep, prompts, int(task.max_tokens), quantized=False),
-                 fmt.name: framework_tokens(prep, prompts, int(task.max_tokens))}
+    chunk = None if task.prefill_chunk is None else int(task.prefill_chunk)
+    reference = {"unquantized": framework_tokens(prep, prompts, int(task.max_tokens), quantized=False, chunk=chunk),
+                 fmt.name: framework_tokens(prep, prompts, int(task.max_tokens), chunk=chunk)}
     work = run_dir / "engine"
     work.mkdir(exist_ok=True)
     write_json_atomic(work / "framework_tokens.json", {"prompts": prompts, "tokens": reference})  # per cache
