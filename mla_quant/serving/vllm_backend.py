@@ -16,12 +16,17 @@ decode with the project's decode kernels; any other model gets vLLM's own backen
   block table; a format no kernel reads (3-bit codes, fp8) is decoded by its codec into a dense buffer. As in the
   framework's `quant.mode=serving`, the step's own token is read with its fresh values, every earlier token as
   stored; prefill attends to the prompt's fresh latents (vLLM's prefill path).
+- **Chunked prefill** (`_compute_prefill_context`): a prompt continued over its cached context (the engine cut it
+  into chunks) attends to that context as the framework's cache reads it in a step of several tokens once they are
+  appended: the stored tokens decoded from the pages, the protected ones from the pool (`_context`); its own tokens
+  fresh. The pool takes a chunk's tokens at their positions, and a token block that fills mid-prompt is stored from
+  the tokens that waited in the ring and the chunk's own.
 - **The protected region** (`quant.protected`: each sequence's first `n_sink` tokens and its latest `recent`, in the
   activation dtype): every token is written in the format into its block as above, and the protected ones also into
   a pool beside vLLM's blocks (`ProtectedPool`), a slot per sequence the engine may run at once (`max_num_seqs`),
-  found by the sequence's first block: on vLLM's CPU platform a block has one owner (no prefix caching, no chunked
-  prefill), and a sequence keeps its first block until it ends or is preempted (then recomputed from its prompt into
-  new blocks). Decode reads the protected tokens from the pool, the rest from the blocks, as the framework's cache
+  found by the sequence's first block: a block has one owner (the plugin keeps prefix caching off, as vLLM's CPU
+  platform sets it), and a sequence keeps its first block until it ends or is preempted (then recomputed from its
+  prompt into new blocks). Decode reads the protected tokens from the pool, the rest from the blocks, as the framework's cache
   does. The pools are part of the KV cache's bytes: the engine's worker takes them out of the memory it gives vLLM's
   blocks (`count_pools`: `kv_cache_memory_bytes` when set, else what vLLM measured free), so a budget holds the
   blocks and the pools together, whoever starts the engine. A sequence whose slot was taken while it waited (more
