@@ -549,6 +549,7 @@ def test_serve_the_toy_with_chunked_prefill(tmp_path):
     assert metrics["serve/int2_joint/tokens_equal"] == metrics["serve/unquantized/tokens_equal"] == 16
     result = json.loads((tmp_path / "engine" / "int2_joint_result.json").read_text())
     assert result["scheduler"]["chunked_prefill"] and result["scheduler"]["max_num_batched_tokens"] == 16
+    assert (tmp_path / "serve.md").read_text().count("| chunks of 16 |") == 2  # both caches' rows say so
     prompts = json.loads((tmp_path / "engine" / "framework_tokens.json").read_text())["prompts"]
     assert max(len(p) for p in prompts) > 3 * 16  # prompts of several chunks
     toy, quant = load_toy_model(), compose(["model=toy_mla", "quant=int2_joint", *ENGINE, *protected]).quant

@@ -272,7 +272,9 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                             f"serve/{name}/protected_misses": r["protected"]["misses"]})
         label = (name if name != "unquantized" else f"vLLM's own cache ({task.dtype})" if r["format"] is None
                  else f"unquantized ({task.dtype} values)")
+        sched = r["scheduler"]  # vLLM's own backend: its CPU platform prefills prompts whole
         rows.append({"cache": label, "decode": r["decode_backend"],
+                     "prefill": f"chunks of {sched['max_num_batched_tokens']}" if sched["chunked_prefill"] else "whole",
                      "tokens equal to the framework's": f"{equal}/{len(prompts)}", "KV blocks": r["num_blocks"],
                      "bytes per token and layer": r["page_bytes_per_block"] / r["block_size"],
                      "preemptions (simulated)": f"{first['preemptions']} ({predicted.preemptions})",
@@ -285,7 +287,9 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     needed = sum(len(p) + int(task.max_tokens) for p in prompts)
     print(f"[serve] vLLM {task.dtype}, KV budget {int(task.kv_budget_bytes)} B, {len(prompts)} prompts x "
           f"{int(task.max_tokens)} tokens (greedy; {needed} tokens, {needed / held:.2f}x what the unquantized cache "
-          f"holds), {int(task.repeats)} runs; in brackets vLLM's scheduler alone (experiment=serving's simulation) "
+          f"holds), {int(task.repeats)} runs"
+          f"{'' if chunk is None else f', chunked prefill of {chunk} tokens per engine step'}; in brackets vLLM's "
+          f"scheduler alone (experiment=serving's simulation) "
           f"over the same requests and blocks:\n{table.to_string(index=False)}")
     tables = {"serve": table}
     if task.concurrency:
