@@ -13,6 +13,7 @@ from conftest import HAS_CXX, compose, run_cli
 from mla_quant.cache.layer import LatentCacheLayer
 from mla_quant.kernels.layout import Segment
 from mla_quant.kernels.torch_decode import segment_attention
+from mla_quant.quant.format import as_spec
 from mla_quant.quant.formats import cache_format
 
 vllm_backend = pytest.importorskip("mla_quant.serving.vllm_backend", reason="vLLM's CPU build (README) is needed")
@@ -293,6 +294,16 @@ def test_a_prompt_continued_by_chunked_prefill_reads_its_context_as_the_cache_re
             ([1, 0, 1, 2] if n_sink else [2, 0, 1, 2])
 
 
+def test_blocks_are_shared_only_where_no_sequence_owns_what_they_hold():
+    """vLLM's prefix caching shares a prompt's leading blocks between sequences: allowed for a format whose blocks hold
+    their tokens alone, refused by name where a sequence's first block finds its pool or holds its scale."""
+    assert vllm_backend.shared_blocks_refused(as_spec(served("int4_joint"))) is None
+    assert vllm_backend.shared_blocks_refused(as_spec(served("fp8_ds_mla"))) is None
+    assert "scale is held in its first block" in vllm_backend.shared_blocks_refused(as_spec(served("fp8_flat")))
+    for option, extra in (("kivi_int4", []), ("int2_joint", ["quant.protected.n_sink=2"])):
+        assert "protected pool" in vllm_backend.shared_blocks_refused(as_spec(served(option, *extra)))
+
+
 def test_the_layers_pools_share_one_slot_table_and_sinks_are_checked_at_engine_start(monkeypatch):
     """Every layer's pool holds the engine's sequences in the same slots, assigned once per step (the step's
     forward context, one object for all layers); each pool empties the slots that start afresh. Sinks wider than a
@@ -367,10 +378,13 @@ def test_the_protected_pools_come_out_of_the_engines_budget():
 def test_an_exported_checkpoint_gets_the_backend_that_serves_it_on_a_cpu_with_amx(tmp_path, monkeypatch):
     """On a CPU with AMX, vLLM's CPU platform gives an MLA model AMX_MLA (vLLM's own cache, 128-token blocks, chunked
     prefill) unless CPU_MLA is asked for: the plugin asks for CPU_MLA for a folder holding the cache description, so
-    vLLM's CPU MLA block size follows (16 tokens) and chunked prefill stays as the engine was asked (the platform turns
-    it off for every model on its CPU MLA backends; this backend reads a prompt's context in the format), leaves any
-    other folder as vLLM sets it, and refuses another backend asked for a checkpoint by name."""
+    vLLM's CPU MLA block size follows (16 tokens) and chunked prefill and prefix caching stay as the engine was asked
+    (the platform turns both off for every model on its CPU MLA backends; this backend reads a prompt's context in the
+    format), prefix caching only where sequences can share the format's blocks (not with a protected region's pool);
+    leaves any other folder as vLLM sets it, and refuses another backend asked for a checkpoint by name."""
     import shutil
+
+    from omegaconf import OmegaConf
 
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -381,12 +395,15 @@ def test_an_exported_checkpoint_gets_the_backend_that_serves_it_on_a_cpu_with_am
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     register()
-    plain, ours = tmp_path / "plain", tmp_path / "ours"
-    for folder in (plain, ours):
+    plain, ours, pooled = tmp_path / "plain", tmp_path / "ours", tmp_path / "pooled"
+    for folder in (plain, ours, pooled):
         folder.mkdir()
         for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
             shutil.copy(ASSETS / name, folder / name)
-    (ours / CACHE_FILE).write_text("{}")
+    for folder, overrides in ((ours, []), (pooled, ["quant.protected.n_sink=2", "quant.protected.recent=8"])):
+        quant = compose(["model=toy_mla", "quant=int4_joint", *ENGINE, *overrides]).quant
+        (folder / CACHE_FILE).write_text(json.dumps({"quant": OmegaConf.to_container(quant, resolve=True),
+                                                     "cache": {"format": "int4_joint", "d_c": 96, "d_r": 16}}))
 
     def config(folder, **kwargs):
         return EngineArgs(model=str(folder), hf_overrides={"architectures": ["DeepseekV2ForCausalLM"]},
@@ -396,9 +413,11 @@ def test_an_exported_checkpoint_gets_the_backend_that_serves_it_on_a_cpu_with_am
     served = config(ours, max_num_batched_tokens=64)
     assert served.attention_config.backend == AttentionBackendEnum.CPU_MLA and served.cache_config.block_size == 16
     assert served.scheduler_config.enable_chunked_prefill and served.scheduler_config.max_num_batched_tokens == 64
-    assert not served.cache_config.enable_prefix_caching  # the pools find a sequence by the block it owns first
-    whole = config(ours, enable_chunked_prefill=False).scheduler_config
-    assert not whole.enable_chunked_prefill and whole.max_num_batched_tokens >= 256
+    assert served.cache_config.enable_prefix_caching  # vLLM's default, kept: blocks of int4_joint can be shared
+    whole = config(ours, enable_chunked_prefill=False, enable_prefix_caching=False)
+    assert not whole.scheduler_config.enable_chunked_prefill and whole.scheduler_config.max_num_batched_tokens >= 256
+    assert not whole.cache_config.enable_prefix_caching
+    assert not config(pooled).cache_config.enable_prefix_caching  # the pools find a sequence by its first block
     other = config(plain)
     assert other.attention_config.backend is None and other.cache_config.block_size != 16
     with pytest.raises(ValueError, match=r"backend=AMX_MLA: .* is an exported checkpoint .* allowed: CPU_MLA"):
@@ -532,31 +551,40 @@ def test_serve_kivi_with_its_pending_tokens_in_the_pool(tmp_path):
 
 
 @pytest.mark.slow
-def test_serve_the_toy_with_chunked_prefill(tmp_path):
-    """experiment=serve with chunked prefill (16 tokens per engine step, one sequence at a time) over INT2 on both
-    paths with 2 sinks and the 8 latest tokens in the pool: each prompt's later chunks attend to its earlier tokens as
-    the cache stored them, and the engine gives the framework's greedy tokens on all 16 prompts when the framework
-    prefills in the same chunks, where prefilling each prompt whole gives other tokens on some (the context read as
-    stored, not fresh)."""
-    from mla_quant.models.absorbed import cache_kwargs, quantized_cache
+def test_serve_the_toy_with_chunked_prefill_and_prefix_caching(tmp_path):
+    """experiment=serve with INT2 on both paths, 16 prompts after the same 40 tokens, chunked prefill (24 tokens per
+    engine step, one sequence at a time) and vLLM's prefix caching: each prompt after the first finds the leading
+    whole blocks an earlier prompt computed cached (the tokens vLLM counts are those `engine_cuts` says, in both runs
+    of the trace: its cache emptied before each), computes the rest in chunks from there, and reads everything before
+    a chunk as the cache stored it. The engine gives the framework's greedy tokens on all 16 prompts when the
+    framework cuts each prompt's computing where the engine did, where prefilling whole, or in chunks without the
+    cached blocks, gives other tokens on some."""
+    from types import SimpleNamespace
+
+    from mla_quant.models.absorbed import quantized_cache
+    from mla_quant.stages.serve import engine_cuts, framework_tokens
     from mla_quant.toy.model import load_toy_model
 
-    protected = ["quant.protected.n_sink=2", "quant.protected.recent=8"]
-    done = run_cli("experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}", "quant=int2_joint", *protected,
-                   "task.max_num_seqs=1", "task.prefill_chunk=16", "task.concurrency=null", "task.repeats=1")
+    done = run_cli("experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}", "quant=int2_joint",
+                   "task.prefix_tokens=40", "task.prefix_caching=true", "task.prefill_chunk=24", "task.max_num_seqs=1",
+                   "task.concurrency=null", "task.repeats=2")
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((tmp_path / "record.json").read_text())["metrics"]
     assert metrics["serve/int2_joint/tokens_equal"] == metrics["serve/unquantized/tokens_equal"] == 16
     result = json.loads((tmp_path / "engine" / "int2_joint_result.json").read_text())
-    assert result["scheduler"]["chunked_prefill"] and result["scheduler"]["max_num_batched_tokens"] == 16
-    assert (tmp_path / "serve.md").read_text().count("| chunks of 16 |") == 2  # both caches' rows say so
+    assert result["scheduler"]["chunked_prefill"] and result["scheduler"]["max_num_batched_tokens"] == 24
+    assert result["scheduler"]["prefix_caching"]
+    assert (tmp_path / "serve.md").read_text().count("| chunks of 24 |") == 2  # both caches' rows say so
     prompts = json.loads((tmp_path / "engine" / "framework_tokens.json").read_text())["prompts"]
-    assert max(len(p) for p in prompts) > 3 * 16  # prompts of several chunks
-    toy, quant = load_toy_model(), compose(["model=toy_mla", "quant=int2_joint", *ENGINE, *protected]).quant
-    with torch.no_grad():
-        whole = [toy.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False,
-                              **cache_kwargs(quantized_cache(toy, quant)))[0, len(p):].tolist() for p in prompts]
-    assert sum(w != e[:len(w)] for w, e in zip(whole, result["tokens"])) > 0
+    hits = [cuts[-1] if cuts else 0 for cuts in engine_cuts(prompts, None, 16)]  # the blocks found cached
+    assert hits[0] == 0 and min(hits[1:]) >= 32
+    assert [run["prefix_hit_tokens"] for run in result["runs"]] == [sum(hits)] * 2
+    toy = load_toy_model()
+    quant = compose(["model=toy_mla", "quant=int2_joint", *ENGINE]).quant
+    prep = SimpleNamespace(model=toy, new_cache=lambda: quantized_cache(toy, quant))
+    for cuts in (None, engine_cuts(prompts, 24, None)):  # whole; in chunks, as if nothing were cached
+        other = framework_tokens(prep, prompts, 24, cuts=cuts)
+        assert sum(o != e[:len(o)] for o, e in zip(other, result["tokens"])) > 0
 
 
 def test_a_format_per_layer_round_trips_through_the_description():
@@ -586,11 +614,15 @@ def test_a_format_per_layer_round_trips_through_the_description():
     (["quant=int4_joint", "quant.mode=simulated"], "quant.mode=simulated"),
     (["quant=kivi_int4"], "(n_sink 0, recent 0, token_block 32) takes 14680064 bytes for task.max_num_seqs=256"),
     (["quant=int4_joint", "quant.protected.n_sink=20", "quant.protected.recent=8"],
-     r"n_sink=20 sinks do not fit a sequence's first block (block_size 16)")])
+     r"n_sink=20 sinks do not fit a sequence's first block (block_size 16)"),
+    (["quant=int4_joint", "quant.protected.n_sink=2", "quant.protected.recent=8", "task.prefix_caching=true",
+      "task.max_num_seqs=1"], "task.prefix_caching=true: quant=int4_joint: sequences cannot share its blocks: its "
+                              "protected pool")])
 def test_serve_refuses_before_exporting(tmp_path, overrides, named):
     """A format the engine cannot store, pools that fill the KV budget (KIVI's pending tokens: 32 per sequence, for
-    vLLM's default 256 sequences), or sinks wider than the engine's block (vLLM's CPU MLA: 16 tokens), fail
-    experiment=serve at once, before any preparation or export."""
+    vLLM's default 256 sequences), sinks wider than the engine's block (vLLM's CPU MLA: 16 tokens), or prefix caching
+    where sequences cannot share the format's blocks, fail experiment=serve at once, before any preparation or
+    export."""
     done = run_cli("experiment=serve", *overrides, "logger=none", f"hydra.run.dir={tmp_path}")
     assert done.returncode != 0 and named in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "checkpoint").exists()
@@ -615,12 +647,16 @@ def test_serve_refuses_off_the_cpu_platform_before_exporting(tmp_path, monkeypat
     ("task.prefill_chunk=64", r"task.prefill_chunk=64: an engine step's tokens .* allowed: an integer >= 256"),
     ("task.prefill_chunk=16 task.max_num_seqs=4", r"task.prefill_chunk=16 with task.max_num_seqs=4 and "
                                                   r"task.require_equal=true: .* allowed: task.max_num_seqs=1, or "
-                                                  r"task.require_equal=false")])
+                                                  r"task.require_equal=false"),
+    ("task.prefix_caching=true task.max_num_seqs=4", r"task.prefix_caching=true with task.max_num_seqs=4 and "
+                                                     r"task.require_equal=true: .* allowed: task.max_num_seqs=1"),
+    ("task.prefix_caching=yes", "task.prefix_caching='yes'; allowed: true or false"),
+    ("task.prefix_tokens=0", "task.prefix_tokens=0")])
 def test_serve_settings_refused_by_name(override, named):
     from mla_quant.stages.serve import check_task
 
     with pytest.raises(ValueError, match=named):
         check_task(compose(["experiment=serve", *override.split()]).task)
-    if "prefill_chunk" in override:  # the same chunks with one sequence at a time, or agreement reported only
+    if "max_num_seqs=4" in override:  # each prompt computed alone, or agreement reported only
         for fix in ("task.max_num_seqs=1", "task.require_equal=false"):
-            check_task(compose(["experiment=serve", "task.prefill_chunk=256", fix]).task)
+            check_task(compose(["experiment=serve", *override.split(), fix]).task)

@@ -20,14 +20,15 @@ decode with the project's decode kernels; any other model gets vLLM's own backen
   into chunks) attends to that context as the framework's cache reads it in a step of several tokens once they are
   appended: the stored tokens decoded from the pages, the protected ones from the pool (`_context`); its own tokens
   fresh. The pool takes a chunk's tokens at their positions, and a token block that fills mid-prompt is stored from
-  the tokens that waited in the ring and the chunk's own.
+  the tokens that waited in the ring and the chunk's own. A prompt whose leading blocks vLLM's prefix caching found
+  cached reads them the same way, as its context (formats without a pool or a scale per sequence).
 - **The protected region** (`quant.protected`: each sequence's first `n_sink` tokens and its latest `recent`, in the
   activation dtype): every token is written in the format into its block as above, and the protected ones also into
   a pool beside vLLM's blocks (`ProtectedPool`), a slot per sequence the engine may run at once (`max_num_seqs`),
-  found by the sequence's first block: a block has one owner (the plugin keeps prefix caching off, as vLLM's CPU
-  platform sets it), and a sequence keeps its first block until it ends or is preempted (then recomputed from its
-  prompt into new blocks). Decode reads the protected tokens from the pool, the rest from the blocks, as the framework's cache
-  does. The pools are part of the KV cache's bytes: the engine's worker takes them out of the memory it gives vLLM's
+  found by the sequence's first block: a block has one owner (prefix caching stays off for such a format,
+  `shared_blocks_refused`), and a sequence keeps its first block until it ends or is preempted (then recomputed from
+  its prompt into new blocks). Decode reads the protected tokens from the pool, the rest from the blocks, as the
+  framework's cache does. The pools are part of the KV cache's bytes: the engine's worker takes them out of the memory it gives vLLM's
   blocks (`count_pools`: `kv_cache_memory_bytes` when set, else what vLLM measured free), so a budget holds the
   blocks and the pools together, whoever starts the engine. A sequence whose slot was taken while it waited (more
   sequences started meanwhile than the pool holds) reads its tokens as stored, and is counted (`SlotTable.misses`).
@@ -326,6 +327,18 @@ def count_pools(config) -> None:
 
     determine_available_memory.counts_pools = True
     worker.determine_available_memory = determine_available_memory
+
+
+def shared_blocks_refused(fmt: CacheSpec) -> str | None:
+    """Why sequences cannot share this format's blocks (vLLM's prefix caching: a prompt's leading blocks taken from
+    an earlier sequence with the same tokens), or None: each block then holds its tokens alone, encoded as any
+    sequence with the same prefix encodes them, and a prompt continued over them reads them as its cached context."""
+    if any(sum(pool_tokens(f)) for f in fmt.layers):
+        return ("its protected pool (sinks, the recent window, tokens waiting for their token block) finds a "
+                "sequence by the block it owns first")
+    if any(f.path(p).tensor_scaled for f in fmt.layers for p in PATHS):
+        return "each sequence's scale is held in its first block"
+    return None
 
 
 def check_sinks_fit(fmt: CacheSpec, block_size: int) -> None:

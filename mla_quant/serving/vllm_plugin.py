@@ -6,6 +6,7 @@ vLLM's platform pick that backend for an exported checkpoint, or refuse one wher
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from mla_quant.serving import CACHE_FILE
@@ -33,8 +34,8 @@ def serve_exported(platform: type, cpu: bool) -> None:
       without its format; another backend asked for one is refused by name. The platform turns chunked prefill off
       for every MLA model on the CPU MLA backends; this backend reads a prompt's cached context in the format
       (`LatentMLAImpl._compute_prefill_context`), so the engine's own setting (`enable_chunked_prefill`, with its
-      `max_num_batched_tokens`) is kept. Prefix caching stays off: the protected pools find a sequence by the one
-      block it owns first;
+      `max_num_batched_tokens`) is kept, and so is its prefix caching (`enable_prefix_caching`) where the format's
+      blocks can be shared (`vllm_backend.shared_blocks_refused`; otherwise it stays off, and the log says why);
     - on any other platform no backend serves the format yet (vLLM's own would store its own cache and the format
       would do nothing): refused by name, with the way to serve the weights alone.
     Every other model is left as vLLM sets it."""
@@ -56,11 +57,20 @@ def serve_exported(platform: type, cpu: bool) -> None:
                 raise ValueError(f"attention_config backend={attention.backend.name}: {model} is an exported "
                                  f"checkpoint ({CACHE_FILE}), whose cache format the CPU_MLA backend serves; allowed: "
                                  "CPU_MLA, or none (chosen for it)")
-            scheduler = vllm_config.scheduler_config
-            asked = scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens
+            scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
+            chunked, tokens, prefix = (scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens,
+                                       cache.enable_prefix_caching)
             check(cls, vllm_config)
-            if asked[0]:  # the backend reads a prompt's cached context: chunked prefill as the engine was asked
-                scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens = asked
+            if chunked:  # the backend reads a prompt's cached context: chunked prefill as the engine was asked
+                scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens = True, tokens
+            if prefix:
+                from mla_quant.serving.vllm_backend import served, shared_blocks_refused
+
+                why = shared_blocks_refused(served(str(model)))
+                if why is None:
+                    cache.enable_prefix_caching = True
+                else:
+                    logging.getLogger(__name__).info("%s: prefix caching stays off: %s", model, why)
             return None
         return check(cls, vllm_config)
 

@@ -10,11 +10,13 @@ outlives the process.
 
 request: {"model": folder, "prompts": [[ids], ...], "max_tokens": n, "dtype": "float32", "kv_cache_memory_bytes": b,
           "max_model_len": n, "max_num_seqs": n, "repeats": n, "sweep": [n, ...] (concurrent requests),
-          "prefill_chunk": null or n (chunked prefill, n tokens per engine step)}; with
+          "prefill_chunk": null or n (chunked prefill, n tokens per engine step), "prefix_caching": bool (vLLM's;
+          its cache emptied before each run of the trace, so each run finds the same blocks)}; with
           "lm_eval": {"tasks", "include_path", "limit", "gen_kwargs", "seed"} (`mla_quant.stages.serve` only):
           those suites scored through lm-eval's vLLM model on the folder instead (result: {"results": lm-eval's})
 result:  {"tokens": [[ids], ...] (the last run's), "runs": [{"seconds", "output_tokens", "preemptions",
-          "ttft_s", "inter_token_s"} per repeat, from vLLM's own counters], "sweep": [{"requests", "seconds",
+          "prefix_hit_tokens", "ttft_s", "inter_token_s"} per repeat, from vLLM's own counters],
+          "sweep": [{"requests", "seconds",
           "output_tokens", "preemptions"} per level], "num_blocks": n,
           "block_size": n, "page_bytes_per_block": n (a layer's, the mean over the MLA layers), "layer_page_bytes":
           {layer name: its bytes per block, from the cache vLLM allocated}, "format": name or null,
@@ -50,6 +52,7 @@ def engine_args(request: dict) -> dict:
                 max_num_seqs=int(request.get("max_num_seqs", 256)), seed=0)
     chunk = request.get("prefill_chunk")  # chunked prefill: at most this many tokens per engine step
     args["enable_chunked_prefill"] = chunk is not None
+    args["enable_prefix_caching"] = bool(request.get("prefix_caching", False))
     if chunk is not None:
         args["max_num_batched_tokens"] = int(chunk)
     from vllm.platforms import current_platform
@@ -104,6 +107,7 @@ def run_engine(request: dict) -> dict:
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         runs.append({"seconds": seconds, "output_tokens": sum(len(t) for t in tokens),
                      "preemptions": int(delta.get("vllm:num_preemptions", (0, 0))[0]),
+                     "prefix_hit_tokens": int(delta.get("vllm:prefix_cache_hits", (0, 0))[0]),
                      "ttft_s": _mean(delta.get("vllm:time_to_first_token_seconds")),
                      "inter_token_s": _mean(delta.get("vllm:inter_token_latency_seconds"))})
     sweep = []
@@ -138,13 +142,17 @@ def run_engine(request: dict) -> dict:
            "scheduler": {"chunked_prefill": bool(sched.enable_chunked_prefill),
                          "max_num_batched_tokens": int(sched.max_num_batched_tokens),
                          "max_num_seqs": int(sched.max_num_seqs),
+                         "prefix_caching": bool(config.cache_config.enable_prefix_caching),
                          "reserve_full_isl": bool(sched.scheduler_reserve_full_isl)}}
     shut_down(llm)
     return out
 
 
 def _timed_generate(llm, prompts, params):
-    """One `generate` over the prompts -> (outputs, seconds, the change of vLLM's metrics over it)."""
+    """One `generate` over the prompts -> (outputs, seconds, the change of vLLM's metrics over it). With prefix
+    caching, the cache is emptied first: each run finds only what its own requests wrote."""
+    if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching and not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM could not empty its prefix cache before a run")
     before = _metrics(llm)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

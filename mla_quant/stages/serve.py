@@ -59,31 +59,53 @@ from mla_quant.stages.export import export_checkpoint
 
 def prompts_of(task: DictConfig, tokenizer, vocab: int) -> list[list[int]]:
     """The toy suites' held-out prompts (arithmetic and code: the tasks the toy model answers with a margin), or
-    `task.prompt_tokens` random ids each (48 for a model without a tokenizer)."""
+    `task.prompt_tokens` random ids each (48 for a model without a tokenizer); with `task.prefix_tokens`, each after
+    the same random ids (a system prompt every request shares)."""
     n = int(task.prompts)
+    prefix = [] if task.prefix_tokens is None else \
+        torch.randint(3, vocab, (int(task.prefix_tokens),), generator=torch.Generator().manual_seed(1)).tolist()
     if task.prompt_tokens is not None or tokenizer is None:
         g = torch.Generator().manual_seed(0)
         length = 48 if task.prompt_tokens is None else int(task.prompt_tokens)
-        return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
+        return [prefix + torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
     from mla_quant.tasks import arithmetic, code
 
     rows = arithmetic.test_set(n - n // 2, 0) + code.test_set(n // 2, 0)
-    return [tokenizer(r["prompt"])["input_ids"] for r in rows]
+    return [prefix + tokenizer(r["prompt"])["input_ids"] for r in rows]
+
+
+def engine_cuts(prompts: list[list[int]], chunk: int | None, block: int | None) -> list[list[int]]:
+    """Where the engine's forwards over each prompt end before its last, the prompts run one at a time in order from
+    an empty prefix cache: with chunked prefill every `chunk` tokens from where the prompt's computing starts; with
+    prefix caching (`block` tokens per block) it starts after the prompt's leading whole blocks that an earlier prompt
+    computed (the most of them, leaving its last token to compute), and those blocks hold what that prompt computed
+    (its own cuts below them). The framework's references prefill at the same cuts."""
+    out = []
+    for i, p in enumerate(prompts):
+        hit, source = 0, []
+        for q, cuts in zip(prompts[:i], out) if block else ():
+            shared = next((k for k, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
+            found = min(shared, len(p) - 1) // block * block
+            if found > hit:
+                hit, source = found, [c for c in cuts if c < found]
+        out.append(source + ([hit] if hit else []) + (list(range(hit + chunk, len(p), chunk)) if chunk else []))
+    return out
 
 
 @torch.no_grad()
 def framework_tokens(prep, prompts: list[list[int]], max_tokens: int, quantized: bool = True,
-                     chunk: int | None = None) -> list[list[int]]:
+                     cuts: list[list[int]] | None = None) -> list[list[int]]:
     """Greedy tokens of the framework's own model and cache (the prepared format's, or with quantized=False the
-    unquantized cache's), each prompt alone. `chunk`: the prompt prefilled `chunk` tokens per forward, as an engine
-    with chunked prefill runs a prompt scheduled alone (each chunk attends to the earlier ones as the cache stored
-    them), the last chunk with the first greedy token."""
+    unquantized cache's), each prompt alone. `cuts` (`engine_cuts`): each prompt prefilled in forwards ending there,
+    as the engine computes it in steps (each attends to the earlier tokens as the cache stored them), the last with
+    the first greedy token."""
     out = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         ids = torch.tensor([p], device=prep.model.device)
         cache = prep.new_cache() if quantized else new_cache(prep.model)
-        for start in range(0, (len(p) - 1) // chunk * chunk if chunk else 0, chunk or 1):
-            prep.model(ids[:, start: start + chunk], use_cache=True, **cache_kwargs(cache))
+        ends = cuts[i] if cuts else []
+        for start, end in zip([0, *ends], ends):
+            prep.model(ids[:, start:end], use_cache=True, **cache_kwargs(cache))
         gen = prep.model.generate(ids, max_new_tokens=max_tokens, do_sample=False, **cache_kwargs(cache))
         out.append(gen[0, len(p):].tolist())
     return out
@@ -121,6 +143,7 @@ def engine_request(folder: Path, prompts, task: DictConfig, suites: dict | None 
                "kv_cache_memory_bytes": int(task.kv_budget_bytes),
                "max_model_len": int(task.max_model_len), "max_num_seqs": int(task.max_num_seqs),
                "repeats": int(task.repeats), "prefill_chunk": task.prefill_chunk,
+               "prefix_caching": bool(task.prefix_caching),
                "sweep": [int(n) for n in task.concurrency or []]}
     if suites is not None:  # the suites' prompts up to the model's positions
         suites = dict(suites)
@@ -177,15 +200,21 @@ def check_task(task: DictConfig) -> None:
         int_setting(task[key], f"task.{key}", 1)
     if task.prompt_tokens is not None:
         int_setting(task.prompt_tokens, "task.prompt_tokens", 1)
+    if task.prefix_tokens is not None:
+        int_setting(task.prefix_tokens, "task.prefix_tokens", 1)
+    if not isinstance(task.prefix_caching, bool):
+        raise ValueError(f"task.prefix_caching={task.prefix_caching!r}; allowed: true or false")
     if task.prefill_chunk is not None:
         int_setting(task.prefill_chunk, "task.prefill_chunk", int(task.max_num_seqs),
                     why="an engine step's tokens (vLLM's max_num_batched_tokens) hold one of each sequence's")
-        if int(task.max_num_seqs) > 1 and task.require_equal:
-            raise ValueError(f"task.prefill_chunk={task.prefill_chunk} with task.max_num_seqs={task.max_num_seqs} "
-                             "and task.require_equal=true: where sequences share an engine step, its tokens are cut "
-                             "into chunks as the scheduler fits them, and the framework's reference prefills each "
-                             f"prompt alone in chunks of {task.prefill_chunk} (a quantized context reads differently "
-                             "when cut elsewhere); allowed: task.max_num_seqs=1, or task.require_equal=false")
+    cut = [f"task.prefill_chunk={task.prefill_chunk}"] * (task.prefill_chunk is not None) + \
+        ["task.prefix_caching=true"] * task.prefix_caching
+    if cut and int(task.max_num_seqs) > 1 and task.require_equal:
+        raise ValueError(f"{' and '.join(cut)} with task.max_num_seqs={task.max_num_seqs} and task.require_equal=true: "
+                         "where sequences share the engine's steps, where each prompt's computing is cut depends on "
+                         "the scheduler (what fits a step, what an earlier prompt has cached yet), and the framework's "
+                         "reference computes each prompt alone, in order (a quantized context reads differently when "
+                         "cut elsewhere); allowed: task.max_num_seqs=1, or task.require_equal=false")
     if task.dtype not in ENGINE_DTYPES:
         raise ValueError(f"task.dtype={task.dtype!r}; allowed: {list(ENGINE_DTYPES)} (the engine's activations)")
     if not isinstance(task.require_equal, bool):
@@ -202,7 +231,7 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     check_task(task)
     try:
         from mla_quant.serving.vllm_backend import (  # refuse what the engine cannot store, by name
-            check_sinks_fit, engine_block_size, served_format)
+            check_sinks_fit, engine_block_size, served_format, shared_blocks_refused)
     except ImportError as err:
         from mla_quant.serving.engine import INSTALL_HINT
 
@@ -225,6 +254,13 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         check_sinks_fit(asked, block_size)
     layers = len(dims["layer_dims"])
     check_pools_fit(task, asked, layers)  # a protected region that leaves the blocks nothing
+    if task.prefix_caching and shared_blocks_refused(asked):
+        raise ValueError(f"task.prefix_caching=true: quant={asked.name}: sequences cannot share its blocks: "
+                         f"{shared_blocks_refused(asked)}; allowed: a format without a protected region or a scale "
+                         "per sequence, or task.prefix_caching=false")
+    if task.prefix_caching and block_size is None:
+        raise ValueError("task.prefix_caching=true: the engine's block size is not known before it starts on "
+                         f"{type(current_platform).__name__}, and the references need it")
 
     checkpoint = run_dir / "checkpoint"
     export, description = export_checkpoint(cfg, checkpoint)
@@ -236,8 +272,11 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
     prompts = prompts_of(task, prep.tokenizer, vocab)
     # each engine's cache against the framework's own with the same format: the unquantized, and the prepared one
     chunk = None if task.prefill_chunk is None else int(task.prefill_chunk)
-    reference = {"unquantized": framework_tokens(prep, prompts, int(task.max_tokens), quantized=False, chunk=chunk),
-                 fmt.name: framework_tokens(prep, prompts, int(task.max_tokens), chunk=chunk)}
+    # where the engine cuts each prompt's computing (chunks, blocks found cached), the references cut it too; vLLM's
+    # own backend (the unquantized row at DeepSeek's dims) prefills whole on its CPU platform, exact either way
+    cuts = engine_cuts(prompts, chunk, block_size if task.prefix_caching else None)
+    reference = {"unquantized": framework_tokens(prep, prompts, int(task.max_tokens), quantized=False, cuts=cuts),
+                 fmt.name: framework_tokens(prep, prompts, int(task.max_tokens), cuts=cuts)}
     work = run_dir / "engine"
     work.mkdir(exist_ok=True)
     write_json_atomic(work / "framework_tokens.json", {"prompts": prompts, "tokens": reference})  # per cache
