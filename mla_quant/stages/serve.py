@@ -19,6 +19,10 @@
 
 Tables in <run_dir>/serve.md; each engine run's request and result in <run_dir>/engine/.
 
+How the engine computes a prompt is the references' too: with chunked prefill (`task.prefill_chunk`) and prefix
+caching (`task.prefix_caching`), a prompt's computing is cut where the engine cuts it (`engine_cuts`: chunks, leading
+blocks an earlier prompt computed), and each forward reads what came before it as the cache stored it.
+
 With a protected region (`quant.protected`), its pools (`task.max_num_seqs` sequences' sinks and recent windows in
 the activation dtype, beside vLLM's blocks) come out of the format's budget, as the engine counts them: vLLM's blocks
 get the rest.
@@ -28,7 +32,8 @@ first end-of-sequence token), blocks, page_bytes_per_block, preemptions (vLLM's 
 protected_misses (sequences whose pool slot was taken while they waited; 0 expected),
 tokens_per_s (mean and std over `task.repeats` runs of the trace), ttft_s, inter_token_s, and simulated_preemptions
 / simulated_recomputed_tokens: experiment=serving's simulation (vLLM's scheduler alone) over the same requests and
-blocks, so the simulation is checked against the engine; serve/suites/<task>/<metric>/{framework,engine}. The run
+blocks, so the simulation is checked against the engine; prefix_hit_tokens (vLLM's prefix cache hits: prompt tokens
+found cached, not computed); serve/suites/<task>/<metric>/{framework,engine}. The run
 fails when the format's tokens differ from the framework's (`task.require_equal`); where the next-token logits are
 near ties (random prompts or weights, a format that wrecks the answers such as INT2 on both paths) float noise
 between the two implementations flips quantized roundings, and `task.require_equal=false` reports agreement only.
@@ -305,7 +310,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                         f"serve/{name}/ttft_s": first["ttft_s"], f"serve/{name}/inter_token_s": first["inter_token_s"],
                         f"serve/{name}/page_bytes_per_block": r["page_bytes_per_block"],
                         f"serve/{name}/simulated_preemptions": predicted.preemptions,
-                        f"serve/{name}/simulated_recomputed_tokens": predicted.recomputed_tokens})
+                        f"serve/{name}/simulated_recomputed_tokens": predicted.recomputed_tokens,
+                        f"serve/{name}/prefix_hit_tokens": first["prefix_hit_tokens"]})
         if r.get("protected"):
             metrics.update({f"serve/{name}/protected_pool_bytes": r["protected"]["bytes"],
                             f"serve/{name}/protected_misses": r["protected"]["misses"]})
@@ -320,7 +326,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                      "simulated recomputed tokens": predicted.recomputed_tokens,
                      "output tokens/s": f"{float(tps.mean()):.1f} ± {spread:.1f}",
                      "TTFT ms": round(1e3 * (first["ttft_s"] or 0.0), 1),
-                     "ms per output token": round(1e3 * (first["inter_token_s"] or 0.0), 2)})
+                     "ms per output token": round(1e3 * (first["inter_token_s"] or 0.0), 2),
+                     **({"prompt tokens found cached": first["prefix_hit_tokens"]} if task.prefix_caching else {})})
     table = pd.DataFrame(rows)
     held = runs["unquantized"]["num_blocks"] * runs["unquantized"]["block_size"]
     needed = sum(len(p) + int(task.max_tokens) for p in prompts)
