@@ -215,6 +215,26 @@ def test_a_scale_per_sequence_is_set_from_its_prompt_and_read_from_its_first_blo
             torch.testing.assert_close(dense[path][r, :n + 1], stored[0].float(), rtol=0, atol=0)
 
 
+def test_a_one_token_prompt_starts_its_sequence(monkeypatch):
+    """vLLM runs a prompt of one token as a decode row (a step of one query token). It is still its sequence's first
+    step: its pool slot is assigned afresh (no slot counted lost) and, with a scale per sequence, its token sets the
+    scale it is stored with."""
+    from mla_quant.quant.formats import tensor_scale_for
+
+    g = torch.Generator().manual_seed(0)
+    table = torch.tensor([[5, 2]], dtype=torch.int32)
+    token = torch.randn(1, 112, generator=g) * 3
+    for option, extra in (("fp8_flat", []), ("int2_joint", ["quant.protected.n_sink=2", "quant.protected.recent=8"])):
+        impl = _engine_layer(served(option, *extra))
+        kv = torch.zeros(8, 1, 16, impl.pages.token_bytes, dtype=torch.uint8)
+        _drive(monkeypatch, impl, table, kv)([(token, 0)], 1)
+        if impl.pool is not None:
+            assert impl.pool.table.misses == 0 and impl.pool.sinks_held.tolist()[impl._slots[0]] == 1
+        else:
+            held = impl.pages.sequence_scales(kv, table[:, 0].long())
+            assert float(held["content"][0]) == float(tensor_scale_for(token[:, :96], token[:, 96:]))
+
+
 @pytest.mark.parametrize("option", ["kivi_int4", "kivi_int2"])
 @pytest.mark.parametrize("protected, lengths", [((2, 8), [45, 5, 73, 41]), ((0, 0), [31, 5, 64, 40])],
                          ids=["sinks+window", "none"])
