@@ -853,7 +853,7 @@ class LatentMLAImpl(CPUMLAImpl):
                 parts = [sinks[0, :n_sinks]]
                 if lo > pool.n_sink:
                     dense = self.pages.decoded(kv_cache, table, pool.n_sink, lo - pool.n_sink)
-                    parts.append(torch.cat([dense[p][0] for p in PATHS], -1)[: cached - pool.n_sink])
+                    parts.append(torch.cat([dense[p][0] for p in PATHS], -1)[: max(cached - pool.n_sink, 0)])
                 parts.append(window[0, :n_window])
                 out.append(torch.cat([v.to(dtype) for v in parts]))
                 continue

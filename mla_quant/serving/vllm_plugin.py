@@ -69,8 +69,8 @@ def serve_exported(platform: type, cpu: bool) -> None:
                 why = shared_blocks_refused(served(str(model)))
                 if why is None:
                     cache.enable_prefix_caching = True
-                else:
-                    logging.getLogger(__name__).info("%s: prefix caching stays off: %s", model, why)
+                else:  # in vLLM's log (its handler is on the `vllm` logger)
+                    logging.getLogger("vllm.plugins.mla_quant").info("%s: prefix caching stays off: %s", model, why)
             return None
         return check(cls, vllm_config)
 
