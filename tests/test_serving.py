@@ -100,6 +100,26 @@ def test_the_scheduler_preempts_and_recomputes_when_blocks_run_out():
     assert len(tight.ttft_s) == 4 and all(t > 0 for t in tight.ttft_s)
 
 
+def test_the_scheduler_finds_shared_prompt_blocks_with_prefix_caching():
+    """With prefix caching over the requests' prompts (a shared 40-token prefix, then tokens of their own), one
+    request at a time: each after the first finds the prefix's 2 whole blocks cached (vLLM's hit count) and schedules
+    that many tokens fewer, none recomputed; without it, or without the prompts' ids, nothing is found."""
+    from mla_quant.serving.engine import TraceRequest, schedule_trace
+
+    prompts = [tuple([5] * 40 + [100 + i] * (10 + i)) for i in range(4)]
+
+    def run(prefix_caching, with_ids=True):
+        requests = [TraceRequest(len(p), 8, prompt=p if with_ids else None) for p in prompts]
+        return schedule_trace(requests, 64, 16, False, lambda plan: 1e-3, max_num_batched_tokens=512, max_num_seqs=1,
+                              prefix_caching=prefix_caching)
+
+    cached, plain, anonymous = run(True), run(False), run(True, with_ids=False)
+    assert cached.prefix_hit_tokens == cached.cached_tokens == 3 * 32
+    assert plain.prefix_hit_tokens == anonymous.prefix_hit_tokens == 0
+    assert cached.scheduled_tokens == plain.scheduled_tokens - 3 * 32
+    assert cached.recomputed_tokens == plain.recomputed_tokens == 0
+
+
 def _cfg(*overrides):
     return compose(["experiment=serving", "logger=none", "task.sweep.concurrency=[]", "task.sweep.kv_budget_gb=[]",
                     *overrides])

@@ -599,6 +599,7 @@ def test_serve_the_toy_with_chunked_prefill_and_prefix_caching(tmp_path):
     hits = [cuts[-1] if cuts else 0 for cuts in engine_cuts(prompts, None, 16)]  # the blocks found cached
     assert hits[0] == 0 and min(hits[1:]) >= 32
     assert [run["prefix_hit_tokens"] for run in result["runs"]] == [sum(hits)] * 2
+    assert metrics["serve/int2_joint/simulated_prefix_hit_tokens"] == sum(hits)  # the scheduler alone finds them too
     toy = load_toy_model()
     quant = compose(["model=toy_mla", "quant=int2_joint", *ENGINE]).quant
     prep = SimpleNamespace(model=toy, new_cache=lambda: quantized_cache(toy, quant))

@@ -28,6 +28,8 @@ class TraceRequest:
     input_tokens: int
     output_tokens: int
     arrival_s: float = 0.0
+    prompt: tuple[int, ...] | None = None  # its token ids (prefix caching finds shared blocks by them); None: ids of
+    # its own, shared with no other request
 
 
 @dataclass
@@ -41,10 +43,12 @@ class TraceResult:
     output_tokens: int = 0
     ttft_s: list[float] = field(default_factory=list)
     preempted_requests: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens found cached on a request's first scheduling (vLLM's counter)
+    cached_tokens: int = 0  # ... and on a preempted request's return: tokens not computed
 
     @property
     def recomputed_tokens(self) -> int:
-        return self.scheduled_tokens - self.needed_tokens
+        return self.scheduled_tokens + self.cached_tokens - self.needed_tokens
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -59,6 +63,8 @@ def import_vllm():
         import vllm
         from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
         from vllm.v1.outputs import ModelRunnerOutput
@@ -77,7 +83,8 @@ def import_vllm():
                 SchedulerConfig=SchedulerConfig, VllmConfig=VllmConfig, SamplingParams=SamplingParams,
                 Scheduler=Scheduler, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
                 MLAAttentionSpec=MLAAttentionSpec, ModelRunnerOutput=ModelRunnerOutput, Request=Request,
-                StructuredOutputManager=StructuredOutputManager)
+                StructuredOutputManager=StructuredOutputManager, get_hash_fn_by_name=get_hash_fn_by_name,
+                get_request_block_hasher=get_request_block_hasher, init_none_hash=init_none_hash)
 
 
 def _model_folder(max_model_len: int) -> str:
@@ -96,9 +103,12 @@ def _model_folder(max_model_len: int) -> str:
 
 def schedule_trace(requests: list[TraceRequest], num_blocks: int, block_size: int, reserve_full_isl: bool,
                    step_seconds: Callable[[list[tuple[int, int]]], float], max_num_batched_tokens: int = 8192,
-                   max_num_seqs: int = 256, chunked_prefill: bool = True) -> TraceResult:
+                   max_num_seqs: int = 256, chunked_prefill: bool = True,
+                   prefix_caching: bool = False) -> TraceResult:
     """Run vLLM's scheduler over `requests` with `num_blocks` KV blocks of `block_size` tokens. `chunked_prefill`:
-    a GPU engine's (the default); vLLM's CPU engine runs MLA models without it."""
+    a GPU engine's (the default); vLLM's CPU engine runs MLA models without it. `prefix_caching`: vLLM's, over the
+    requests' prompts (`TraceRequest.prompt`), its block hashes made as the engine makes them; a request's sampled
+    tokens are stand-ins, so blocks holding them match no other request's."""
     import torch
 
     v = import_vllm()
@@ -108,7 +118,7 @@ def schedule_trace(requests: list[TraceRequest], num_blocks: int, block_size: in
     sched_config = v["SchedulerConfig"](max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                         max_model_len=max_len, enable_chunked_prefill=chunked_prefill,
                                         scheduler_reserve_full_isl=reserve_full_isl, is_encoder_decoder=False)
-    cache_config = v["CacheConfig"](block_size=block_size, enable_prefix_caching=False)
+    cache_config = v["CacheConfig"](block_size=block_size, enable_prefix_caching=prefix_caching)
     cache_config.num_gpu_blocks = num_blocks
     config = v["VllmConfig"](model_config=model_config, scheduler_config=sched_config, cache_config=cache_config,
                              device_config=v["DeviceConfig"](device="cpu"))
@@ -116,12 +126,19 @@ def schedule_trace(requests: list[TraceRequest], num_blocks: int, block_size: in
     # scheduler keeps the settings asked for (a GPU's by default).
     config.scheduler_config.enable_chunked_prefill = chunked_prefill
     config.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
+    config.cache_config.enable_prefix_caching = prefix_caching
+    hasher = None
+    if prefix_caching:
+        hash_fn = v["get_hash_fn_by_name"](config.cache_config.prefix_caching_hash_algo)
+        v["init_none_hash"](hash_fn)
+        hasher = v["get_request_block_hasher"](block_size, hash_fn)
     # The scheduler counts blocks only: the spec's page size does not enter its decisions.
     spec = v["MLAAttentionSpec"](block_size=block_size, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     kv = v["KVCacheConfig"](num_blocks=num_blocks, kv_cache_tensors=[],
                             kv_cache_groups=[v["KVCacheGroupSpec"](["layers.0.self_attn"], spec)])
     scheduler = v["Scheduler"](vllm_config=config, kv_cache_config=kv, block_size=block_size,
-                               structured_output_manager=v["StructuredOutputManager"](config))
+                               structured_output_manager=v["StructuredOutputManager"](config),
+                               log_stats=prefix_caching)  # its prefix cache's hits
     pending = sorted(enumerate(requests), key=lambda x: x[1].arrival_s)
     arrival, first_token = {}, {}
     out = TraceResult(needed_tokens=sum(r.input_tokens + r.output_tokens - 1 for r in requests),
@@ -132,15 +149,19 @@ def schedule_trace(requests: list[TraceRequest], num_blocks: int, block_size: in
         while pending and pending[0][1].arrival_s <= clock:
             i, r = pending.pop(0)
             params = v["SamplingParams"](max_tokens=r.output_tokens, ignore_eos=True)
-            # distinct token ids per request: no prefix of one is a prefix of another
-            tokens = [(i % 30000) + 1] * r.input_tokens
+            # without its prompt, token ids of its own: no prefix of one is a prefix of another
+            tokens = list(r.prompt) if r.prompt is not None else [(i % 30000) + 1] * r.input_tokens
             scheduler.add_request(v["Request"](request_id=str(i), prompt_token_ids=tokens, sampling_params=params,
-                                               pooling_params=None))
+                                               pooling_params=None, block_hasher=hasher))
             arrival[str(i)] = r.arrival_s
         if not scheduler.has_unfinished_requests():
             clock = pending[0][1].arrival_s  # idle until the next arrival
             continue
         so = scheduler.schedule()
+        if prefix_caching:  # the prompt tokens found cached this step (vLLM's vllm:prefix_cache_hits counts hits)
+            stats = scheduler.kv_cache_manager.make_prefix_cache_stats()
+            out.prefix_hit_tokens += stats.hits
+            out.cached_tokens += stats.hits + stats.preempted_hits
         ids = list(so.num_scheduled_tokens)
         plan, sampled = [], []
         for rid in ids:

@@ -311,7 +311,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                         f"serve/{name}/page_bytes_per_block": r["page_bytes_per_block"],
                         f"serve/{name}/simulated_preemptions": predicted.preemptions,
                         f"serve/{name}/simulated_recomputed_tokens": predicted.recomputed_tokens,
-                        f"serve/{name}/prefix_hit_tokens": first["prefix_hit_tokens"]})
+                        f"serve/{name}/prefix_hit_tokens": first["prefix_hit_tokens"],
+                        f"serve/{name}/simulated_prefix_hit_tokens": predicted.prefix_hit_tokens})
         if r.get("protected"):
             metrics.update({f"serve/{name}/protected_pool_bytes": r["protected"]["bytes"],
                             f"serve/{name}/protected_misses": r["protected"]["misses"]})
@@ -327,7 +328,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                      "output tokens/s": f"{float(tps.mean()):.1f} ± {spread:.1f}",
                      "TTFT ms": round(1e3 * (first["ttft_s"] or 0.0), 1),
                      "ms per output token": round(1e3 * (first["inter_token_s"] or 0.0), 2),
-                     **({"prompt tokens found cached": first["prefix_hit_tokens"]} if task.prefix_caching else {})})
+                     **({"prompt tokens found cached (simulated)":
+                         f"{first['prefix_hit_tokens']} ({predicted.prefix_hit_tokens})"} if task.prefix_caching else {})})
     table = pd.DataFrame(rows)
     held = runs["unquantized"]["num_blocks"] * runs["unquantized"]["block_size"]
     needed = sum(len(p) + int(task.max_tokens) for p in prompts)
@@ -425,9 +427,10 @@ def simulated(prompts: list[list[int]], run: dict, max_tokens: int):
     from mla_quant.serving.engine import TraceRequest, schedule_trace
 
     sched = run["scheduler"]
-    return schedule_trace([TraceRequest(len(p), max_tokens) for p in prompts], run["num_blocks"], run["block_size"],
-                          sched["reserve_full_isl"], lambda plan: 1e-3, sched["max_num_batched_tokens"],
-                          sched["max_num_seqs"], chunked_prefill=sched["chunked_prefill"])
+    return schedule_trace([TraceRequest(len(p), max_tokens, prompt=tuple(p)) for p in prompts], run["num_blocks"],
+                          run["block_size"], sched["reserve_full_isl"], lambda plan: 1e-3,
+                          sched["max_num_batched_tokens"], sched["max_num_seqs"],
+                          chunked_prefill=sched["chunked_prefill"], prefix_caching=sched["prefix_caching"])
 
 
 def engine_scores(request: dict) -> dict:
