@@ -329,7 +329,8 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                      "TTFT ms": round(1e3 * (first["ttft_s"] or 0.0), 1),
                      "ms per output token": round(1e3 * (first["inter_token_s"] or 0.0), 2),
                      **({"prompt tokens found cached (simulated)":
-                         f"{first['prefix_hit_tokens']} ({predicted.prefix_hit_tokens})"} if task.prefix_caching else {})})
+                         f"{first['prefix_hit_tokens']} ({predicted.prefix_hit_tokens})"}
+                        if task.prefix_caching else {})})
     table = pd.DataFrame(rows)
     held = runs["unquantized"]["num_blocks"] * runs["unquantized"]["block_size"]
     needed = sum(len(p) + int(task.max_tokens) for p in prompts)
