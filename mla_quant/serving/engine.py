@@ -122,8 +122,8 @@ def schedule_trace(requests: list[TraceRequest], num_blocks: int, block_size: in
     cache_config.num_gpu_blocks = num_blocks
     config = v["VllmConfig"](model_config=model_config, scheduler_config=sched_config, cache_config=cache_config,
                              device_config=v["DeviceConfig"](device="cpu"))
-    # vLLM's CPU platform turns chunked prefill off for MLA models (its CPU attention cannot chunk a prefill); the
-    # scheduler keeps the settings asked for (a GPU's by default).
+    # vLLM's CPU platform turns chunked prefill and prefix caching off for MLA models (its CPU attention serves
+    # neither); the scheduler keeps the settings asked for (a GPU's by default).
     config.scheduler_config.enable_chunked_prefill = chunked_prefill
     config.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
     config.cache_config.enable_prefix_caching = prefix_caching

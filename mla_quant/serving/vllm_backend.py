@@ -835,6 +835,11 @@ class LatentMLAImpl(CPUMLAImpl):
         for it to fill) from the pool."""
         prefill, d, pool = meta.prefill, meta.num_decodes, self.pool
         queries = prefill.query_lens_cpu.tolist()
+
+        def stored(table, start, width):  # the row's tokens [start, start + width) as stored: (width, d_c + d_r)
+            dense = self.pages.decoded(kv_cache, table, start, width)
+            return torch.cat([dense[p][0] for p in PATHS], -1).to(dtype)
+
         out = []
         for r, cached in enumerate(prefill.chunked_context.context_lens_list):
             table = prefill.block_table[r : r + 1]
@@ -842,26 +847,21 @@ class LatentMLAImpl(CPUMLAImpl):
                 out.append(torch.empty(0, self.fmt.d_c + self.fmt.d_r, dtype=dtype))
                 continue
             if pool is None:
-                dense = self.pages.decoded(kv_cache, table, 0, cached)
-                out.append(torch.cat([dense[p][0] for p in PATHS], -1).to(dtype))
+                out.append(stored(table, 0, cached))
                 continue
             sinks, n_sinks, window, n_window, lo, miss = pool.read(self._slots[d + r : d + r + 1],
                                                                    torch.tensor([cached]), queries[r])
             lo, n_sinks, n_window = int(lo[0]), int(n_sinks[0]), int(n_window[0])
+            sinks, window = sinks[0, :n_sinks].to(dtype), window[0, :n_window].to(dtype)
             if pool.token_block:  # the sinks, the whole blocks after them (decoded a block at once), the ring
                 pool.refuse_lost(miss)
-                parts = [sinks[0, :n_sinks]]
-                if lo > pool.n_sink:
-                    dense = self.pages.decoded(kv_cache, table, pool.n_sink, lo - pool.n_sink)
-                    parts.append(torch.cat([dense[p][0] for p in PATHS], -1)[: max(cached - pool.n_sink, 0)])
-                parts.append(window[0, :n_window])
-                out.append(torch.cat([v.to(dtype) for v in parts]))
+                blocks = stored(table, pool.n_sink, lo - pool.n_sink)[: max(cached - pool.n_sink, 0)] \
+                    if lo > pool.n_sink else window[:0]
+                out.append(torch.cat([sinks, blocks, window]))
                 continue
-            dense = self.pages.decoded(kv_cache, table, 0, cached)
-            x = torch.cat([dense[p][0] for p in PATHS], -1).to(dtype)
+            x = stored(table, 0, cached)
             if not bool(miss[0]):  # a sequence whose slot was taken reads its tokens as stored
-                x[:n_sinks] = sinks[0, :n_sinks].to(dtype)
-                x[lo: lo + n_window] = window[0, :n_window].to(dtype)
+                x[:n_sinks], x[lo: lo + n_window] = sinks, window
             out.append(x)
         return out
 

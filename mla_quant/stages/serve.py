@@ -259,10 +259,10 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
         check_sinks_fit(asked, block_size)
     layers = len(dims["layer_dims"])
     check_pools_fit(task, asked, layers)  # a protected region that leaves the blocks nothing
-    if task.prefix_caching and shared_blocks_refused(asked):
-        raise ValueError(f"task.prefix_caching=true: quant={asked.name}: sequences cannot share its blocks: "
-                         f"{shared_blocks_refused(asked)}; allowed: a format without a protected region or a scale "
-                         "per sequence, or task.prefix_caching=false")
+    if task.prefix_caching and (why := shared_blocks_refused(asked)):
+        raise ValueError(f"task.prefix_caching=true: quant={asked.name}: sequences cannot share its blocks: {why}; "
+                         "allowed: a format without a protected region or a scale per sequence, or "
+                         "task.prefix_caching=false")
     if task.prefix_caching and block_size is None:
         raise ValueError("task.prefix_caching=true: the engine's block size is not known before it starts on "
                          f"{type(current_platform).__name__}, and the references need it")
