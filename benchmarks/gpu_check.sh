@@ -12,11 +12,12 @@
 #  (e) experiment=bench_kernel (16 and 128 heads, 4K/32K/128K, throughput and latency, every format);
 #  (f) experiment=bench_decode through quant.backend=auto (a tiny model with DeepSeek-V2-Lite's attention, bf16);
 #  (g) where a padded 8K prefill's time goes (benchmarks/prefill_profile.py);
-#  (h) one layer's calibration at V2-Lite dims and (i) the 8K/32K prefill at V2-Lite dims, both with peak memory.
+#  (h) one layer's calibration at V2-Lite dims and (i) the 8K/32K prefill at V2-Lite dims, both with peak memory;
+#  (j) where vLLM's CUDA build is installed: experiment=serve on the GPU (the exported toy in the GPU backend).
 # Python packages the GPU machine lacks (hydra-core, omegaconf, a transformers the project supports) go along as
 # wheels installed with --target into a folder on PYTHONPATH.
 # What comes back in $OUT: log.txt (everything printed), bench_kernel.md, bench_decode.csv, bench_prefill.md,
-# kernel_facts.csv, kernel_facts_decode.csv, kernel_facts_aot.csv and runs.tar.gz (each run's folder: records,
+# kernel_facts.csv, kernel_facts_decode.csv, kernel_facts_aot.csv, serve.md and runs.tar.gz (each run's folder: records,
 # tables, figures).
 # A CPU dry run of the same steps (the interpreter, tiny settings): DEVICE=cpu TRITON_INTERPRET=1
 # BENCH_KERNEL_ARGS="..." DECODE_CONTEXTS=256 bash benchmarks/gpu_check.sh
@@ -33,6 +34,7 @@ T_PREFILL=${T_PREFILL:-80}
 T_CALIB=${T_CALIB:-90}
 T_PROFILE=${T_PROFILE:-45}
 T_TESTS=${T_TESTS:-120}
+T_SERVE=${T_SERVE:-150}
 DEVICE=${DEVICE:-cuda}
 DECODE_CONTEXTS=${DECODE_CONTEXTS:-4096 32768}
 PREFILL_CONTEXTS=${PREFILL_CONTEXTS:-8192,32768}
@@ -108,6 +110,15 @@ round(r['seconds'], 1), 's', r.get('memory'))" 2>/dev/null
     task.dtype=bfloat16 "task.only=[v2_lite]" "task.contexts.v2_lite=[$PREFILL_CONTEXTS]" task.reference_budget_gb=40 task.repeats=2 \
     hydra.run.dir="$RUNS/bench_prefill" ${BENCH_PREFILL_ARGS:-}; echo "bench_prefill rc=$?"; }
   cp "$RUNS/bench_prefill/bench_prefill.md" "$OUT/" 2>/dev/null
+
+  step "the exported toy served by vLLM on the GPU (LatentTritonMLABackend), int4_joint against vLLM's own cache, bf16"
+  if python3 -c "import torch, vllm; assert torch.cuda.is_available()" 2>/dev/null; then
+    fits "$T_SERVE" && { timeout "$LIMIT" python3 run.py experiment=serve logger=none quant=int4_joint \
+      task.dtype=bfloat16 task.require_equal=false hydra.run.dir="$RUNS/serve" ${SERVE_ARGS:-}; echo "serve rc=$?"; }
+    cp "$RUNS/serve/serve.md" "$OUT/" 2>/dev/null
+  else
+    echo "skipped: vLLM's CUDA build is not installed here"
+  fi
 
   step "done"
 } 2>&1 | tee "$OUT/log.txt"

@@ -70,11 +70,13 @@ def test_pages_in_vllm_blocks_read_as_the_cache_reads(option, overrides, dims):
     assert exact <= pages.block_bytes < exact + 2 * 16 and pages.token_bytes * 16 >= pages.block_bytes
 
 
-def _engine_layer(fmt, block_size: int = 16, slots: int = 4):
-    """The backend's layer for one format, without an engine: what its decode reads and writes need."""
+def _engine_layer(fmt, block_size: int = 16, slots: int = 4, cls=None):
+    """The backend's layer for one format (`cls`: the CPU backend's implementation unless named), without an
+    engine: what its decode reads and writes need."""
     from mla_quant.quant.format import as_spec
 
-    impl = vllm_backend.LatentMLAImpl.__new__(vllm_backend.LatentMLAImpl)
+    cls = cls or vllm_backend.LatentMLAImpl
+    impl = cls.__new__(cls)
     impl.__dict__.update(fmt=fmt, served=as_spec(fmt), block_size=block_size, max_num_seqs=slots,
                          act_dtype=torch.float32, slot_table=vllm_backend.SlotTable(slots), kv_lora_rank=fmt.d_c,
                          qk_rope_head_dim=fmt.d_r)
@@ -314,6 +316,56 @@ def test_a_prompt_continued_by_chunked_prefill_reads_its_context_as_the_cache_re
             ([1, 0, 1, 2] if n_sink else [2, 0, 1, 2])
 
 
+@pytest.mark.parametrize("option, protected", [("int4_joint", (0, 0)), ("int2_content_int4_rope", (2, 8)),
+                                               ("fp8_flat", (0, 0)), ("kivi_int2", (2, 8))])
+def test_the_gpu_backend_serves_the_steps_as_the_cpu_backend_does(monkeypatch, option, protected):
+    """The GPU backend's layer (`LatentTritonMLAImpl`: vLLM's Triton MLA implementation with the format's writes and
+    reads) against the CPU backend's, through the same engine steps: four prompts (45, 5, 11 and 18 tokens) cut into
+    chunks (KIVI's first block filling mid-chunk), the short ones decoding while the long ones continue, then a
+    decode step each. Its decode goes through the kernel a CUDA device gets (`step_backends("cuda")`: the Triton
+    kernel where it reads the format, here in its CPU interpreter; PyTorch otherwise); its writes, chunked context
+    and decode run under the stray-device audit (a tensor made without naming its device fails there, as a CPU
+    tensor inside a CUDA step fails on a GPU). The decode outputs match the CPU backend's (C++ kernel or PyTorch)
+    and the chunked context is equal, bit for bit."""
+    from mla_quant.audit import audited
+
+    n_sink, recent = protected
+    fmt = served(option, f"quant.protected.n_sink={n_sink}", f"quant.protected.recent={recent}")
+    g = torch.Generator().manual_seed(0)
+    lengths, first = [45, 5, 11, 18], [20, 5, 11, 9]
+    table = torch.randperm(32, generator=g)[:16].reshape(4, 4).to(torch.int32)  # blocks out of order
+    tokens = [torch.randn(n + 2, 112, generator=g) for n in lengths]  # each with its decode steps' tokens
+    q, q_rope = torch.randn(4, 4, 96, generator=g), torch.randn(4, 4, 16, generator=g)
+    gpu = _engine_layer(fmt, cls=vllm_backend.LatentTritonMLAImpl)
+    cpu = _engine_layer(fmt)
+    gpu.scale = cpu.scale = 0.1
+    gpu.decode_backend = lambda device_type: fmt.step_backends("cuda")["decode"]  # the kernel a GPU decodes with
+    assert gpu.decode_backend("cpu") == ("triton" if fmt.kernel_unsupported() is None else "torch")
+    gpu.do_kv_cache_update = audited(gpu.do_kv_cache_update)
+    outs = {}
+    for name, impl in (("gpu", gpu), ("cpu", cpu)):
+        kv = torch.full((32, 1, 16, impl.pages.token_bytes), 255, dtype=torch.uint8)  # unwritten slots: not zeros
+        work = audited if name == "gpu" else (lambda fn: fn)
+        got = []
+        order = [0, 1, 2, 3]
+        step = _drive(monkeypatch, impl, table[order], kv)
+        step([(tokens[r][:first[r]], 0) for r in order], 0)  # the prompts' first chunks
+        order = [1, 2, 0, 3]  # the short prompts done: they decode, decode rows first; the long ones continue
+        step = _drive(monkeypatch, impl, table[order], kv)
+        meta = step([(tokens[1][5:6], 5), (tokens[2][11:12], 11), (tokens[0][20:45], 20), (tokens[3][9:18], 9)], 2)
+        got += work(impl._context)(kv, meta, torch.float32)
+        got.append(work(impl.forward_mqa)((q[:2], q_rope[:2]), kv, meta, None)[0])
+        order = [0, 1, 2, 3]
+        step = _drive(monkeypatch, impl, table[order], kv)
+        at = [45, 6, 12, 18]
+        meta = step([(tokens[r][n:n + 1], n) for r, n in zip(order, at)], 4)
+        got.append(work(impl.forward_mqa)((q, q_rope), kv, meta, None)[0])
+        outs[name] = got
+    for k, (a, b) in enumerate(zip(outs["gpu"], outs["cpu"])):
+        exact = k < 2  # the chunked context: the same bytes decoded alike
+        torch.testing.assert_close(a, b, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5, msg=f"output {k}")
+
+
 def test_blocks_are_shared_only_where_no_sequence_owns_what_they_hold():
     """vLLM's prefix caching shares a prompt's leading blocks between sequences: allowed for a format whose blocks hold
     their tokens alone, refused by name where a sequence's first block finds its pool or holds its scale."""
@@ -444,31 +496,103 @@ def test_an_exported_checkpoint_gets_the_backend_that_serves_it_on_a_cpu_with_am
         config(ours, attention_config={"backend": AttentionBackendEnum.AMX_MLA})
 
 
+def _recording_platform(name: str) -> type:
+    """A platform class whose own config check records the models it was asked about (the plugin wraps it)."""
+    def check_and_update_config(cls, vllm_config):
+        cls.checked.append(vllm_config.model_config.model)
+
+    return type(name, (), {"checked": [], "check_and_update_config": classmethod(check_and_update_config)})
+
+
 def test_an_exported_checkpoint_is_refused_where_no_backend_serves_its_format(tmp_path):
-    """On a platform other than vLLM's CPU one (a GPU's), vLLM's own backends would store their own cache and the
-    checkpoint's format would do nothing: the plugin's wrapped config check refuses such a folder by name, with the
-    way to serve the weights alone, and leaves any other model to the platform's own check."""
+    """On a platform where no backend of ours serves the format (neither vLLM's CPU one nor a CUDA GPU's: ROCm's,
+    XPU's), vLLM's own backends would store their own cache and the checkpoint's format would do nothing: the
+    plugin's wrapped config check refuses such a folder by name, with the way to serve the weights alone, and leaves
+    any other model to the platform's own check."""
     from types import SimpleNamespace
 
     from mla_quant.serving import CACHE_FILE
     from mla_quant.serving.vllm_plugin import serve_exported
 
-    class GpuPlatform:
-        checked = []
-
-        @classmethod
-        def check_and_update_config(cls, vllm_config):
-            cls.checked.append(vllm_config.model_config.model)
-
-    serve_exported(GpuPlatform, cpu=False)
-    serve_exported(GpuPlatform, cpu=False)  # once per process
+    GpuPlatform = _recording_platform("GpuPlatform")
+    serve_exported(GpuPlatform, "GpuPlatform")
+    serve_exported(GpuPlatform, "GpuPlatform")  # once per process
     (tmp_path / CACHE_FILE).write_text("{}")
     with pytest.raises(ValueError, match=rf"is an exported checkpoint \({CACHE_FILE}\): its cache format is served "
-                                         rf"on vLLM's CPU platform only, and on GpuPlatform .* allowed: vLLM's CPU "
-                                         rf"build, or the folder without {CACHE_FILE}"):
+                                         rf"on vLLM's CPU platform and on CUDA GPUs only, and on GpuPlatform .* "
+                                         rf"allowed: vLLM's CPU build, a CUDA GPU, or the folder without {CACHE_FILE}"):
         GpuPlatform.check_and_update_config(SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path))))
     GpuPlatform.check_and_update_config(SimpleNamespace(model_config=SimpleNamespace(model="deepseek-ai/x")))
     assert GpuPlatform.checked == ["deepseek-ai/x"]
+
+
+def test_an_exported_checkpoint_gets_the_triton_backend_on_a_cuda_gpu(tmp_path, monkeypatch):
+    """On a CUDA GPU the plugin registers `LatentTritonMLABackend` as vLLM's CUSTOM backend and asks for it for a
+    folder holding the cache description (another backend asked for one is refused by name); prefix caching is kept
+    where sequences can share the format's blocks, turned off where a protected region's pool finds a sequence by
+    its first block; vLLM's compile pass fusing RoPE with the MLA cache write (vLLM's own layout) is turned off.
+    vLLM's own check of the backend (as CUDA's platform runs it) accepts the toy's latent width (112, outside vLLM's
+    MLA head sizes) and DeepSeek's in bf16 and fp16 on sm_80 and sm_90, and refuses float32 and blocks that are not
+    a multiple of 16, as vLLM's Triton MLA does."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends import registry
+
+    from mla_quant.serving import CACHE_FILE
+    from mla_quant.serving.vllm_plugin import SERVED_ON, serve_exported
+
+    monkeypatch.setattr(registry, "_ATTN_OVERRIDES", dict(registry._ATTN_OVERRIDES))
+    registry.register_backend(registry.AttentionBackendEnum.CUSTOM,
+                              "mla_quant.serving.vllm_backend.LatentTritonMLABackend")
+    backend = registry.AttentionBackendEnum[SERVED_ON["cuda"]].get_class()
+    assert backend is vllm_backend.LatentTritonMLABackend and backend.get_name() == "CUSTOM"
+    assert backend.get_impl_cls() is vllm_backend.LatentTritonMLAImpl
+
+    def reasons(head_size=112, dtype=torch.bfloat16, block_size=16, capability=(9, 0)):
+        return backend.validate_configuration(head_size=head_size, dtype=dtype, kv_cache_dtype="auto",
+                                              block_size=block_size, use_mla=True, has_sink=False, use_sparse=False,
+                                              use_mm_prefix=False, use_per_head_quant_scales=False,
+                                              device_capability=DeviceCapability(*capability), attn_type="decoder")
+
+    for case in ({}, {"head_size": 576}, {"dtype": torch.float16}, {"capability": (8, 0)}, {"block_size": 64}):
+        assert reasons(**case) == [], case
+    assert reasons(dtype=torch.float32) and reasons(block_size=8)
+
+    CudaPlatform = _recording_platform("CudaPlatform")
+    serve_exported(CudaPlatform, "cuda")
+    folders = {}
+    for name, overrides in (("ours", []), ("pooled", ["quant.protected.n_sink=2", "quant.protected.recent=8"])):
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        quant = compose(["model=toy_mla", "quant=int4_joint", *ENGINE, *overrides]).quant
+        (folders[name] / CACHE_FILE).write_text(json.dumps({"quant": OmegaConf.to_container(quant, resolve=True),
+                                                            "cache": {"format": "int4_joint", "d_c": 96, "d_r": 16}}))
+
+    def config(model, backend=None):
+        made = SimpleNamespace(model_config=SimpleNamespace(model=str(model)),
+                               attention_config=SimpleNamespace(backend=backend),
+                               scheduler_config=SimpleNamespace(enable_chunked_prefill=True,
+                                                                max_num_batched_tokens=2048),
+                               cache_config=SimpleNamespace(enable_prefix_caching=True),
+                               compilation_config=SimpleNamespace(pass_config=SimpleNamespace(
+                                   fuse_rope_kvcache_cat_mla=True)))
+        CudaPlatform.check_and_update_config(made)
+        return made
+
+    ours, pooled = config(folders["ours"]), config(folders["pooled"])
+    assert ours.attention_config.backend == registry.AttentionBackendEnum.CUSTOM
+    assert ours.cache_config.enable_prefix_caching and ours.scheduler_config.enable_chunked_prefill
+    assert not pooled.cache_config.enable_prefix_caching
+    assert not ours.compilation_config.pass_config.fuse_rope_kvcache_cat_mla  # it would write vLLM's own layout
+    other = config("deepseek-ai/x")  # any other model: the platform's own check alone
+    assert other.attention_config.backend is None and other.compilation_config.pass_config.fuse_rope_kvcache_cat_mla
+    assert CudaPlatform.checked == [str(folders["ours"]), str(folders["pooled"]), "deepseek-ai/x"]
+    with pytest.raises(ValueError, match=r"backend=TRITON_MLA: .* is an exported checkpoint .* the CUSTOM backend "
+                                         r"serves on this platform; allowed: CUSTOM"):
+        config(folders["ours"], registry.AttentionBackendEnum.TRITON_MLA)
 
 
 @pytest.mark.parametrize("option, overrides, named", [
@@ -649,16 +773,21 @@ def test_serve_refuses_before_exporting(tmp_path, overrides, named):
     assert not (tmp_path / "checkpoint").exists()
 
 
-def test_serve_refuses_off_the_cpu_platform_before_exporting(tmp_path, monkeypatch):
-    """experiment=serve where vLLM's platform is not its CPU one (a GPU's, where no backend serves the format yet)
-    fails at once, naming the platform and what is allowed, before any export."""
+@pytest.mark.parametrize("cuda", [False, True], ids=["other", "cuda"])
+def test_serve_refuses_where_no_backend_serves_the_format_before_exporting(tmp_path, monkeypatch, cuda):
+    """experiment=serve where vLLM's platform is neither its CPU one nor a CUDA GPU's (no backend serves the format
+    there) fails at once, naming the platform and what is allowed, before any export; on a CUDA GPU, float32
+    activations (the CPU's default here) are refused by name: vLLM's GPU MLA attention runs in bf16 or fp16."""
     from vllm.platforms import current_platform
 
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: cuda)
     done = run_cli("experiment=serve", "logger=none", f"hydra.run.dir={tmp_path}")
     assert done.returncode != 0, done.stderr[-2000:]
-    assert (f"its cache format is served on vLLM's CPU platform only, and on {type(current_platform).__name__}"
-            in done.stderr), done.stderr[-2000:]
+    named = ("task.dtype='float32' on a CUDA GPU: vLLM's GPU MLA attention runs in ['bfloat16', 'float16']" if cuda
+             else f"its cache format is served on vLLM's CPU platform and on CUDA GPUs only, and on "
+                  f"{type(current_platform).__name__}")
+    assert named in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "checkpoint").exists()
 
 

@@ -3,7 +3,10 @@
 A checkpoint written by `experiment=export` carries `mla_quant_cache.json` (the resolved `quant` group). When vLLM
 loads such a folder, this backend (registered by the package's `vllm.general_plugins` entry point, `register`)
 stores each token's content latent and RoPE key in that format inside vLLM's own KV blocks and reads them back in
-decode with the project's decode kernels; any other model gets vLLM's own backend unchanged.
+decode with the project's decode kernels; any other model gets vLLM's own backend unchanged. One implementation of
+the format's writes and reads (`LatentFormatImpl`) serves two platforms: vLLM's CPU one (`LatentMLABackend`, over
+vLLM's CPU MLA) and a CUDA GPU (`LatentTritonMLABackend`, over vLLM's Triton MLA, registered as vLLM's CUSTOM
+backend), the pools on the engine's device, their bookkeeping on the host.
 
 - **Pages.** One vLLM block of `block_size` tokens holds the content path's page, then the RoPE path's page, each
   laid out as the project's paged store lays out a path (`PageLayout`: codes or values, scales, zeros, 16-byte
@@ -11,8 +14,9 @@ decode with the project's decode kernels; any other model gets vLLM's own backen
   (`state_content_bytes`) to the block's bytes / `block_size`, so vLLM's block budget counts the format's bytes.
 - **Write** (`do_kv_cache_update`): the step's latents encoded by the format's codecs (the encoder the cache uses)
   straight into their slots.
-- **Decode** (`forward_mqa`): the format's decode kernel (the fused C++ kernel on the CPU where it reads the format,
-  the framework's PyTorch decode otherwise, `quant.backend` as in the framework) reads the pages through vLLM's
+- **Decode** (`forward_mqa`): the format's decode kernel (the fused C++ kernel on the CPU and the Triton kernel on a
+  GPU where it reads the format, the framework's PyTorch decode otherwise, `quant.backend` as in the framework, for
+  the engine's device) reads the pages through vLLM's
   block table; a format no kernel reads (3-bit codes, fp8) is decoded by its codec into a dense buffer. As in the
   framework's `quant.mode=serving`, the step's own token is read with its fresh values, every earlier token as
   stored; prefill attends to the prompt's fresh latents (vLLM's prefill path).
@@ -28,10 +32,11 @@ decode with the project's decode kernels; any other model gets vLLM's own backen
   found by the sequence's first block: a block has one owner (prefix caching stays off for such a format,
   `shared_blocks_refused`), and a sequence keeps its first block until it ends or is preempted (then recomputed from
   its prompt into new blocks). Decode reads the protected tokens from the pool, the rest from the blocks, as the
-  framework's cache does. The pools are part of the KV cache's bytes: the engine's worker takes them out of the memory it gives vLLM's
-  blocks (`count_pools`: `kv_cache_memory_bytes` when set, else what vLLM measured free), so a budget holds the
-  blocks and the pools together, whoever starts the engine. A sequence whose slot was taken while it waited (more
-  sequences started meanwhile than the pool holds) reads its tokens as stored, and is counted (`SlotTable.misses`).
+  framework's cache does. The pools are part of the KV cache's bytes: the engine's worker takes them out of the
+  memory it gives vLLM's blocks (`count_pools`: `kv_cache_memory_bytes` when set, else what vLLM measured free),
+  so a budget holds the blocks and the pools together, whoever starts the engine. A sequence whose slot was taken
+  while it waited (more sequences started meanwhile than the pool holds) reads its tokens as stored, and is counted
+  (`SlotTable.misses`).
   One slot table per engine serves every layer's pool: a step assigns its sequences' slots once.
 - **A scale per sequence** (fp8 `granularity=tensor`, `fp8_flat`): set from the sequence's prompt as the
   framework's cache sets it on a first append (amax / 448, joint over the paths with `shared_scale`) and held in 16
@@ -66,8 +71,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata, MLACommonMetadataBuilder
+from vllm.model_executor.layers.attention.mla_attention import (MLACommonMetadata, MLACommonMetadataBuilder,
+                                                                 QueryLenSupport)
+from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonMLAImpl, TritonMLAMetadataBuilder
 
 from mla_quant.cache.paged import read_path
 from mla_quant.kernels.layout import PageLayout, Segment
@@ -150,9 +158,10 @@ class EnginePages:
         out = {}
         for p in PATHS:
             d = self.fmt.dim(p)
-            scale = torch.ones(1) if self.fmt.path(p).tensor_scaled else None
+            scale = torch.ones(1, device="cpu") if self.fmt.path(p).tensor_scaled else None
             rows = self.fmt.path(p).blocked or 1  # a path over blocks of tokens encodes whole blocks
-            parts = self.fmt.path(p).encode(torch.zeros(rows, d, dtype=self.act_dtype), scale)  # part shapes, dtypes
+            probe = torch.zeros(rows, d, dtype=self.act_dtype, device="cpu")
+            parts = self.fmt.path(p).encode(probe, scale)  # the parts' shapes and dtypes
             out[p] = PageLayout.of(self.block_size, {f"{p}/{k}": (tuple(v.shape[1:]), v.dtype)
                                                      for k, v in parts.items()})
         return out
@@ -184,15 +193,15 @@ class EnginePages:
 
     def sequence_scales(self, kv_cache: torch.Tensor, first_blocks: torch.Tensor) -> dict[str, torch.Tensor]:
         """{path: (B,) float32}: the scales of the sequences whose first blocks are `first_blocks` (B,)."""
-        held = self._scale_slots(kv_cache)[first_blocks.long()]
+        held = self._scale_slots(kv_cache)[first_blocks.to(kv_cache.device, torch.long)]
         return {p: held[:, PATHS.index(p)] for p in self.scaled}
 
     def set_sequence_scales(self, kv_cache: torch.Tensor, first_blocks: torch.Tensor,
                             scales: dict[str, torch.Tensor]) -> None:
         """Write the sequences' scales {path: (B,)} into their first blocks (B,)."""
-        slots = self._scale_slots(kv_cache)
+        slots, first_blocks = self._scale_slots(kv_cache), first_blocks.to(kv_cache.device, torch.long)
         for p, value in scales.items():
-            slots[first_blocks.long(), PATHS.index(p)] = value.float()
+            slots[first_blocks, PATHS.index(p)] = value.float()
 
     def prompt_scales(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The scales a sequence's first append sets, as the framework's cache sets them: amax / 448 of its tokens
@@ -229,6 +238,7 @@ class EnginePages:
         {path: (N,)}: each token's sequence scale, for the paths scaled once per sequence. `paths`: those written (a
         path over blocks of tokens takes whole blocks, each run of `token_block` tokens one block)."""
         pages = self.pages(kv_cache)
+        slots = slots.to(kv_cache.device)
         block, pos = slots // self.block_size, slots % self.block_size
         for p in paths:
             fmt = self.fmt.path(p)
@@ -245,7 +255,7 @@ class EnginePages:
         """The stored tokens of each sequence as a decode segment: (B, max_blocks) table, (B,) tokens. A format the
         decode kernels read stays in its pages; any other (3-bit codes, fp8, codebooks over channels) is decoded by
         its codec into a dense float32 segment of every sequence's tokens."""
-        table, lengths = block_table.to(torch.int32).contiguous(), lengths.to(torch.int32)
+        table, lengths = block_table.to(torch.int32).contiguous(), lengths.to(block_table.device, torch.int32)
         if self.fmt.kernel_unsupported() is None:
             pages = self.pages(kv_cache)
             paths = {p: read_path(self.fmt.path(p), self.fmt.dim(p), self.layouts[p], pages[p]) for p in PATHS}
@@ -298,7 +308,7 @@ def layer_pool_bytes(fmt: CacheFormat, slots: int, act_dtype: torch.dtype) -> in
 def worker_pool_bytes(config) -> int:
     """The bytes of the protected pools of a worker's MLA layers served by this backend (vLLM's config: its layers)."""
     return sum(module.impl.pool_bytes for module in config.compilation_config.static_forward_context.values()
-               if isinstance(getattr(module, "impl", None), LatentMLAImpl))
+               if isinstance(getattr(module, "impl", None), LatentFormatImpl))
 
 
 def count_pools(config) -> None:
@@ -371,7 +381,7 @@ def layer_pages() -> None:
     def get_kv_cache_spec(self, vllm_config):
         spec = make(self, vllm_config)
         impl = getattr(self, "impl", None)
-        if spec is None or not isinstance(impl, LatentMLAImpl) or impl.served is None:
+        if spec is None or not isinstance(impl, LatentFormatImpl) or impl.served is None:
             return spec
         token_bytes = EnginePages(impl.fmt, spec.block_size, vllm_config.model_config.dtype).token_bytes
         return replace(spec, dtype=torch.uint8, state_content_bytes=token_bytes)
@@ -446,14 +456,15 @@ class ProtectedPool:
     tokens), and held until the engine stores the block (`held`)."""
 
     def __init__(self, n_sink: int, recent: int, width: int, table: SlotTable, dtype: torch.dtype,
-                 token_block: int | None = None):
+                 token_block: int | None = None, device: torch.device | str = "cpu"):
         self.n_sink, self.recent, self.table, self.slots = n_sink, recent, table, table.slots
         self.token_block = token_block
         self.ring = recent + (token_block or 0)
-        self.sinks = torch.zeros(self.slots, n_sink, width, dtype=dtype)
-        self.window = torch.zeros(self.slots, self.ring, width, dtype=dtype)
-        self.window_pos = torch.full((self.slots, self.ring), -1, dtype=torch.long)
-        self.sinks_held = torch.zeros(self.slots, dtype=torch.long)
+        self.device = torch.device(device)
+        self.sinks = torch.zeros(self.slots, n_sink, width, dtype=dtype, device=device)  # the tokens: the device's
+        self.window = torch.zeros(self.slots, self.ring, width, dtype=dtype, device=device)
+        self.window_pos = torch.full((self.slots, self.ring), -1, dtype=torch.long, device="cpu")  # the host's
+        self.sinks_held = torch.zeros(self.slots, dtype=torch.long, device="cpu")
 
     @property
     def nbytes(self) -> int:
@@ -468,17 +479,19 @@ class ProtectedPool:
         return idx
 
     def write(self, idx: torch.Tensor, pos: torch.Tensor, x: torch.Tensor, length: torch.Tensor) -> None:
-        """Tokens x (N, width) at positions pos (N,) of the sequences in slots idx (N,), whose sequences hold
-        `length` (N,) tokens after this step: the sinks, and those among the latest `ring` (so no two of a step share
-        a ring entry)."""
+        """Tokens x (N, width) (on the pool's device) at positions pos (N,) of the sequences in slots idx (N,),
+        whose sequences hold `length` (N,) tokens after this step (host tensors): the sinks, and those among the
+        latest `ring` (so no two of a step share a ring entry)."""
         sink = pos < self.n_sink
         if sink.any():
-            self.sinks[idx[sink], pos[sink]] = x[sink].to(self.sinks.dtype)
-            self.sinks_held.scatter_reduce_(0, idx[sink], pos[sink] + 1, "amax")
+            i, p = idx[sink], pos[sink]
+            self.sinks[i.to(self.device), p.to(self.device)] = x[sink.to(x.device)].to(self.sinks.dtype)
+            self.sinks_held.scatter_reduce_(0, i, p + 1, "amax")
         in_ring = pos >= length - self.ring
         if self.ring and in_ring.any():
             i, p = idx[in_ring], pos[in_ring]
-            self.window[i, p % self.ring] = x[in_ring].to(self.window.dtype)
+            self.window[i.to(self.device), (p % self.ring).to(self.device)] = \
+                x[in_ring.to(x.device)].to(self.window.dtype)
             self.window_pos[i, p % self.ring] = p
 
     def first_held(self, length: torch.Tensor) -> torch.Tensor:
@@ -500,7 +513,7 @@ class ProtectedPool:
         (the slot was taken while the sequence waited) refused by name."""
         ring = pos % self.ring
         self.refuse_lost(self.window_pos[idx, ring] != pos)
-        return self.window[idx, ring]
+        return self.window[idx, ring.to(self.device)]
 
     def refuse_lost(self, miss: torch.Tensor) -> None:
         """With a token block, a sequence's pending tokens are nowhere else: a slot that no longer holds them (`miss`,
@@ -512,20 +525,21 @@ class ProtectedPool:
 
     def read(self, idx: torch.Tensor, stored: torch.Tensor, new: torch.Tensor | int = 1):
         """For sequences in slots idx (B,) holding `stored` (B,) tokens before this step's `new` (a decode step's
-        one, a chunk of a prompt's): (sinks (B, n_sink, width), their count, window (B, ring, width) oldest first, its
-        count, lo (B,): the first position of the window, miss (B,): True where the slot does not hold all of
-        them)."""
+        one, a chunk of a prompt's) (host tensors): (sinks (B, n_sink, width), window (B, ring, width) oldest first:
+        on the pool's device; the sinks' count, the window's count, lo (B,): the first position of the window,
+        miss (B,): True where the slot does not hold all of them: on the host)."""
         lo = self.first_held(stored + new)  # with this step's tokens
         sink_len = torch.clamp(stored, max=self.n_sink)
         miss = self.sinks_held[idx] < sink_len
+        at = idx.to(self.device)
         if not self.ring:
-            return self.sinks[idx], sink_len, self.window[idx], torch.zeros_like(stored), lo, miss
-        want = lo[:, None] + torch.arange(self.ring)  # (B, ring)
+            return self.sinks[at], sink_len, self.window[at], torch.zeros_like(stored), lo, miss
+        want = lo[:, None] + torch.arange(self.ring, device="cpu")  # (B, ring)
         ring = want % self.ring
         win_len = torch.clamp(stored - lo, min=0)
         held = (self.window_pos[idx[:, None], ring] == want) | (want >= stored[:, None])
         miss = miss | ~held.all(1)
-        return self.sinks[idx], sink_len, self.window[idx[:, None], ring], win_len, lo, miss
+        return self.sinks[at], sink_len, self.window[at[:, None], ring.to(self.device)], win_len, lo, miss
 
 
 @functools.lru_cache(maxsize=8)
@@ -537,6 +551,7 @@ def served(model: str) -> CacheSpec | None:
 
 _LOADED: dict[str, object] = {}  # the format of the model this process loaded (see current_format)
 _SLOT_TABLES: dict[int, tuple[object, SlotTable]] = {}  # per engine (its vLLM config): the layers' shared slots
+_STEP: list = []  # the last step's forward context, metadata and host view (`LatentFormatImpl._step`)
 
 
 def current_format() -> tuple[CacheSpec | None, object | None]:
@@ -571,20 +586,13 @@ class LatentMetadataBuilder(MLACommonMetadataBuilder[LatentMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, **kwargs)
 
 
-class LatentMLABackend(CPUMLABackend):
-    """vLLM's CPU MLA backend, storing an exported checkpoint's latent cache in its format (module docstring)."""
+class LatentBackend:
+    """A vLLM MLA backend storing an exported checkpoint's latent cache in its format (module docstring), over the
+    vLLM backend after it in a subclass's bases."""
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return [] if current_format()[0] is not None else super().get_supported_head_sizes()
-
-    @staticmethod
-    def get_builder_cls():
-        return LatentMetadataBuilder
-
-    @staticmethod
-    def get_impl_cls():
-        return LatentMLAImpl
 
     @classmethod
     def customize_spec(cls, spec):
@@ -599,8 +607,60 @@ class LatentMLABackend(CPUMLABackend):
         return replace(spec, dtype=torch.uint8, state_content_bytes=token_bytes)
 
 
-class LatentMLAImpl(CPUMLAImpl):
-    """Writes and reads the served format (module docstring); vLLM's own CPU MLA where the model is not ours."""
+class LatentMLABackend(LatentBackend, CPUMLABackend):
+    """On vLLM's CPU platform (the plugin overrides its CPU_MLA member): decode by the C++ kernel where it reads the
+    format."""
+
+    @staticmethod
+    def get_builder_cls():
+        return LatentMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls():
+        return LatentMLAImpl
+
+
+class LatentTritonMetadataBuilder(TritonMLAMetadataBuilder):
+    """vLLM's Triton MLA metadata, with one token per decode row (a step's new token is read fresh and written into
+    the pools one per sequence) and attention run outside CUDA graphs (each step's lengths and first blocks are read
+    on the host, where the pools and their slots are kept)."""
+
+    _cudagraph_support = AttentionCGSupport.NEVER
+    query_len_support = QueryLenSupport.SINGLE_ONLY
+    supports_non_causal_multi_token_decode = False
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.metadata_cls = LatentMetadata
+
+
+class LatentTritonMLABackend(LatentBackend, TritonMLABackend):
+    """On a CUDA GPU (the plugin registers it as vLLM's CUSTOM backend and names it for an exported checkpoint):
+    decode by the project's Triton kernel where it reads the format, prefill through vLLM's prefill backend."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_builder_cls():
+        return LatentTritonMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls():
+        return LatentTritonMLAImpl
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+
+class LatentFormatImpl:
+    """Writes and reads the served format (module docstring), over a vLLM MLA implementation (the class after it in
+    a subclass's bases: `LatentMLAImpl` on the CPU, `LatentTritonMLAImpl` on a CUDA GPU), which serves any model
+    that is not ours, prefills, and runs everything else. Host-side bookkeeping (the step's lengths, the pools'
+    positions and slots) lives on the CPU, named so; what the engine's tensors hold (pages, pools, segments) on their
+    device."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -629,7 +689,7 @@ class LatentMLAImpl(CPUMLAImpl):
             return self.served.uniform
         layers = self.served.layers
         ours = [name for name, module in self.config.compilation_config.static_forward_context.items()
-                if isinstance(getattr(module, "impl", None), LatentMLAImpl)]
+                if isinstance(getattr(module, "impl", None), LatentFormatImpl)]
         order = sorted(ours, key=lambda name: [int(n) for n in re.findall(r"\d+", name)])
         if len(order) != len(layers):
             raise ValueError(f"quant={self.served.name}: a format for each of {len(layers)} cache layers, and the "
@@ -654,7 +714,13 @@ class LatentMLAImpl(CPUMLAImpl):
             return None
         check_sinks_fit(self.served, self.block_size)
         return ProtectedPool(fmt.n_sink, fmt.recent, fmt.d_c + fmt.d_r, self.slot_table, self.act_dtype,
-                             fmt.token_block)
+                             fmt.token_block, self.device)
+
+    @functools.cached_property
+    def device(self) -> torch.device:
+        """The device of the engine's KV cache (vLLM's config), where the pools are kept."""
+        config = getattr(self, "config", None)
+        return torch.device("cpu") if config is None else torch.device(config.device_config.device_type)
 
     @functools.cached_property
     def slot_table(self) -> SlotTable:
@@ -669,7 +735,8 @@ class LatentMLAImpl(CPUMLAImpl):
         each sequence's tokens begin, decode rows first; row (N,): each token's sequence; cached (R,): the tokens each
         sequence held before this step: a decode row's all but its new one, a prompt's its context, 0 unless
         chunked prefill continues it; first (R,): each sequence's first block), or None in a warm-up run without
-        sequences."""
+        sequences. All but the context and metadata are host tensors: read from the metadata's device tensors once
+        per step and metadata (every layer of a step sharing its metadata gets the first layer's)."""
         from vllm.forward_context import get_forward_context
 
         context = get_forward_context()
@@ -677,19 +744,23 @@ class LatentMLAImpl(CPUMLAImpl):
         meta = meta.get(self.layer_name) if isinstance(meta, dict) else meta
         if not isinstance(meta, MLACommonMetadata):
             return None
-        starts = meta.query_start_loc.to("cpu", torch.long)[: meta.num_reqs + 1]
-        row = torch.searchsorted(starts[1:], torch.arange(meta.num_actual_tokens), right=True)
+        if _STEP and _STEP[0] is context and _STEP[1] is meta:
+            return _STEP[2]
+        host = functools.partial(torch.as_tensor, device="cpu", dtype=torch.long)
+        starts = host(meta.query_start_loc)[: meta.num_reqs + 1]
+        row = torch.searchsorted(starts[1:], torch.arange(meta.num_actual_tokens, device="cpu"), right=True)
         d = meta.num_decodes
-        cached = torch.zeros(meta.num_reqs, dtype=torch.long)
-        first = torch.empty(meta.num_reqs, dtype=torch.long)
+        cached = torch.zeros(meta.num_reqs, dtype=torch.long, device="cpu")
+        first = torch.empty(meta.num_reqs, dtype=torch.long, device="cpu")
         if d:
-            cached[:d] = meta.decode.seq_lens[:d].to("cpu", torch.long) - 1
-            first[:d] = meta.decode.block_table[:d, 0].to("cpu", torch.long)
+            cached[:d] = host(meta.decode.seq_lens[:d]) - 1
+            first[:d] = host(meta.decode.block_table[:d, 0])
         if meta.num_prefills:
-            first[d:] = meta.prefill.block_table[:, 0].to("cpu", torch.long)
+            first[d:] = host(meta.prefill.block_table[:, 0])
             if meta.prefill.chunked_context is not None:  # chunked prefill: a prompt continued over its context
-                cached[d:] = torch.tensor(meta.prefill.chunked_context.context_lens_list, dtype=torch.long)
-        return context, meta, starts, row, cached, first
+                cached[d:] = host(meta.prefill.chunked_context.context_lens_list)
+        _STEP[:] = [context, meta, (context, meta, starts, row, cached, first)]
+        return _STEP[2]
 
     def _protect(self, kv_cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Write this step's protected tokens x (N, d_c + d_r) (slots (N,), vLLM's) into the pool: each token's
@@ -706,8 +777,9 @@ class LatentMLAImpl(CPUMLAImpl):
                              f"({meta.num_decode_tokens} tokens for {d} sequences: speculative decoding)")
         slots, x = slots[:n].long(), x[:n]
         length = cached + starts[1:] - starts[:-1]  # each sequence's tokens after this step
-        pos = cached[row] + torch.arange(n) - starts[row]
-        idx = torch.tensor(self.pool.assign(first.tolist(), (cached == 0).tolist(), step=context), dtype=torch.long)
+        pos = cached[row] + torch.arange(n, device="cpu") - starts[row]
+        idx = torch.tensor(self.pool.assign(first.tolist(), (cached == 0).tolist(), step=context), dtype=torch.long,
+                           device="cpu")
         self._slots = idx
         pending = self._pending(meta, idx, cached) if self.pool.token_block else None
         self.pool.write(idx[row], pos, x, length[row])
@@ -722,7 +794,7 @@ class LatentMLAImpl(CPUMLAImpl):
         for r in range(d, meta.num_reqs):
             if int(cached[r]):
                 lo = pool.n_sink + pool.whole_blocks(cached[r : r + 1])[0] * pool.token_block
-                out[r] = pool.held(int(idx[r]), torch.arange(int(lo), int(cached[r])))
+                out[r] = pool.held(int(idx[r]), torch.arange(int(lo), int(cached[r]), device="cpu"))
         return out
 
     def _store_blocks(self, kv_cache: torch.Tensor, meta, starts: torch.Tensor, idx: torch.Tensor,
@@ -737,7 +809,7 @@ class LatentMLAImpl(CPUMLAImpl):
         before = pool.whole_blocks(cached)  # (R,) before it
         held, where = [], []
         for r in torch.nonzero(done > before).flatten().tolist():
-            pos = pool.n_sink + t * int(before[r]) + torch.arange(t * int(done[r] - before[r]))
+            pos = pool.n_sink + t * int(before[r]) + torch.arange(t * int(done[r] - before[r]), device="cpu")
             if r < d:
                 held.append(pool.held(int(idx[r]), pos))
                 table = meta.decode.block_table[r].to("cpu", torch.long)
@@ -745,7 +817,7 @@ class LatentMLAImpl(CPUMLAImpl):
             else:
                 new = pos >= cached[r]
                 waited = pending.get(r, x[:0])[: int((~new).sum())]
-                held.append(torch.cat([waited, x[starts[r] + pos[new] - cached[r]]]))
+                held.append(torch.cat([waited, x[(starts[r] + pos[new] - cached[r]).to(x.device)]]))
                 table = meta.prefill.block_table[r - d].to("cpu", torch.long)
                 where.append(table[pos // bs] * bs + pos % bs)
         if held:
@@ -765,12 +837,13 @@ class LatentMLAImpl(CPUMLAImpl):
             return {p: s.expand(slots.shape[0]) for p, s in self.pages.prompt_scales(tokens).items()}
         _, meta, starts, row, cached, first = step
         n = meta.num_actual_tokens
-        per_row = {p: torch.empty(meta.num_reqs, dtype=torch.float32) for p in self.pages.scaled}
+        device = kv_cache.device
+        per_row = {p: torch.empty(meta.num_reqs, dtype=torch.float32, device=device) for p in self.pages.scaled}
         going = cached > 0  # a decode row, or a prompt continued by chunked prefill: its scale is set
         if going.any():
             held = self.pages.sequence_scales(kv_cache, first[going])
             for p in per_row:
-                per_row[p][going] = held[p]
+                per_row[p][going.to(device)] = held[p]
         for r in torch.nonzero(~going).flatten().tolist():  # a prompt from position 0: its first tokens set it
             a, b = int(starts[r]), int(starts[r + 1])
             scales = self.pages.prompt_scales({p: x[a:b] for p, x in tokens.items()})
@@ -778,7 +851,7 @@ class LatentMLAImpl(CPUMLAImpl):
                                            {p: s.reshape(1) for p, s in scales.items()})
             for p in per_row:
                 per_row[p][r] = scales[p]
-        out = {p: x[row] for p, x in per_row.items()}
+        out = {p: x[row.to(device)] for p, x in per_row.items()}
         if slots.shape[0] > n:  # padding slots after the step's tokens (written nowhere)
             out = {p: torch.cat([x, x.new_ones(slots.shape[0] - n)]) for p, x in out.items()}
         return out
@@ -787,7 +860,7 @@ class LatentMLAImpl(CPUMLAImpl):
                             dtype: torch.dtype) -> list[Segment]:
         """The stored tokens of each decode row as segments: its sinks and its recent window from the pool, the rest
         from its blocks (all from its blocks for a row whose slot was taken)."""
-        pool, bs, d_c = self.pool, self.block_size, self.fmt.d_c
+        pool, bs, d_c, device = self.pool, self.block_size, self.fmt.d_c, kv_cache.device
         sinks, sink_len, window, win_len, lo, miss = pool.read(self._slots[: table.shape[0]], stored.long())
         if pool.token_block:  # the whole blocks after the sinks (a row whose slot was taken: refused)
             segments = self._block_segments(kv_cache, table, stored.long(), lo, miss, dtype)
@@ -798,10 +871,11 @@ class LatentMLAImpl(CPUMLAImpl):
             segments = []
             if pool.n_sink:  # the first block after the sinks, decoded; the blocks after it read as they are
                 first = self.pages.decoded(kv_cache, table[:, :1])
-                at = torch.clamp(start[:, None] + torch.arange(bs), max=bs - 1)[..., None]
+                at = torch.clamp(start[:, None] + torch.arange(bs, device="cpu"), max=bs - 1)[..., None].to(device)
                 segments.append(Segment.dense(*(first[p].gather(1, at.expand(-1, -1, first[p].shape[-1])).to(dtype)
                                                 for p in PATHS),
-                                              torch.clamp(torch.clamp(end, max=bs) - start, min=0).to(torch.int32)))
+                                              torch.clamp(torch.clamp(end, max=bs) - start, min=0).to(device,
+                                                                                                      torch.int32)))
                 if table.shape[1] > 1:
                     segments.append(self.pages.segment(kv_cache, table[:, 1:], torch.clamp(end - bs, min=0)))
             else:
@@ -809,7 +883,7 @@ class LatentMLAImpl(CPUMLAImpl):
         for held, count in ((sinks, sink_len), (window, win_len)):
             if held.shape[1]:
                 segments.append(Segment.dense(held[..., :d_c].to(dtype).contiguous(),
-                                              held[..., d_c:].to(dtype).contiguous(), count.to(torch.int32)))
+                                              held[..., d_c:].to(dtype).contiguous(), count.to(device, torch.int32)))
         return segments
 
     def _block_segments(self, kv_cache: torch.Tensor, table: torch.Tensor, stored: torch.Tensor, lo: torch.Tensor,
@@ -824,9 +898,9 @@ class LatentMLAImpl(CPUMLAImpl):
         if not width:
             return []
         dense = self.pages.decoded(kv_cache, table, n_sink, width)
-        keep = (torch.arange(width) < count[:, None])[..., None]
+        keep = (torch.arange(width, device="cpu") < count[:, None])[..., None].to(kv_cache.device)
         return [Segment.dense(*(torch.where(keep, dense[p], 0).to(dtype).contiguous() for p in PATHS),
-                              count.to(torch.int32))]
+                              count.to(kv_cache.device, torch.int32))]
 
     def _context(self, kv_cache: torch.Tensor, meta, dtype: torch.dtype) -> list[torch.Tensor]:
         """Each prompt's cached context (chunked prefill), as the framework's cache reads it in a step of several
@@ -844,13 +918,13 @@ class LatentMLAImpl(CPUMLAImpl):
         for r, cached in enumerate(prefill.chunked_context.context_lens_list):
             table = prefill.block_table[r : r + 1]
             if not cached:
-                out.append(torch.empty(0, self.fmt.d_c + self.fmt.d_r, dtype=dtype))
+                out.append(torch.empty(0, self.fmt.d_c + self.fmt.d_r, dtype=dtype, device=kv_cache.device))
                 continue
             if pool is None:
                 out.append(stored(table, 0, cached))
                 continue
             sinks, n_sinks, window, n_window, lo, miss = pool.read(self._slots[d + r : d + r + 1],
-                                                                   torch.tensor([cached]), queries[r])
+                                                                   torch.tensor([cached], device="cpu"), queries[r])
             lo, n_sinks, n_window = int(lo[0]), int(n_sinks[0]), int(n_window[0])
             sinks, window = sinks[0, :n_sinks].to(dtype), window[0, :n_window].to(dtype)
             if pool.token_block:  # the sinks, the whole blocks after them (decoded a block at once), the ring
@@ -895,9 +969,10 @@ class LatentMLAImpl(CPUMLAImpl):
             accumulate_mla_context_chunk(chunk, out, lse, output, output_lse)
         return output, output_lse
 
-    @functools.cached_property
-    def decode_backend(self) -> str:
-        return self.fmt.step_backends("cpu")["decode"]  # "cpu" (the C++ kernel) or "torch"
+    def decode_backend(self, device_type: str) -> str:
+        """The decode kernel on the engine's device ("cpu": the C++ kernel; "triton" on a CUDA GPU, or on the CPU
+        under TRITON_INTERPRET=1 with quant.backend=triton), or "torch" (the PyTorch path), as in the framework."""
+        return self.fmt.step_backends(device_type)["decode"]
 
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale):
         if self.served is None:
@@ -926,13 +1001,32 @@ class LatentMLAImpl(CPUMLAImpl):
         lengths = decode.seq_lens[:b]
         if self.pool is None:
             stored = [self.pages.segment(kv_c_and_k_pe_cache, decode.block_table[:b], lengths - 1)]
-        else:
-            stored = self._protected_segments(kv_c_and_k_pe_cache, decode.block_table[:b], (lengths - 1).cpu(),
-                                              q_latent.dtype)
+        else:  # the rows' stored tokens as the step's host view has them (a decode row's: all but its new one)
+            step = self._step()
+            held = torch.as_tensor(lengths - 1, device="cpu") if step is None else step[4][:b]
+            stored = self._protected_segments(kv_c_and_k_pe_cache, decode.block_table[:b], held, q_latent.dtype)
         fresh = Segment.dense(self._fresh["content"][:b, None].to(q_latent.dtype),
                               self._fresh["rope"][:b, None].to(q_latent.dtype),
-                              torch.ones(b, dtype=torch.int32))
-        chosen = DECODE_BACKENDS.get(self.decode_backend)
+                              torch.ones(b, dtype=torch.int32, device=q_latent.device))
+        chosen = DECODE_BACKENDS.get(self.decode_backend(q_latent.device.type))
         kernel = chosen.op() if chosen is not None else segment_attention
         out = kernel(q_latent.contiguous(), q_rope.contiguous(), self.scale, [*stored, fresh])
         return out.to(q_latent.dtype), None
+
+
+class LatentMLAImpl(LatentFormatImpl, CPUMLAImpl):
+    """The served format on vLLM's CPU platform (`LatentMLABackend`)."""
+
+
+class LatentTritonMLAImpl(LatentFormatImpl, TritonMLAImpl):
+    """The served format on a CUDA GPU (`LatentTritonMLABackend`): its decode returns no log-sum-exp, so decode
+    context parallelism is refused by name."""
+
+    can_return_lse_for_decode = False
+    supports_dcp = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.served is not None and self.dcp_world_size > 1:
+            raise ValueError(f"decode_context_parallel_size={self.dcp_world_size}: the latent formats are served "
+                             "without decode context parallelism; allowed: 1")

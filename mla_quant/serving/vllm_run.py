@@ -57,6 +57,9 @@ def engine_args(request: dict) -> dict:
         args["max_num_batched_tokens"] = int(chunk)
     from vllm.platforms import current_platform
 
+    from mla_quant.serving.vllm_plugin import register
+
+    register()  # the engine runs in this process: its backends registered here too, the package installed or not
     if current_platform.is_cpu():  # on a CPU with AMX vLLM would pick AMX_MLA (BF16 weights only) for the
         # unquantized checkpoint: CPU_MLA for every run, as the plugin asks for an exported format's (vllm_plugin.py)
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -95,7 +98,7 @@ def run_engine(request: dict) -> dict:
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     from mla_quant.quant.formats import PATHS
-    from mla_quant.serving.vllm_backend import LatentMLAImpl, served
+    from mla_quant.serving.vllm_backend import LatentFormatImpl, served
 
     llm = LLM(model=request["model"], **args)
     config = llm.llm_engine.vllm_config
@@ -118,7 +121,7 @@ def run_engine(request: dict) -> dict:
                       "preemptions": int(delta.get("vllm:num_preemptions", (0, 0))[0])})
     # the format each engine layer stored and read (a format per layer: found by the layer itself)
     ours = {name: module.impl for name, module in config.compilation_config.static_forward_context.items()
-            if isinstance(getattr(module, "impl", None), LatentMLAImpl) and "fmt" in vars(module.impl)}
+            if isinstance(getattr(module, "impl", None), LatentFormatImpl) and "fmt" in vars(module.impl)}
     layers = {name: {p: impl.fmt.path(p).describe() for p in PATHS} for name, impl in ours.items()}
     pools = [impl.pool for impl in ours.values() if impl.pool is not None]
     protected = None if not pools else {"bytes": sum(pool.nbytes for pool in pools), "slots": pools[0].slots,
@@ -138,7 +141,7 @@ def run_engine(request: dict) -> dict:
            "num_blocks": num_blocks,
            "block_size": block_size, "page_bytes_per_block": int(page) if page == int(page) else page,
            "layer_page_bytes": pages, "format": None if fmt is None else fmt.name,
-           "decode_backend": "vllm" if fmt is None else fmt.step_backends("cpu")["decode"],
+           "decode_backend": "vllm" if fmt is None else fmt.step_backends(config.device_config.device_type)["decode"],
            "scheduler": {"chunked_prefill": bool(sched.enable_chunked_prefill),
                          "max_num_batched_tokens": int(sched.max_num_batched_tokens),
                          "max_num_seqs": int(sched.max_num_seqs),

@@ -197,6 +197,7 @@ def bf16_folder(checkpoint: Path, description: dict, out: Path) -> Path:
 
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+GPU_DTYPES = ("bfloat16", "float16")  # what vLLM's GPU MLA backends (Triton's among them) compute in
 
 
 def check_task(task: DictConfig) -> None:
@@ -244,10 +245,14 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                           f"{INSTALL_HINT}") from err
     from vllm.platforms import current_platform
 
-    from mla_quant.serving.vllm_plugin import off_cpu
+    from mla_quant.serving.vllm_plugin import SERVED_ON, platform_kind, unserved
 
-    if not current_platform.is_cpu():  # refused before anything is exported (the engine would refuse it at start)
-        raise ValueError(f"experiment=serve: the exported checkpoint's {off_cpu(type(current_platform).__name__)}")
+    kind = platform_kind(current_platform)
+    if kind not in SERVED_ON:  # refused before anything is exported (the engine would refuse it at start)
+        raise ValueError(f"experiment=serve: the exported checkpoint's {unserved(kind)}")
+    if kind == "cuda" and task.dtype not in GPU_DTYPES:  # vLLM's GPU MLA backends compute in half precision
+        raise ValueError(f"task.dtype={task.dtype!r} on a CUDA GPU: vLLM's GPU MLA attention runs in "
+                         f"{list(GPU_DTYPES)}; allowed: one of those")
     dims = model_dims(cfg.model)  # what the engine cannot store is refused before anything is prepared or exported
     differ = len(set(dims["layer_dims"])) > 1  # a model whose layers' dims differ: each at its own
     asked = served_format({"quant": OmegaConf.to_container(cfg.quant, resolve=True),
