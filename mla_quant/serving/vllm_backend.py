@@ -245,7 +245,8 @@ class EnginePages:
             scale = scales[p] if fmt.tensor_scaled else None
             encoded = fmt.encode(tokens[p].to(self.act_dtype) if not fmt.quantized else tokens[p], scale)
             if fmt.quantized:  # scales that overflow their dtype are refused, as the framework's cache refuses them
-                check_finite(encoded, f"quant.{p} ({fmt.describe()})")
+                # (on a GPU by a device-side assert: no host read in the step)
+                check_finite(encoded, f"quant.{p} ({fmt.describe()})", on_device=kv_cache.is_cuda)
             layout = self.layouts[p]
             for part, value in encoded.items():
                 if value.numel():
