@@ -732,6 +732,66 @@ def test_serve_the_toy_with_chunked_prefill_and_prefix_caching(tmp_path):
         assert sum(o != e[:len(o)] for o, e in zip(other, result["tokens"])) > 0
 
 
+GPU_CLASSES_IN_THE_CPU_ENGINE = """
+import json, sys
+from mla_quant.serving import vllm_backend, vllm_plugin, vllm_run
+
+def backend(name):  # the backend class vLLM's CPU platform gets for CPU_MLA in this run
+    def register():
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+        register_backend(AttentionBackendEnum.CPU_MLA, f"mla_quant.serving.vllm_backend.{name}")
+        vllm_plugin.serve_exported(type(current_platform), "cpu")
+    return register
+
+seen = set()
+decode = vllm_backend.LatentFormatImpl.forward_mqa
+def forward_mqa(self, *args):
+    seen.add(type(self).__name__)
+    return decode(self, *args)
+vllm_backend.LatentFormatImpl.forward_mqa = forward_mqa
+request = json.loads(sys.argv[1])
+out = {}
+for name in ("LatentTritonMLABackend", "LatentMLABackend"):
+    from vllm.v1.attention import selector
+    selector._cached_get_attn_backend.cache_clear()  # vLLM keeps the class it resolved for the first engine
+    vllm_plugin.register = backend(name)
+    seen.clear()
+    result = vllm_run.run_engine(request)
+    out[name] = {"tokens": result["tokens"], "impls": sorted(seen), "blocks": result["num_blocks"],
+                 "misses": result["protected"]["misses"]}
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_gpu_backend_classes_serve_in_vllms_engine(tmp_path):
+    """The GPU backend's classes (`LatentTritonMLABackend`: vLLM's Triton MLA metadata builder, with the format's
+    metadata, one token per decode row and no CUDA graphs, and `LatentTritonMLAImpl` over vLLM's Triton MLA
+    implementation) in vLLM's real engine, here its CPU one (CPU_MLA pointed at them; decode by the C++ kernel, as
+    the CPU's device type asks): an exported int2_joint checkpoint with 2 sinks and an 8-token window, prompts cut
+    into chunks of 16 tokens, generate the same tokens and hold the same blocks as the CPU backend's classes, with
+    no pool slot lost."""
+    import subprocess
+    import sys
+
+    done = run_cli("experiment=export", "quant=int2_joint", "quant.mode=serving", "quant.protected.n_sink=2",
+                   "quant.protected.recent=8", "logger=none", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 500, (int(n),), generator=g).tolist() for n in (30, 47, 18, 61, 35, 52)]
+    request = {"model": str(tmp_path / "checkpoint"), "prompts": prompts, "max_tokens": 12, "dtype": "bfloat16",
+               "kv_cache_memory_bytes": 1 << 20, "max_model_len": 256, "max_num_seqs": 1, "prefill_chunk": 16}
+    run = subprocess.run([sys.executable, "-c", GPU_CLASSES_IN_THE_CPU_ENGINE, json.dumps(request)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT"))[6:])
+    gpu, cpu = out["LatentTritonMLABackend"], out["LatentMLABackend"]
+    assert gpu["impls"] == ["LatentTritonMLAImpl"] and cpu["impls"] == ["LatentMLAImpl"]
+    assert gpu["tokens"] == cpu["tokens"] and all(len(t) == 12 for t in gpu["tokens"])
+    assert gpu["blocks"] == cpu["blocks"] and gpu["misses"] == cpu["misses"] == 0
+
+
 def test_a_format_per_layer_round_trips_through_the_description():
     """An exported format per layer (quant.layers; lloyd codebooks per layer) is rebuilt by the engine as it was:
     each layer's paths and levels."""
