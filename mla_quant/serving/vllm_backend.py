@@ -942,25 +942,35 @@ class LatentFormatImpl:
 
     def _compute_prefill_context(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale):
         """Chunked prefill: the step's prompt tokens attend to their cached context read in the format (`_context`),
-        through vLLM's prefill backend a workspace chunk at a time, merged by log-sum-exp as vLLM's own does; the
-        step's own tokens are attended fresh by vLLM's prefill path (`forward_mha`)."""
+        through vLLM's prefill backend a workspace chunk at a time, merged by log-sum-exp as vLLM's own does (with
+        its FP8 prefill queries where vLLM was asked for them); the step's own tokens are attended fresh by vLLM's
+        prefill path (`forward_mha`)."""
         if self.served is None:
             return super()._compute_prefill_context(q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
-        from vllm.model_executor.layers.attention.mla_attention import (accumulate_mla_context_chunk,
+        from vllm.model_executor.layers.attention.mla_attention import (_get_kv_b_proj_input_dtype,
+                                                                        accumulate_mla_context_chunk,
                                                                         init_mla_context_partial)
+        from vllm.platforms import current_platform
 
         prefill = attn_metadata.prefill
         chunked = prefill.chunked_context
-        context = self._context(kv_c_and_k_pe_cache, attn_metadata, q.dtype)
+        fp8 = getattr(prefill, "q_data_type", None) == current_platform.fp8_dtype()  # vLLM's FP8 prefill queries
+        proj_dtype = _get_kv_b_proj_input_dtype(self.kv_b_proj, fp8)
+        context = self._context(kv_c_and_k_pe_cache, attn_metadata, self.act_dtype or q.dtype)
+        if fp8:
+            q = q.to(prefill.q_data_type)
         output = output_lse = None
         for chunk in chunked.chunks:
             rows = range(chunk.request_slice.start, chunk.request_slice.stop)
             tokens = torch.cat([context[r][a: a + n]
                                 for r, a, n in zip(rows, chunk.starts.tolist(), chunk.seq_lens.tolist())])
-            kv_nope = self.kv_b_proj(tokens[:, : self.kv_lora_rank])[0].view(
+            latent, k_pe = tokens[:, : self.kv_lora_rank], tokens[:, None, self.kv_lora_rank:]
+            kv_nope = self.kv_b_proj(latent if proj_dtype is None else latent.to(proj_dtype))[0].view(
                 -1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+            if fp8:
+                kv_nope, k_pe = kv_nope.to(prefill.q_data_type), k_pe.to(prefill.q_data_type)
             k_nope, v = kv_nope.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-            k = self._concat_k_nope_k_pe(k_nope, tokens[:, None, self.kv_lora_rank:])
+            k = self._concat_k_nope_k_pe(k_nope, k_pe)
             out, lse = prefill.prefill_backend.run_prefill_context_chunk(chunk=chunk, q=q[chunk.token_slice], k=k,
                                                                          v=v)
             if output is None:
@@ -983,7 +993,12 @@ class LatentFormatImpl:
         if kv_cache.numel() == 0:
             return
         slots = slot_mapping.flatten().long()
-        ok = slots >= 0  # -1: padding
+        step = self._step()
+        if step is None:  # a warm-up run without sequences: the slots that are not padding (-1)
+            ok = slots >= 0
+        else:  # the step's tokens come first, padding after them: their slots valid (checked on the device)
+            ok = slice(0, step[1].num_actual_tokens)
+            torch._assert_async((slots[ok] >= 0).all(), "a step's token without a cache slot")
         n = slots.shape[0]
         tokens = {"content": kv_c_normed[:n], "rope": k_pe[:n]}
         scales = self._sequence_scales(kv_cache, slots, tokens) if self.pages.scaled else None
