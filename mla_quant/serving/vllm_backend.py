@@ -782,18 +782,20 @@ class LatentFormatImpl:
         idx = torch.tensor(self.pool.assign(first.tolist(), (cached == 0).tolist(), step=context), dtype=torch.long,
                            device="cpu")
         self._slots = idx
-        pending = self._pending(meta, idx, cached) if self.pool.token_block else None
+        pending = self._pending(meta, idx, cached, length) if self.pool.token_block else None
         self.pool.write(idx[row], pos, x, length[row])
         if self.pool.token_block:
             self._store_blocks(kv_cache, meta, starts, idx, cached, length, slots, x, pending)
 
-    def _pending(self, meta, idx: torch.Tensor, cached: torch.Tensor) -> dict[int, torch.Tensor]:
-        """With a token block: the cached tokens of each prompt continued by chunked prefill that wait in the ring for
-        their block {row: (n, width)}, taken before this step's tokens overwrite the ring's entries."""
+    def _pending(self, meta, idx: torch.Tensor, cached: torch.Tensor, length: torch.Tensor) -> dict[int, torch.Tensor]:
+        """With a token block: the cached tokens of each prompt continued by chunked prefill whose block this step
+        fills (`length`: each sequence's tokens after it), waiting in the ring for it {row: (n, width)}, taken before
+        this step's tokens overwrite the ring's entries."""
         pool, d = self.pool, meta.num_decodes
+        filling = pool.whole_blocks(length) > pool.whole_blocks(cached)  # (R,)
         out = {}
         for r in range(d, meta.num_reqs):
-            if int(cached[r]):
+            if int(cached[r]) and bool(filling[r]):
                 lo = pool.n_sink + pool.whole_blocks(cached[r : r + 1])[0] * pool.token_block
                 out[r] = pool.held(int(idx[r]), torch.arange(int(lo), int(cached[r]), device="cpu"))
         return out
