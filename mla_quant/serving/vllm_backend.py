@@ -391,12 +391,13 @@ def layer_pages() -> None:
     MLAAttention.get_kv_cache_spec = get_kv_cache_spec
 
 
-def engine_block_size() -> int | None:
-    """The block size vLLM gives this backend's layers where the backend allows one only (vLLM's CPU MLA: its C++
-    decode kernel's, which vLLM's CPU platform sets for every MLA model), known before an engine starts; None: known
-    at engine start."""
+def engine_block_size() -> int:
+    """The block size of the engines `experiment=serve` starts (`vllm_run.engine_args` asks for it), known before
+    they start: the one vLLM's CPU MLA allows (its C++ decode kernel's, which vLLM's CPU platform sets for every MLA
+    model), a multiple of 16 as vLLM's Triton MLA (the GPU backend's) wants."""
     sizes = LatentMLABackend.get_supported_kernel_block_sizes()
-    return sizes[0] if len(sizes) == 1 and isinstance(sizes[0], int) else None
+    assert len(sizes) == 1 and isinstance(sizes[0], int) and LatentTritonMLABackend.supports_block_size(sizes[0])
+    return sizes[0]
 
 
 class SlotTable:

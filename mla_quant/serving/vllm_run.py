@@ -57,8 +57,10 @@ def engine_args(request: dict) -> dict:
         args["max_num_batched_tokens"] = int(chunk)
     from vllm.platforms import current_platform
 
+    from mla_quant.serving.vllm_backend import engine_block_size
     from mla_quant.serving.vllm_plugin import register
 
+    args["block_size"] = engine_block_size()  # the references' blocks (prefix caching) are the engine's, any platform
     register()  # the engine runs in this process: its backends registered here too, the package installed or not
     if current_platform.is_cpu():  # on a CPU with AMX vLLM would pick AMX_MLA (BF16 weights only) for the
         # unquantized checkpoint: CPU_MLA for every run, as the plugin asks for an exported format's (vllm_plugin.py)

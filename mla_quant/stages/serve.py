@@ -259,18 +259,14 @@ def run(cfg: DictConfig, run_dir: Path) -> StageResult:
                            "cache": {"format": cfg.quant.get("name"), "d_c": dims["d_c"], "d_r": dims["d_r"],
                                      **({"layer_dims": dims["layer_dims"]} if differ else {}),
                                      "rope_layout": rope_layout(cfg.model)}}, fitted=False)
-    block_size = engine_block_size()  # the engine's block size, where known before it starts on this platform
-    if block_size is not None:
-        check_sinks_fit(asked, block_size)
+    block_size = engine_block_size()  # the block size the engines are started with, on any platform
+    check_sinks_fit(asked, block_size)
     layers = len(dims["layer_dims"])
     check_pools_fit(task, asked, layers)  # a protected region that leaves the blocks nothing
     if task.prefix_caching and (why := shared_blocks_refused(asked)):
         raise ValueError(f"task.prefix_caching=true: quant={asked.name}: sequences cannot share its blocks: {why}; "
                          "allowed: a format without a protected region or a scale per sequence, or "
                          "task.prefix_caching=false")
-    if task.prefix_caching and block_size is None:
-        raise ValueError("task.prefix_caching=true: the engine's block size is not known before it starts on "
-                         f"{type(current_platform).__name__}, and the references need it")
 
     checkpoint = run_dir / "checkpoint"
     export, description = export_checkpoint(cfg, checkpoint)
