@@ -237,6 +237,26 @@ def test_a_one_token_prompt_starts_its_sequence(monkeypatch):
             assert float(held["content"][0]) == float(tensor_scale_for(token[:, :96], token[:, 96:]))
 
 
+def test_a_steps_tokens_are_written_by_their_count_and_each_needs_a_slot(monkeypatch):
+    """The cache update writes a step's tokens by their count (vLLM's padding comes after them), without reading
+    which slots are valid on the host: a step's token without a slot (-1) fails, checked on the device, rather than
+    being written into the cache's last block; padding slots after the step's tokens are written nowhere."""
+    g = torch.Generator().manual_seed(0)
+    impl = _engine_layer(served("int4_joint"))
+    kv = torch.zeros(8, 1, 16, impl.pages.token_bytes, dtype=torch.uint8)
+    tokens = torch.randn(5, 112, generator=g)
+    step = _drive(monkeypatch, impl, torch.tensor([[5, 2]], dtype=torch.int32), kv)
+    meta = step([(tokens, 0)], 0)
+    padded = torch.cat([torch.arange(80, 85), torch.full((3,), -1)])  # the step's 5 tokens, then 3 padding slots
+    before = kv.clone()
+    impl.do_kv_cache_update(torch.cat([tokens[:, :96], torch.zeros(3, 96)]),
+                            torch.cat([tokens[:, None, 96:], torch.zeros(3, 1, 16)]), kv, padded, "auto", None)
+    assert torch.equal(kv, before) and meta.num_actual_tokens == 5  # the same bytes again; the last block untouched
+    with pytest.raises(RuntimeError, match="a step's token without a cache slot"):
+        impl.do_kv_cache_update(tokens[:, :96], tokens[:, None, 96:], kv, torch.tensor([80, 81, -1, 83, 84]), "auto",
+                                None)
+
+
 @pytest.mark.parametrize("option", ["kivi_int4", "kivi_int2"])
 @pytest.mark.parametrize("protected, lengths", [((2, 8), [45, 5, 73, 41]), ((0, 0), [31, 5, 64, 40])],
                          ids=["sinks+window", "none"])
