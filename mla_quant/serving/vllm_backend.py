@@ -576,13 +576,30 @@ def current_format() -> tuple[CacheSpec | None, object | None]:
 @dataclass
 class LatentMetadata(MLACommonMetadata):
     """vLLM's MLA metadata without its head-size list (576, 512, 320: DeepSeek's): what decode reads is the
-    format's pages, whatever the model's latent dims."""
+    format's pages, whatever the model's latent dims; with the host copies vLLM's runner keeps of the step's query
+    starts and sequence lengths (`HostCopies`), so a step reads neither back from the device."""
+
+    host_starts: torch.Tensor | None = None  # (R + 1,) where each sequence's tokens begin, on the host
+    host_seq_lens: torch.Tensor | None = None  # (R,) each sequence's tokens with this step's, on the host
 
     def __post_init__(self):
         pass
 
 
-class LatentMetadataBuilder(MLACommonMetadataBuilder[LatentMetadata]):
+class HostCopies:
+    """A metadata builder (the class after it in a subclass's bases) that hands the step's host copies to the
+    format's metadata: vLLM's runner keeps the query starts on the host, and the sequence lengths too, exact where
+    each decode row takes one token (no speculative decoding: the backends' builders ask for one)."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if isinstance(meta, LatentMetadata):
+            meta.host_starts = common_attn_metadata.query_start_loc_cpu
+            meta.host_seq_lens = common_attn_metadata.seq_lens_cpu_upper_bound
+        return meta
+
+
+class LatentMetadataBuilder(HostCopies, MLACommonMetadataBuilder[LatentMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **kwargs):
         kwargs.setdefault("metadata_cls", LatentMetadata)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, **kwargs)
@@ -622,7 +639,7 @@ class LatentMLABackend(LatentBackend, CPUMLABackend):
         return LatentMLAImpl
 
 
-class LatentTritonMetadataBuilder(TritonMLAMetadataBuilder):
+class LatentTritonMetadataBuilder(HostCopies, TritonMLAMetadataBuilder):
     """vLLM's Triton MLA metadata, with one token per decode row (a step's new token is read fresh and written into
     the pools one per sequence) and attention run outside CUDA graphs (each step's lengths and first blocks are read
     on the host, where the pools and their slots are kept)."""
@@ -737,8 +754,10 @@ class LatentFormatImpl:
         each sequence's tokens begin, decode rows first; row (N,): each token's sequence; cached (R,): the tokens each
         sequence held before this step: a decode row's all but its new one, a prompt's its context, 0 unless
         chunked prefill continues it; first (R,): each sequence's first block), or None in a warm-up run without
-        sequences. All but the context and metadata are host tensors: read from the metadata's device tensors once
-        per step and metadata (every layer of a step sharing its metadata gets the first layer's)."""
+        sequences. All but the context and metadata are host tensors, made once per step and metadata (every layer
+        of a step sharing its metadata gets the first layer's): the starts and lengths from the runner's host copies
+        where the builder handed them (`HostCopies`), the first blocks (and otherwise the rest) read from the
+        metadata's device tensors."""
         from vllm.forward_context import get_forward_context
 
         context = get_forward_context()
@@ -749,13 +768,14 @@ class LatentFormatImpl:
         if _STEP and _STEP[0] is context and _STEP[1] is meta:
             return _STEP[2]
         host = functools.partial(torch.as_tensor, device="cpu", dtype=torch.long)
-        starts = host(meta.query_start_loc)[: meta.num_reqs + 1]
+        held = getattr(meta, "host_starts", None), getattr(meta, "host_seq_lens", None)  # the runner's host copies
+        starts = host(meta.query_start_loc if held[0] is None else held[0])[: meta.num_reqs + 1]
         row = torch.searchsorted(starts[1:], torch.arange(meta.num_actual_tokens, device="cpu"), right=True)
         d = meta.num_decodes
         cached = torch.zeros(meta.num_reqs, dtype=torch.long, device="cpu")
         first = torch.empty(meta.num_reqs, dtype=torch.long, device="cpu")
         if d:
-            cached[:d] = host(meta.decode.seq_lens[:d]) - 1
+            cached[:d] = host(meta.decode.seq_lens[:d] if held[1] is None else held[1][:d]) - 1
             first[:d] = host(meta.decode.block_table[:d, 0])
         if meta.num_prefills:
             first[d:] = host(meta.prefill.block_table[:, 0])
