@@ -641,8 +641,8 @@ class LatentMLABackend(LatentBackend, CPUMLABackend):
 
 class LatentTritonMetadataBuilder(HostCopies, TritonMLAMetadataBuilder):
     """vLLM's Triton MLA metadata, with one token per decode row (a step's new token is read fresh and written into
-    the pools one per sequence) and attention run outside CUDA graphs (each step's lengths and first blocks are read
-    on the host, where the pools and their slots are kept)."""
+    the pools one per sequence) and attention run outside CUDA graphs (the pools' slots and positions are worked
+    out on the host each step, from the rows' first blocks read back from the device)."""
 
     _cudagraph_support = AttentionCGSupport.NEVER
     query_len_support = QueryLenSupport.SINGLE_ONLY
