@@ -784,11 +784,11 @@ class LatentFormatImpl:
         _STEP[:] = [context, meta, (context, meta, starts, row, cached, first)]
         return _STEP[2]
 
-    def _protect(self, kv_cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Write this step's protected tokens x (N, d_c + d_r) (slots (N,), vLLM's) into the pool: each token's
-        sequence and position from the step's metadata (decode rows first, one token each; a prompt from position 0,
-        or with chunked prefill from its cached context on). With a token block, the blocks this step fills are then
-        stored (`_store_blocks`)."""
+    def _protect(self, kv_cache: torch.Tensor, x: torch.Tensor) -> None:
+        """Write this step's protected tokens x (N, d_c + d_r) into the pool: each token's sequence and position from
+        the step's metadata (decode rows first, one token each; a prompt from position 0, or with chunked prefill
+        from its cached context on). With a token block, the blocks this step fills are then stored
+        (`_store_blocks`)."""
         step = self._step()
         if step is None:  # a warm-up run without sequences
             return
@@ -797,53 +797,54 @@ class LatentFormatImpl:
         if meta.num_decode_tokens != d:
             raise ValueError(f"quant={self.served.name}: a protected region takes one token per decode step "
                              f"({meta.num_decode_tokens} tokens for {d} sequences: speculative decoding)")
-        slots, x = slots[:n].long(), x[:n]
+        x = x[:n]
         length = cached + starts[1:] - starts[:-1]  # each sequence's tokens after this step
         pos = cached[row] + torch.arange(n, device="cpu") - starts[row]
         idx = torch.tensor(self.pool.assign(first.tolist(), (cached == 0).tolist(), step=context), dtype=torch.long,
                            device="cpu")
         self._slots = idx
-        pending = self._pending(meta, idx, cached, length) if self.pool.token_block else None
+        if self.pool.token_block:  # the sequences' whole token blocks before and after this step (R,)
+            blocks = self.pool.whole_blocks(cached), self.pool.whole_blocks(length)
+            pending = self._pending(meta, idx, cached, blocks)
         self.pool.write(idx[row], pos, x, length[row])
         if self.pool.token_block:
-            self._store_blocks(kv_cache, meta, starts, idx, cached, length, slots, x, pending)
+            self._store_blocks(kv_cache, meta, starts, idx, cached, blocks, x, pending)
 
-    def _pending(self, meta, idx: torch.Tensor, cached: torch.Tensor, length: torch.Tensor) -> dict[int, torch.Tensor]:
+    def _pending(self, meta, idx: torch.Tensor, cached: torch.Tensor,
+                 blocks: tuple[torch.Tensor, torch.Tensor]) -> dict[int, torch.Tensor]:
         """With a token block: the cached tokens of each prompt continued by chunked prefill whose block this step
-        fills (`length`: each sequence's tokens after it), waiting in the ring for it {row: (n, width)}, taken before
-        this step's tokens overwrite the ring's entries."""
+        fills (`blocks`: each sequence's whole blocks before and after it), waiting in the ring for it {row: (n,
+        width)}, taken before this step's tokens overwrite the ring's entries."""
         pool, d = self.pool, meta.num_decodes
-        filling = pool.whole_blocks(length) > pool.whole_blocks(cached)  # (R,)
+        before, done = blocks
         out = {}
         for r in range(d, meta.num_reqs):
-            if int(cached[r]) and bool(filling[r]):
-                lo = pool.n_sink + pool.whole_blocks(cached[r : r + 1])[0] * pool.token_block
-                out[r] = pool.held(int(idx[r]), torch.arange(int(lo), int(cached[r]), device="cpu"))
+            if int(cached[r]) and int(done[r]) > int(before[r]):
+                lo = pool.n_sink + int(before[r]) * pool.token_block
+                out[r] = pool.held(int(idx[r]), torch.arange(lo, int(cached[r]), device="cpu"))
         return out
 
     def _store_blocks(self, kv_cache: torch.Tensor, meta, starts: torch.Tensor, idx: torch.Tensor,
-                      cached: torch.Tensor, length: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
+                      cached: torch.Tensor, blocks: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                       pending: dict[int, torch.Tensor]) -> None:
-        """Encode the token blocks this step fills (the paths over blocks of tokens, KIVI's) into their tokens' slots,
-        as the framework's cache stores a block when its last token leaves the window: a prompt's from its own tokens
-        (x, slots: the step's) after the tokens of its cached context that waited for the block (`pending`), a
-        decode row's from its pool's ring, which held them since they were written."""
+        """Encode the token blocks this step fills (`blocks`: each sequence's whole blocks before and after it; the
+        paths over blocks of tokens, KIVI's) into their tokens' slots, as the framework's cache stores a block when
+        its last token leaves the window: a prompt's from its own tokens (x: the step's) after the tokens of its
+        cached context that waited for the block (`pending`), a decode row's from its pool's ring, which held them
+        since they were written."""
         pool, t, bs, d = self.pool, self.pool.token_block, self.block_size, meta.num_decodes
-        done = pool.whole_blocks(length)  # (R,) after this step
-        before = pool.whole_blocks(cached)  # (R,) before it
+        before, done = blocks
         held, where = [], []
         for r in torch.nonzero(done > before).flatten().tolist():
             pos = pool.n_sink + t * int(before[r]) + torch.arange(t * int(done[r] - before[r]), device="cpu")
             if r < d:
                 held.append(pool.held(int(idx[r]), pos))
-                table = meta.decode.block_table[r].to("cpu", torch.long)
-                where.append(table[pos // bs] * bs + pos % bs)
             else:
                 new = pos >= cached[r]
                 waited = pending.get(r, x[:0])[: int((~new).sum())]
                 held.append(torch.cat([waited, x[(starts[r] + pos[new] - cached[r]).to(x.device)]]))
-                table = meta.prefill.block_table[r - d].to("cpu", torch.long)
-                where.append(table[pos // bs] * bs + pos % bs)
+            table = (meta.decode.block_table[r] if r < d else meta.prefill.block_table[r - d]).to("cpu", torch.long)
+            where.append(table[pos // bs] * bs + pos % bs)
         if held:
             tokens = torch.cat(held)
             d_c = self.fmt.d_c
@@ -1029,7 +1030,7 @@ class LatentFormatImpl:
         self.pages.write(kv_cache, slots[ok], {p: x[ok] for p, x in tokens.items()},
                          None if scales is None else {p: x[ok] for p, x in scales.items()}, paths=per_token)
         if self.pool is not None:
-            self._protect(kv_cache, slots, torch.cat([kv_c_normed[:n], k_pe[:n]], dim=-1))
+            self._protect(kv_cache, torch.cat([kv_c_normed[:n], k_pe[:n]], dim=-1))
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         if self.served is None:
